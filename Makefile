@@ -1,0 +1,45 @@
+# Every target sets up .venv first (pinned dependencies from pyproject.toml), so any one
+# of them works first on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench chaos lint fmt setup java clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tierflow needs Python 3.11+ (found %s)" % sys.version.split()[0]'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+# Spark 4 needs Java 17+: fail early, naming the Debian package.
+java: $(STAMP)
+	@$(VENV)/bin/tierflow check
+
+demo: $(STAMP) java
+	$(VENV)/bin/tierflow demo
+
+test: $(STAMP) java lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP) java
+	$(PY) -m pytest -q -s tests/bench $(PYTEST_ARGS)
+
+chaos: $(STAMP) java
+	$(PY) -m pytest -q -m chaos $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf .tierflow reports .pytest_cache

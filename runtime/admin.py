@@ -1,0 +1,94 @@
+"""The admin endpoint of a running `tierflow up`: `/status` (JSON), `/metrics`, `/healthz`.
+
+`tierflow status` reads `/status` instead of joining Ray itself (a Ray driver costs
+seconds to start); Prometheus scrapes `/metrics`. It binds loopback unless the config
+says otherwise, because it reveals the topology.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+StatusFn = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class StatusMetrics:
+    """Prometheus gauges refreshed from a status snapshot at each scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.up = Gauge("tierflow_up", "1 while the runtime runs", registry=self.registry)
+        self.uptime = Gauge("tierflow_uptime_seconds", "Runtime uptime", registry=self.registry)
+        self.service_healthy = Gauge(
+            "tierflow_service_healthy",
+            "1 when an engine answers",
+            ["service"],
+            registry=self.registry,
+        )
+        self.ray_nodes = Gauge(
+            "tierflow_ray_nodes_alive", "Alive Ray nodes", registry=self.registry
+        )
+        self.child_restarts = Gauge(
+            "tierflow_child_restarts",
+            "Restarts seen by the supervisor",
+            ["child"],
+            registry=self.registry,
+        )
+        self.child_alive = Gauge(
+            "tierflow_child_alive",
+            "1 when the child answered its last heartbeat",
+            ["child"],
+            registry=self.registry,
+        )
+
+    def update(self, status: dict[str, Any]) -> None:
+        self.up.set(1)
+        self.uptime.set(status.get("uptime_s", 0))
+        for name, svc in status.get("services", {}).items():
+            self.service_healthy.labels(name).set(1 if svc.get("healthy") else 0)
+        nodes = status.get("services", {}).get("ray", {}).get("nodes", [])
+        self.ray_nodes.set(sum(1 for n in nodes if n.get("alive")))
+        for child in status.get("children", []):
+            self.child_restarts.labels(child["name"]).set(child.get("restarts", 0))
+            self.child_alive.labels(child["name"]).set(1 if child.get("alive") else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def make_app(status_fn: StatusFn) -> web.Application:
+    metrics = StatusMetrics()
+
+    async def status(_: web.Request) -> web.Response:
+        body = await status_fn()
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+    async def prom(_: web.Request) -> web.Response:
+        metrics.update(await status_fn())
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "time": time.time()})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", prom)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def serve(status_fn: StatusFn, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start the admin app; returns the runner (to clean up) and the bound port."""
+    runner = web.AppRunner(make_app(status_fn), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    return runner, bound

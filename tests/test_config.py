@@ -1,0 +1,126 @@
+"""Config loading: defaults, file, environment overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, dumps_toml, env_overrides, load, validate
+
+EMPTY: dict[str, str] = {}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tierflow.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_embedded_setup() -> None:
+    cfg = load(environ=EMPTY)
+    assert cfg.nats.url == ""  # embedded server
+    assert cfg.nats.sync_interval == "always"  # durable by default
+    assert cfg.ray.address == "" and cfg.ray.namespace == "tierflow"
+    assert cfg.spark.master == "local[*]"
+    assert cfg.logging.mode == "hml"
+    assert cfg.roles.logger.k == 1
+    assert cfg.roles.collector.port == 8000 and cfg.roles.gateway.port == 8080
+    assert set(cfg.streams) == {"meetup", "results"}
+
+
+def test_file_then_env_then_overrides(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        state_dir = "/tmp/tf-state"
+        [roles.logger]
+        k = 2
+        replicas = 2
+        [streams.clicks]
+        max_age_s = 3600
+        """,
+    )
+    env = {"TIERFLOW_ROLES__LOGGER__K": "3", "TIERFLOW_NATS__URL": "nats://10.0.0.1:4222"}
+    cfg = load(path, environ=env, overrides={"roles": {"collector": {"replicas": 4}}})
+    assert cfg.state_dir == "/tmp/tf-state"
+    assert cfg.roles.logger.k == 3  # env beats file
+    assert cfg.roles.logger.replicas == 2  # file kept where env is silent
+    assert cfg.roles.collector.replicas == 4
+    assert cfg.nats.url == "nats://10.0.0.1:4222"
+    # A file that names streams replaces the defaults; subjects default to raw.<name>.
+    assert list(cfg.streams) == ["clicks"]
+    assert cfg.streams["clicks"].subjects == ["raw.clicks"]
+    assert cfg.streams["clicks"].max_age_s == 3600
+
+
+def test_env_values_parse_as_toml_or_string() -> None:
+    env = {
+        "TIERFLOW_NATS__PORT": "4333",
+        "TIERFLOW_AUTH__PRODUCER_TOKENS": '["a", "b"]',
+        "TIERFLOW_NATS__USER": "alice",
+        "TIERFLOW_NATS__PASSWORD": "s3cret",
+        "OTHER": "ignored",
+    }
+    over = env_overrides(env)
+    assert over == {
+        "nats": {"port": 4333, "user": "alice", "password": "s3cret"},
+        "auth": {"producer_tokens": ["a", "b"]},
+    }
+
+
+def test_config_file_via_env_var(tmp_path: Path) -> None:
+    path = write(tmp_path, "[roles.gateway]\nport = 9090\n")
+    assert load(environ={"TIERFLOW_CONFIG": str(path)}).roles.gateway.port == 9090
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"roles": {"logger": {"k": -1}}}, "roles.logger.k: Expected `int` >= 0"),
+        ({"roles": {"logger": {"k": "two"}}}, "roles.logger.k: Expected `int`, got `str`"),
+        (
+            {"roles": {"collector": {"port": 70000}}},
+            "roles.collector.port: Expected `int` <= 65535",
+        ),
+        ({"roles": {"router": {"k": 1}}}, "roles: Object contains unknown field `router`"),
+        ({"nats": {"sync_interval": "sometimes"}}, "nats.sync_interval: Expected `str` matching"),
+        ({"logging": {"mode": "wal"}}, "logging.mode: Invalid enum value 'wal'"),
+        ({"streams": {"bad name": {}}}, "streams.bad name: stream names use letters"),
+        ({"streams": {"s": {"max_age_s": -5}}}, "streams.s.max_age_s: Expected `float` >= 0"),
+        ({"streams": {"s": {"subjects": "raw.s"}}}, "streams.s.subjects: Expected `array`"),
+        ({"streams": ["s"]}, "streams: Expected `table`"),
+        ({"spark": {"log_level": "LOUD"}}, "spark.log_level"),
+        ({"nats": {"user": "u"}}, "nats.password: required when nats.user is set"),
+        (
+            {"roles": {"collector": {"port": 9000}, "gateway": {"port": 9000}}},
+            "roles.gateway.port: port 9000 is already used by roles.collector.port",
+        ),
+    ],
+)
+def test_bad_values_name_the_key_and_form(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(data)
+    assert message in str(err.value)
+
+
+def test_bad_file_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[roles.logger]\nk = -1\n")
+    with pytest.raises(ConfigError, match=r"roles\.logger\.k: .* \(.*tierflow\.toml\)"):
+        load(path, environ=EMPTY)
+    broken = write(tmp_path, "[roles\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(broken, environ=EMPTY)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "missing.toml", environ=EMPTY)
+
+
+def test_bad_env_value_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="roles.logger.k"):
+        load(environ={"TIERFLOW_ROLES__LOGGER__K": "lots"})
+
+
+def test_shown_config_loads_back_to_the_same(tmp_path: Path) -> None:
+    cfg = load(environ={"TIERFLOW_ROLES__LOGGER__K": "2", "TIERFLOW_SPARK__CONF__spark.x": "1"})
+    again = load(write(tmp_path, dumps_toml(cfg)), environ=EMPTY)
+    assert again == cfg
