@@ -27,8 +27,10 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
 nats_app = typer.Typer(help="Run NATS servers on this machine.", no_args_is_help=True)
+checkpoint_app = typer.Typer(help="LevelDB checkpoints of actors.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(nats_app, name="nats")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -291,6 +293,20 @@ def nats_up(
     finally:
         cluster.stop()
         console.print("nats stopped")
+
+
+@checkpoint_app.command("repair")
+def checkpoint_repair(path: Path) -> None:
+    """Repair a corrupt LevelDB checkpoint in place (what survives is kept)."""
+    from runtime.checkpoint import CheckpointError, CheckpointStore
+
+    try:
+        CheckpointStore.repair(path)
+        CheckpointStore(path, create=False).close()  # proves it opens again
+        console.print(f"repaired {path}")
+    except CheckpointError as err:
+        err_console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
 
 
 # --------------------------------------------------------------------------- demo

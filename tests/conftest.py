@@ -1,0 +1,30 @@
+"""Shared fixtures: the engines are expensive (ray.init ~5 s, Spark ~6 s), so share them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.config import Config, load
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tierflow")
+
+
+@pytest.fixture(scope="session")
+def session_cfg(session_dir: Path) -> Config:
+    """A config whose state lives in a temp dir, independent of the developer's env."""
+    return load(environ={}, overrides={"state_dir": str(session_dir / "state")})
+
+
+@pytest.fixture(scope="session")
+def spark(session_cfg: Config) -> Iterator[object]:
+    from runtime.services import spark_session
+
+    session = spark_session(session_cfg, app_name="tierflow-tests")
+    yield session
+    session.stop()
