@@ -295,6 +295,39 @@ def nats_up(
         console.print("nats stopped")
 
 
+@app.command()
+def replay(
+    seed: Annotated[int, typer.Option(help="synthetic Meetup generator seed")] = 0,
+    file: Annotated[Path | None, typer.Option("--file", help="replay an NDJSON file")] = None,
+    rate: Annotated[float, typer.Option(help="events/s per connection (0: unpaced)")] = 100.0,
+    count: Annotated[
+        int | None, typer.Option(help="stop after N events (default: endless)")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    close_at_end: Annotated[bool, typer.Option(help="close connections after --count")] = False,
+) -> None:
+    """Serve RSVPs as a WebSocket stream: the stand-in for the retired Meetup RSVP API."""
+    from runtime.replay import run_replay
+
+    def ready(server: Any) -> None:
+        console.print(
+            f"replaying on {server.url}  (positioned: {server.stream_url}?from=N, "
+            f"stats: http://{host}:{server.port}/stats)  Ctrl-C stops"
+        )
+
+    run_replay(
+        seed=seed,
+        ndjson=str(file) if file else None,
+        rate=rate,
+        count=count,
+        host=host,
+        port=port,
+        close_at_end=close_at_end,
+        on_ready=ready,
+    )
+
+
 @checkpoint_app.command("repair")
 def checkpoint_repair(path: Path) -> None:
     """Repair a corrupt LevelDB checkpoint in place (what survives is kept)."""
