@@ -109,8 +109,15 @@ class Runtime:
         if self.root is not None:
             try:
                 sup = await asyncio.wait_for(self.root.status.remote(), timeout=5)
-                out["children"] = sup.get("children", [])
-                out["escalated"] = sup.get("escalated")
+                out["children"] = [
+                    {"name": sup["name"], "state": "running", "alive": True, "restarts": 0},
+                    *(
+                        {"name": cid, "alive": c["state"] == "running", **c}
+                        for cid, c in sup["children"].items()
+                    ),
+                ]
+                out["escalated"] = sup["escalation_reason"]
+                out["escalations"] = sup.get("escalations", [])
             except Exception as err:
                 out["supervisor_error"] = repr(err)
         return out
@@ -118,16 +125,17 @@ class Runtime:
 
 def start_root_supervisor(cfg: Config) -> Any:
     """The top of the supervision tree; tiers add their role supervisors under it."""
-    from runtime.ray_supervisor import RaySupervisor, supervised_options
+    from runtime.ray_supervisor import start_supervisor
     from runtime.supervision import Intensity, Strategy
 
-    return RaySupervisor.options(
-        **supervised_options(ROOT_SUPERVISOR, namespace=cfg.ray.namespace, num_cpus=0)
-    ).remote(
-        name=ROOT_SUPERVISOR,
+    return start_supervisor(
+        ROOT_SUPERVISOR,
+        [],
+        state_dir=cfg.state_path,
+        namespace=cfg.ray.namespace,
+        ray_options={"num_cpus": 0},
         strategy=Strategy.ONE_FOR_ONE,
         intensity=Intensity(max_restarts=5, period_s=60.0),
-        specs=[],
     )
 
 

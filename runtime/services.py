@@ -102,8 +102,10 @@ async def ensure_streams(nc: nats.aio.client.Client, cfg: Config) -> list[str]:
 def start_ray(cfg: Config, **kwargs: Any) -> str:
     """Connect to `ray.address`, or start a local instance owned by this process.
 
-    Returns the GCS address other drivers can join. A local instance is bound to
-    loopback so nothing listens on the machine's public interfaces.
+    Returns the GCS address other drivers can join. A local instance is asked for
+    with ``address="local"``: a bare ``ray.init()`` would silently join whatever cluster
+    ``/tmp/ray/ray_current_cluster`` names (another user's, or a test's). Ray reports
+    and binds the node's own IP even when asked for 127.0.0.1, so we do not ask.
     """
     import ray
 
@@ -117,7 +119,7 @@ def start_ray(cfg: Config, **kwargs: Any) -> str:
     if cfg.ray.address:
         opts["address"] = cfg.ray.address
     else:
-        opts.update(include_dashboard=False, _node_ip_address=LOCAL_HOST)
+        opts.update(address="local", include_dashboard=False)
         if cfg.ray.num_cpus:
             opts["num_cpus"] = cfg.ray.num_cpus
     opts.update(kwargs)

@@ -1,0 +1,116 @@
+"""The `tierflow` CLI from a shell: up --detach, status, down, config show, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runtime import runstate
+from runtime.config import load
+
+TIERFLOW = str(Path(sys.executable).with_name("tierflow"))
+
+
+def run(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [TIERFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
+    env["TIERFLOW_STATE_DIR"] = str(tmp_path / "state")
+    env["TIERFLOW_RAY__NUM_CPUS"] = "2"
+    return env
+
+
+def test_config_show_prints_effective_values(cli_env: dict[str, str]) -> None:
+    cli_env["TIERFLOW_ROLES__LOGGER__K"] = "2"
+    out = run(["config", "show", "--json"], cli_env)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["roles"]["logger"]["k"] == 2
+    assert shown["nats"]["sync_interval"] == "always"
+
+
+def test_bad_config_exits_2_naming_the_key(cli_env: dict[str, str]) -> None:
+    cli_env["TIERFLOW_ROLES__COLLECTOR__PORT"] = "-3"
+    out = run(["config", "show"], cli_env)
+    assert out.returncode == 2
+    assert "roles.collector.port" in out.stderr and ">= 0" in out.stderr
+
+
+def test_status_when_not_running(cli_env: dict[str, str]) -> None:
+    out = run(["status", "--json"], cli_env)
+    assert out.returncode == 3
+    assert json.loads(out.stdout) == {"running": False}
+
+
+def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = load(environ=cli_env)
+    up = run(["up", "--detach"], cli_env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state = runstate.read_state(cfg)
+    assert state is not None and state["ready"]
+    main_pid = state["process"]["pid"]
+    started = [state["process"], *state["children"]]
+    nats_pid = state["nats"]["pid"]
+    assert psutil.pid_exists(main_pid) and psutil.pid_exists(nats_pid)
+    # The NATS server and Ray's processes are children of the detached runtime.
+    assert nats_pid in {p["pid"] for p in state["children"]}
+    assert len(state["children"]) >= 3
+    try:
+        # A second `up` refuses rather than starting a twin on the same state dir.
+        again = run(["up", "--detach"], cli_env)
+        assert again.returncode == 1 and "already running" in again.stderr
+
+        st = run(["status", "--json"], cli_env)
+        assert st.returncode == 0, st.stderr
+        snap = json.loads(st.stdout)
+        assert snap["running"] and snap["pid"] == main_pid
+        assert snap["services"]["nats"]["healthy"] is True
+        assert snap["services"]["ray"]["healthy"] is True
+        assert [n["alive"] for n in snap["services"]["ray"]["nodes"]] == [True]
+        names = [c["name"] for c in snap["children"]]
+        assert names[0] == "tierflow-root" and snap["children"][0]["alive"]
+        assert snap["escalated"] is None
+
+        table = run(["status"], cli_env)
+        assert table.returncode == 0 and "services" in table.stdout and "nats" in table.stdout
+
+        with urllib.request.urlopen(state["admin"]["url"] + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert 'tierflow_service_healthy{service="nats"} 1.0' in metrics
+        assert "tierflow_ray_nodes_alive 1.0" in metrics
+        # Everything that runtime spawned by now is ours to stop.
+        started += [runstate.process_identity(p) for p in runstate.descendants(main_pid)]
+    finally:
+        down = run(["down"], cli_env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "down" in down.stdout
+    left = [p["pid"] for p in started if runstate.alive(p["pid"], p["create_time"])]
+    assert left == []
+    assert runstate.read_state(cfg) is None
+    assert run(["status"], cli_env).returncode == 3
+
+
+def test_detached_start_failure_reports_the_log(cli_env: dict[str, str], tmp_path: Path) -> None:
+    import socket
+
+    # Hold the NATS port so the embedded server cannot bind it.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        cli_env["TIERFLOW_NATS__PORT"] = str(sock.getsockname()[1])
+        out = run(["up", "--detach", "--timeout", "120"], cli_env)
+    assert out.returncode == 1
+    assert "did not start" in out.stderr
+    assert runstate.read_state(load(environ=cli_env)) is None
