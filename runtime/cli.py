@@ -89,7 +89,7 @@ def up(
         return
     from runtime.launcher import serve_forever
 
-    def ready(rt: Any) -> None:
+    def ready(rt: Any, _stop: asyncio.Event) -> None:
         console.print("[green]tierflow is up[/green] (Ctrl-C stops it)")
         _where(rt.describe())
 
@@ -146,11 +146,13 @@ def down(
         console.print("tierflow is not running")
         return
     with console.status("stopping tierflow..."):
-        left = runstate.stop_recorded(state, timeout)
+        forced, left = runstate.stop_recorded(state, timeout)
     runstate.clear_state(cfg)
     if left:
         err_console.print(f"[red]processes still alive:[/red] {[p['pid'] for p in left]}")
         raise typer.Exit(1)
+    if forced:
+        err_console.print(f"[yellow]forced with SIGKILL:[/yellow] {[p['pid'] for p in forced]}")
     console.print("[green]tierflow is down[/green]")
 
 
@@ -354,13 +356,14 @@ def demo(
     cfg = _load(config)
     from runtime.launcher import serve_forever
 
-    def ready(rt: Any) -> None:
+    def ready(rt: Any, stop: asyncio.Event) -> None:
         console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")
         _where(rt.describe())
         if duration:
-            asyncio.get_running_loop().call_later(duration, os.kill, os.getpid(), signal.SIGTERM)
+            asyncio.get_running_loop().call_later(duration, stop.set)
 
     asyncio.run(serve_forever(cfg, on_ready=ready, record_state=False))
+    console.print("tierflow demo stopped")
 
 
 def main() -> None:

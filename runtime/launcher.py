@@ -140,29 +140,40 @@ def start_root_supervisor(cfg: Config) -> Any:
 
 
 async def serve_forever(
-    cfg: Config, *, on_ready: Callable[[Runtime], None] | None = None, record_state: bool = True
+    cfg: Config,
+    *,
+    on_ready: Callable[[Runtime, asyncio.Event], None] | None = None,
+    record_state: bool = True,
 ) -> None:
-    """Run until SIGTERM/SIGINT; the run-state file exists exactly while it runs."""
+    """Run until SIGTERM/SIGINT (or `stop` is set); the run-state file exists while it runs."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def handle_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    handle_signals()
     rt = Runtime(cfg)
     try:
         await rt.start()
+        # ray.init installs its own SIGTERM handler, which skips our cleanup: take it back.
+        handle_signals()
         if record_state:
             me = os.getpid()
             runstate.write_state(
                 cfg,
                 {
                     "process": runstate.process_identity(me),
-                    "children": [runstate.process_identity(p) for p in runstate.descendants(me)],
+                    "children": [
+                        runstate.process_identity(p) for p in runstate.descendants(me)
+                    ],
                     "ready": True,
                     **rt.describe(),
                 },
             )
         if on_ready:
-            on_ready(rt)
+            on_ready(rt, stop)
         await stop.wait()
     finally:
         try:

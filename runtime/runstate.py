@@ -86,10 +86,12 @@ def signal_all(pids: list[dict[str, Any]], sig: signal.Signals) -> None:
                 os.kill(p["pid"], sig)
 
 
-def stop_recorded(state: dict[str, Any], timeout: float = 30.0) -> list[dict[str, Any]]:
+def stop_recorded(
+    state: dict[str, Any], timeout: float = 30.0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """SIGTERM the `up` process, wait, then SIGKILL whatever recorded pid remains.
 
-    Returns the processes that survived even SIGKILL (should be none).
+    Returns (processes that needed SIGKILL, processes that survived even that).
     """
     main = state["process"]
     recorded = [main, *state.get("children", [])]
@@ -101,8 +103,8 @@ def stop_recorded(state: dict[str, Any], timeout: float = 30.0) -> list[dict[str
                 with contextlib.suppress(psutil.NoSuchProcess):
                     recorded.append(process_identity(pid))
     signal_all([main], signal.SIGTERM)
-    left = wait_gone(recorded, timeout)
-    if left:
-        signal_all(left, signal.SIGKILL)
-        left = wait_gone(left, 5.0)
-    return left
+    forced = wait_gone(recorded, timeout)
+    if not forced:
+        return [], []
+    signal_all(forced, signal.SIGKILL)
+    return forced, wait_gone(forced, 5.0)

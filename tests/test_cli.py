@@ -96,6 +96,7 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         down = run(["down"], cli_env)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "down" in down.stdout
+    assert "forced" not in down.stderr  # the runtime shut itself down cleanly on SIGTERM
     left = [p["pid"] for p in started if runstate.alive(p["pid"], p["create_time"])]
     assert left == []
     assert runstate.read_state(cfg) is None
@@ -114,3 +115,48 @@ def test_detached_start_failure_reports_the_log(cli_env: dict[str, str], tmp_pat
     assert out.returncode == 1
     assert "did not start" in out.stderr
     assert runstate.read_state(load(environ=cli_env)) is None
+
+
+def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]) -> None:
+    """`tierflow nats up --nodes 3` forms a cluster that takes R3 writes, and stops its pids."""
+    import asyncio
+    import re
+    import signal
+    import time
+
+    from runtime.nats import connect
+
+    proc = subprocess.Popen(
+        [TIERFLOW, "nats", "up", "--nodes", "3"],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while time.monotonic() < deadline and "nats up" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "nats up exited early"
+        urls = re.findall(r"nats://127\.0\.0\.1:\d+", line)
+        assert len(urls) == 3
+        servers = [runstate.process_identity(p) for p in runstate.descendants(proc.pid)]
+        assert len(servers) == 3
+
+        async def r3_round_trip() -> int:
+            nc = await connect(urls)
+            js = nc.jetstream()
+            await js.add_stream(name="r3", subjects=["r3.>"], num_replicas=3)
+            for i in range(20):
+                await js.publish("r3.x", str(i).encode(), headers={"Nats-Msg-Id": str(i)})
+            info = await js.stream_info("r3")
+            await nc.close()
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
+            return info.state.messages
+
+        assert asyncio.run(r3_round_trip()) == 20
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert runstate.wait_gone(servers, 10) == []
