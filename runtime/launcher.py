@@ -165,9 +165,7 @@ async def serve_forever(
                 cfg,
                 {
                     "process": runstate.process_identity(me),
-                    "children": [
-                        runstate.process_identity(p) for p in runstate.descendants(me)
-                    ],
+                    "children": [runstate.process_identity(p) for p in runstate.descendants(me)],
                     "ready": True,
                     **rt.describe(),
                 },

@@ -21,7 +21,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from typing import Any
 import nats
 import nats.errors
 from nats.aio.client import Client
+
+from runtime.waiting import poll
 
 CONFIG_NAME = "nats.conf"
 LOG_NAME = "nats-server.log"
@@ -79,23 +80,6 @@ def nats_server_binary() -> str:
 def _conf_str(value: str) -> str:
     """A double-quoted nats.conf string (quoted, so `$` or `#` are never read as syntax)."""
     return json.dumps(value)
-
-
-def _wait_until(
-    pred: Callable[[], bool],
-    deadline: float,
-    interval: float = 0.05,
-    on_tick: Callable[[], None] | None = None,
-) -> bool:
-    """Poll `pred` until true or the monotonic `deadline`; `on_tick` may raise to abort early."""
-    while True:
-        if on_tick is not None:
-            on_tick()
-        if pred():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def _http_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
@@ -228,7 +212,9 @@ class NatsServer:
     def wait_healthy(self, timeout: float = 20.0, query: str = "") -> None:
         """Block until healthy(query) or raise NatsServerError (with the log tail)."""
         deadline = time.monotonic() + timeout
-        if not _wait_until(lambda: self.healthy(query), deadline, on_tick=self._check_alive):
+        if not poll(
+            lambda: self.healthy(query), deadline - time.monotonic(), on_tick=self._check_alive
+        ):
             raise NatsServerError(
                 f"nats-server {self.url} not healthy ({query or 'full'}) after {timeout}s\n"
                 f"{self.log_tail()}"
@@ -286,7 +272,7 @@ class NatsServer:
 
     def _wait_ready(self, deadline: float) -> None:
         try:
-            if not _wait_until(self._is_ready, deadline, on_tick=self._check_alive):
+            if not poll(self._is_ready, deadline - time.monotonic(), on_tick=self._check_alive):
                 raise NatsServerError(
                     f"nats-server (pid {self.pid}) on {self.url} not ready in time; "
                     f"log tail:\n{self.log_tail()}"
@@ -421,7 +407,12 @@ class NatsCluster:
                 for s in self.servers:
                     s._check_alive()
 
-            if not _wait_until(lambda: self.meta_leader() is not None, deadline, 0.1, check_alive):
+            if not poll(
+                lambda: self.meta_leader() is not None,
+                deadline - time.monotonic(),
+                0.1,
+                on_tick=check_alive,
+            ):
                 tails = "\n".join(f"--- {s.server_name}:\n{s.log_tail(1500)}" for s in self.servers)
                 raise NatsServerError(f"no JetStream meta leader after {timeout}s\n{tails}")
         except BaseException:

@@ -577,30 +577,7 @@ async def serve_replay(
         await server.stop()
 
 
-def run_replay(
-    *,
-    seed: int = 0,
-    ndjson: str | Path | None = None,
-    rate: float = 100.0,
-    count: int | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    close_at_end: bool = False,
-    start_ms: int | None = None,
-    on_ready: Callable[[ReplayServer], None] | None = None,
-) -> None:
-    """`serve_replay(...)` in a fresh event loop until Ctrl-C, which returns cleanly."""
+def run_replay(**kwargs: Any) -> None:
+    """`serve_replay(**kwargs)` in a fresh event loop until Ctrl-C, which returns cleanly."""
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            serve_replay(
-                seed=seed,
-                ndjson=ndjson,
-                rate=rate,
-                count=count,
-                host=host,
-                port=port,
-                close_at_end=close_at_end,
-                start_ms=start_ms,
-                on_ready=on_ready,
-            )
-        )
+        asyncio.run(serve_replay(**kwargs))

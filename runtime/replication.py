@@ -11,7 +11,6 @@ Pure parts (`Fence`, `placement_plan`, `bundle_for`, `count_fitting_nodes`) have
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -24,6 +23,8 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from runtime.waiting import poll
 
 logger = logging.getLogger(__name__)
 
@@ -299,23 +300,6 @@ class ReplicaGroupError(RuntimeError):
     """Replicas did not start or did not acknowledge an epoch in time."""
 
 
-def _wait_until(
-    predicate: Callable[[], bool],
-    timeout: float,
-    interval: float = 0.05,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> bool:
-    """Poll `predicate` until true or `timeout` seconds pass; returns the last result."""
-    deadline = clock() + timeout
-    while True:
-        if predicate():
-            return True
-        if clock() >= deadline:
-            return False
-        sleep(interval)
-
-
 class ReplicaGroup:
     """k+1 named detached replicas of one role, on distinct nodes when the cluster allows.
 
@@ -464,7 +448,7 @@ class ReplicaGroup:
             ray.kill(self._replicas[index], no_restart=True)
         except Exception as exc:  # already gone: nothing to kill
             logger.debug("kill %s: %s", name, exc)
-        if not _wait_until(lambda: not self._name_taken(name), timeout):
+        if not poll(lambda: not self._name_taken(name), timeout):
             raise ReplicaGroupError(f"actor name {name!r} still taken {timeout}s after kill")
         handle = self._start(index)
         self._replicas[index] = handle

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pykka
@@ -12,21 +11,10 @@ import pytest
 
 from runtime.local_supervisor import LocalSupervisor, Supervised
 from runtime.supervision import Backoff, ChildSpec, Intensity, Restart, Strategy
+from runtime.waiting import wait_until
 
 FAST = Backoff(base_s=0.01, factor=2.0, cap_s=0.05, jitter=0.0)
 WIDE = Intensity(10, 60.0)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> Any:
-    """Poll `pred` until it is truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 class Events:

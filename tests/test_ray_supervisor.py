@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from runtime.ray_supervisor import (
     supervised_options,
 )
 from runtime.supervision import Backoff, ChildSpec, Exit, Intensity, Restart, Strategy
+from runtime.waiting import wait_until
 
 NS = f"test-ray-supervisor-{uuid.uuid4().hex[:8]}"
 FAST = Backoff(base_s=0.05, factor=2.0, cap_s=0.5, jitter=0.0)
@@ -61,21 +62,6 @@ class Counter(SupervisedActor):
 
     def quit(self) -> None:
         ray.actor.exit_actor()
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
-    """Poll `pred` until truthy (exceptions count as not yet); fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = pred()
-        except Exception as exc:  # noqa: BLE001 - e.g. an actor not registered yet
-            last, value = exc, None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +111,7 @@ def child(sup: Any, cid: str) -> dict[str, Any]:
 
 def running_handle(sup: Any, cid: str) -> tuple[Any, dict[str, Any]]:
     """Wait until the supervisor sees the child answering; its handle and heartbeat."""
-    wait_until(lambda: child(sup, cid)["state"] == "running")
+    wait_until(swallow=True, pred=lambda: child(sup, cid)["state"] == "running")
     handle = ray.get_actor(cid, namespace=NS)
     return handle, ray.get(handle.heartbeat.remote(), timeout=10)
 
@@ -172,7 +158,7 @@ def test_crashed_child_comes_back_with_its_checkpointed_state(
 
     ray.get(counter.crash.remote())
 
-    wait_until(lambda: restarted(sup, "counter-a", before["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "counter-a", before["incarnation"], 1))
     after = ray.get(counter.heartbeat.remote(), timeout=10)
     assert after["pid"] != before["pid"]
     assert after["incarnation"] != before["incarnation"]
@@ -194,7 +180,7 @@ def test_sigkilled_child_comes_back_with_its_checkpointed_state(
 
     os.kill(before["pid"], signal.SIGKILL)
 
-    wait_until(lambda: restarted(sup, "counter-b", before["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "counter-b", before["incarnation"], 1))
     assert ray.get(counter.heartbeat.remote(), timeout=10)["pid"] != before["pid"]
     assert ray.get(counter.get.remote()) == 5
     assert child(sup, "counter-b")["restarts"] == 1
@@ -218,24 +204,26 @@ def test_exceeding_intensity_escalates_to_the_parent(
         ray_options={"num_cpus": 0},
     )
     parent = start(supervisors, "parent-c", [inner], tmp_path)
-    wait_until(lambda: child(parent, "sup-c")["state"] == "running")
+    wait_until(swallow=True, pred=lambda: child(parent, "sup-c")["state"] == "running")
     sup = ray.get_actor("sup-c", namespace=NS)
     supervisors.insert(0, sup)
     counter, hb = running_handle(sup, "counter-c")
 
     for n in (1, 2):  # two restarts within 30 s are allowed
         os.kill(hb["pid"], signal.SIGKILL)
-        wait_until(lambda n=n, hb=hb: restarted(sup, "counter-c", hb["incarnation"], n))
+        wait_until(
+            swallow=True, pred=lambda n=n, hb=hb: restarted(sup, "counter-c", hb["incarnation"], n)
+        )
         hb = ray.get(counter.heartbeat.remote(), timeout=10)
     os.kill(hb["pid"], signal.SIGKILL)  # the third is one too many
 
-    st = wait_until(lambda: (s := status(sup))["escalated"] and s)
+    st = wait_until(swallow=True, pred=lambda: (s := status(sup))["escalated"] and s)
     assert "more than 2 restarts in 30.0s" in st["escalation_reason"]
     assert st["children"]["counter-c"]["state"] == "stopped"
     assert st["children"]["counter-c"]["restarts"] == 2
     with pytest.raises(RayActorError):
         ray.get(counter.get.remote(), timeout=10)  # stopped for good, not restarted by Ray
-    escalations = wait_until(lambda: status(parent)["escalations"])
+    escalations = wait_until(swallow=True, pred=lambda: status(parent)["escalations"])
     assert escalations[0]["child"] == "sup-c"
     assert "more than 2 restarts" in escalations[0]["reason"]
     assert child(parent, "sup-c")["state"] == "running"  # the escalated supervisor still reports
@@ -250,8 +238,8 @@ def test_one_for_all_restarts_the_sibling_too(supervisors: list[Any], tmp_path: 
 
     os.kill(hb1["pid"], signal.SIGKILL)
 
-    wait_until(lambda: restarted(sup, "oa-1", hb1["incarnation"], 1))
-    wait_until(lambda: restarted(sup, "oa-2", hb2["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "oa-1", hb1["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "oa-2", hb2["incarnation"], 1))
     assert ray.get(two.heartbeat.remote(), timeout=10)["pid"] != hb2["pid"]
     assert ray.get(two.get.remote()) == 1
     st = status(sup)
@@ -272,7 +260,7 @@ def test_hung_child_is_killed_and_restarted(supervisors: list[Any], tmp_path: Pa
 
     stuck = counter.hang.options(max_task_retries=0).remote()  # not retried after the kill
 
-    wait_until(lambda: restarted(sup, "counter-e", before["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "counter-e", before["incarnation"], 1))
     assert ray.get(counter.heartbeat.remote(), timeout=10)["pid"] != before["pid"]
     assert ray.get(counter.get.remote()) == 1
     with pytest.raises(RayActorError):
@@ -296,8 +284,8 @@ def test_exit_actor_recreates_permanent_and_drops_transient(
             ray.get(handle.quit.options(max_task_retries=0).remote(), timeout=10)
 
     # Ray does not restart an actor that exits on purpose: the supervisor creates a new one
-    wait_until(lambda: restarted(sup, "perm-f", hb_perm["incarnation"], 1))
-    wait_until(lambda: child(sup, "tran-f")["state"] == "dropped")
+    wait_until(swallow=True, pred=lambda: restarted(sup, "perm-f", hb_perm["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: child(sup, "tran-f")["state"] == "dropped")
     new_perm = ray.get_actor("perm-f", namespace=NS)
     new_hb = ray.get(new_perm.heartbeat.remote(), timeout=10)
     assert new_hb["actor_id"] != hb_perm["actor_id"]
@@ -313,16 +301,18 @@ def test_restarted_supervisor_resumes_its_history_and_keeps_the_child(
     sup = start(supervisors, "sup-g", [counter_spec("counter-g", tmp_path)], tmp_path)
     counter, before = running_handle(sup, "counter-g")
     ray.get(counter.crash.remote())
-    wait_until(lambda: restarted(sup, "counter-g", before["incarnation"], 1))
+    wait_until(swallow=True, pred=lambda: restarted(sup, "counter-g", before["incarnation"], 1))
     child_hb = ray.get(counter.heartbeat.remote(), timeout=10)
     sup_hb = ray.get(sup.heartbeat.remote(), timeout=10)
 
     os.kill(sup_hb["pid"], signal.SIGKILL)  # Ray restarts the supervisor itself
 
-    st = wait_until(lambda: (s := status(sup))["incarnation"] != sup_hb["incarnation"] and s)
+    st = wait_until(
+        swallow=True, pred=lambda: (s := status(sup))["incarnation"] != sup_hb["incarnation"] and s
+    )
     assert st["children"]["counter-g"]["restarts"] == 1  # checkpointed, not reset
     assert len(st["history"]) == 1
-    wait_until(lambda: child(sup, "counter-g")["state"] == "running")
+    wait_until(swallow=True, pred=lambda: child(sup, "counter-g")["state"] == "running")
     # it found the running child by name instead of starting a second one
     assert ray.get(counter.heartbeat.remote(), timeout=10)["incarnation"] == child_hb["incarnation"]
     assert child(sup, "counter-g")["restarts"] == 1

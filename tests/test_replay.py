@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,22 +25,11 @@ from runtime.replay import (
     ReplayServer,
     serve_replay,
 )
+from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(60)
 
 RECV_TIMEOUT = 10.0  # every receive is bounded
-
-
-async def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
-    """Poll `pred` until truthy or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(interval)
 
 
 @asynccontextmanager
@@ -249,7 +238,7 @@ async def test_count_limit_then_idle_but_open() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await ws.receive(timeout=0.3)  # quiet like a live stream, not closed
         assert not ws.closed
-        await wait_until(lambda: server.stats()["clients"][0]["reached_end"])
+        await await_until(lambda: server.stats()["clients"][0]["reached_end"])
         assert server.stats()["active"] == 1
     assert pos == list(range(10))
 
@@ -263,7 +252,7 @@ async def test_stats_match_what_clients_received() -> None:
                 return positioned(await read_to_close(ws))[0]
 
         got = await asyncio.wait_for(asyncio.gather(client(0), client(100)), RECV_TIMEOUT)
-        await wait_until(lambda: server.stats()["active"] == 0)
+        await await_until(lambda: server.stats()["active"] == 0)
         async with s.get(f"http://127.0.0.1:{server.port}/stats") as resp:
             assert resp.status == 200
             over_http = await resp.json()
