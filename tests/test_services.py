@@ -75,3 +75,55 @@ def test_spark_session_is_local_with_checkpoints_under_state_dir(
         return x * 2
 
     assert spark.range(3).select(double("id").alias("d")).collect()[2]["d"] == 4
+
+
+async def test_external_nats_with_credentials_is_used_not_started(tmp_path: Path) -> None:
+    """With nats.url set, Services starts no server and connects with the credentials."""
+    import nats.errors
+
+    from runtime.config import load
+    from runtime.nats import NatsServer
+    from runtime.services import Services, connect_nats, ensure_streams
+
+    with NatsServer(store_dir=tmp_path / "ext", user="app", password="pw").start() as ext:
+        over = {"state_dir": str(tmp_path / "s"), "nats": {"url": ext.url}}
+        good = load(
+            environ={},
+            overrides={**over, "nats": {**over["nats"], "user": "app", "password": "pw"}},
+        )
+        svc = Services.start(good, with_ray=False)
+        try:
+            assert svc.nats_server is None and svc.nats_url == ext.url
+            nc = await connect_nats(good, svc.nats_url)
+            assert await ensure_streams(nc, good) == ["meetup", "results"]
+            js = nc.jetstream()
+            ack = await js.publish("raw.meetup", b"{}", headers={"Nats-Msg-Id": "e1"})
+            assert ack.stream == "meetup" and ack.seq == 1
+            info = await js.stream_info("meetup")
+            assert info.config.duplicate_window == 600.0
+            await nc.close()
+        finally:
+            svc.stop()
+        assert ext.running  # stop() leaves alone what it did not start
+        bad = load(
+            environ={},
+            overrides={**over, "nats": {**over["nats"], "user": "app", "password": "no"}},
+        )
+        with pytest.raises(nats.errors.Error):
+            await connect_nats(bad)
+
+
+def test_embedded_services_start_and_stop_their_nats(tmp_path: Path) -> None:
+    import psutil
+
+    from runtime.config import load
+    from runtime.services import Services
+
+    cfg = load(environ={}, overrides={"state_dir": str(tmp_path)})
+    svc = Services.start(cfg, with_ray=False)
+    pid = svc.nats_server.pid
+    assert psutil.pid_exists(pid)
+    assert (tmp_path / "nats").is_dir()  # the JetStream store lives under the state dir
+    assert svc.describe()["nats"]["embedded"] is True
+    svc.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
