@@ -1,0 +1,437 @@
+"""BrokerBridge data path: publish event batches to JetStream with dedup ids and pipelined acks.
+
+Every event goes out with `Nats-Msg-Id` = its id, so a resend with the same id inside the
+stream's duplicate window is acknowledged as a duplicate instead of stored twice: retries
+(owned by the caller, normally the logger's failed store) become exactly-once.
+
+`JetStreamPublisher.publish_batch` keeps up to `max_in_flight` acks outstanding at once over
+one reply-inbox subscription (the mechanism of nats-py's `publish_async`, minus its per-event
+Future, nuid, done callbacks and generic JSON parsing, and plus the ack timeout it lacks).
+Guarantees:
+
+- every input event is reported exactly once, either `Published` or `Failed`, in input order;
+- no per-event failure raises;
+- each event waits at most `ack_timeout` after it was sent; nothing is sent while the client
+  is not connected (it fails at once, retryable), so a batch cannot stall on a dead server;
+- at most `max_in_flight` events (across all concurrent batches) await an ack at any time.
+
+No Ray in here: a Ray actor wraps this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from array import array
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS = "503"
+_RESERVOIR_SIZE = 8192
+
+
+class Outgoing(msgspec.Struct, frozen=True):
+    """One event to publish; `id` becomes the Nats-Msg-Id (the dedup key)."""
+
+    id: str
+    subject: str
+    data: bytes
+    headers: dict[str, str] = {}
+
+
+class Published(msgspec.Struct, frozen=True):
+    """JetStream stored the event (or already had it: `duplicate`) at stream sequence `seq`."""
+
+    id: str
+    stream: str
+    seq: int
+    duplicate: bool
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """No ack for the event. `retryable`: the event is fine, a later resend may succeed."""
+
+    id: str
+    error: str
+    retryable: bool
+
+
+Outcome = Published | Failed
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: _ApiError | None = None
+
+
+_decode_ack = msgspec.json.Decoder(_PubAck).decode
+
+
+def duplicate_window_for(retry_horizon_s: float) -> float:
+    """The JetStream duplicate window (seconds) for retries that may go on for `retry_horizon_s`.
+
+    The window must exceed the longest retry horizon: a resend that arrives after the window
+    has expired is stored a second time, and exactly-once is lost. Twice the horizon, never
+    below 120 s (JetStream's default is 120 s).
+    """
+    if retry_horizon_s < 0:
+        raise ValueError("retry horizon must be >= 0")
+    return max(2.0 * retry_horizon_s, 120.0)
+
+
+def api_error_retryable(code: int) -> bool:
+    """JetStream API errors with a 5xx (or 429) code are conditions of the server, not of the
+    event (store failure, limits with discard-new, no quorum): a resend may succeed."""
+    return code >= 500 or code == 429
+
+
+class LatencyReservoir:
+    """The most recent ack latencies (seconds) in a fixed ring; quantiles on demand."""
+
+    def __init__(self, size: int = _RESERVOIR_SIZE) -> None:
+        self._ring = array("d", bytes(8 * size))
+        self._size = size
+        self._count = 0
+
+    def add(self, seconds: float) -> None:
+        self._ring[self._count % self._size] = seconds
+        self._count += 1
+
+    def __len__(self) -> int:
+        return min(self._count, self._size)
+
+    def quantile(self, q: float) -> float | None:
+        """Nearest-rank quantile of the retained samples, None when empty."""
+        n = len(self)
+        if n == 0:
+            return None
+        ordered = sorted(self._ring[:n])
+        return ordered[min(n - 1, max(0, round(q * (n - 1))))]
+
+    def clear(self) -> None:
+        self._count = 0
+
+
+class _Batch:
+    """Per-call bookkeeping: one result slot per input event, resolved exactly once."""
+
+    __slots__ = ("events", "results", "outstanding", "done")
+
+    def __init__(self, events: Sequence[Outgoing]) -> None:
+        self.events = events
+        self.results: list[Outcome | None] = [None] * len(events)
+        self.outstanding = 0
+        self.done: asyncio.Future[None] | None = None
+
+
+_FATAL_SEND_ERRORS = (
+    nats.errors.MaxPayloadError,
+    nats.errors.BadSubjectError,
+    nats.errors.BadHeaderError,
+)
+
+
+def _classify_send_error(err: Exception) -> tuple[str, bool]:
+    """(message, retryable) for an exception raised while handing a message to the client.
+
+    A malformed event (too big, bad subject or header) fails the same way every time; anything
+    else (closed, draining, reconnect buffer full, socket errors) is about the connection.
+    """
+    return f"{type(err).__name__}: {err}", not isinstance(err, _FATAL_SEND_ERRORS)
+
+
+class JetStreamPublisher:
+    """Publishes batches to JetStream with many acks in flight; see the module docstring.
+
+    Counters: `published` (acks that stored a new message), `duplicates` (acks JetStream
+    flagged duplicate), `failed`, `in_flight` (now), and `latency` (recent ack latencies).
+    An optional prometheus `registry` also gets an ack-latency histogram named
+    `{metric_prefix}_ack_latency_seconds` (one publisher per registry and prefix).
+    Bound to the event loop it first publishes on.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        max_in_flight: int = 2048,
+        ack_timeout: float = 5.0,
+        *,
+        registry: Any | None = None,
+        metric_prefix: str = "tierflow_bridge",
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        if ack_timeout <= 0:
+            raise ValueError("ack_timeout must be > 0")
+        self._nc = nc
+        self.max_in_flight = max_in_flight
+        self.ack_timeout = ack_timeout
+        self.published = 0
+        self.duplicates = 0
+        self.failed = 0
+        self.latency = LatencyReservoir()
+        self._histogram: Any | None = None
+        if registry is not None:
+            from prometheus_client import Histogram
+
+            self._histogram = Histogram(
+                f"{metric_prefix}_ack_latency_seconds",
+                "JetStream publish ack latency",
+                registry=registry,
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            )
+        # reply subject -> (batch, index, sent_at); insertion order is send order, and every
+        # entry has the same timeout, so the first entry is always the next one to expire.
+        self._inflight: OrderedDict[str, tuple[_Batch, int, float]] = OrderedDict()
+        self._window = asyncio.Semaphore(max_in_flight)
+        self._prefix = ""
+        self._next_token = 0
+        self._sub: Any | None = None
+        self._start_lock = asyncio.Lock()
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def start(self) -> None:
+        """Subscribe the reply inbox (done lazily by the first publish). Idempotent."""
+        async with self._start_lock:
+            if self._sub is not None:
+                return
+            if self._closed:
+                raise RuntimeError("publisher is closed")
+            prefix = self._nc.new_inbox() + "."
+            self._sub = await self._nc.subscribe(prefix + "*", cb=self._on_reply)
+            self._prefix = prefix
+
+    async def close(self) -> None:
+        """Stop listening for acks; in-flight and not yet sent events are reported Failed.
+
+        An event failed here may still have been stored (its ack is simply not awaited): a
+        resend with the same id is then acknowledged as a duplicate.
+        """
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._inflight:
+            _, (batch, i, _) = self._inflight.popitem(last=False)
+            self._window.release()  # wakes batches waiting for room; they see _closed
+            self._resolve(batch, i, Failed(batch.events[i].id, "publisher closed", True))
+        sub, self._sub = self._sub, None
+        if sub is not None and not self._nc.is_closed:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    # ---- publishing ------------------------------------------------------------------
+
+    async def publish_batch(
+        self, events: Sequence[Outgoing]
+    ) -> tuple[list[Published], list[Failed]]:
+        """Publish every event once; return (acked, failed), each in input order."""
+        if not events:
+            return [], []
+        if self._closed:
+            return [], [Failed(ev.id, "publisher closed", True) for ev in events]
+        if self._sub is None:
+            await self.start()
+        batch = _Batch(events)
+        loop = asyncio.get_running_loop()
+        nc = self._nc
+        window = self._window
+        inflight = self._inflight
+        prefix = self._prefix
+        for i, ev in enumerate(events):
+            await window.acquire()
+            if self._closed:
+                window.release()
+                self._fail_now(batch, i, "publisher closed", True)
+                continue
+            if not nc.is_connected:
+                window.release()
+                what = "NATS connection closed" if nc.is_closed else "not connected to NATS"
+                self._fail_now(batch, i, f"{what} (nothing sent)", True)
+                continue
+            self._next_token += 1
+            reply = prefix + str(self._next_token)
+            headers = (
+                {MSG_ID_HEADER: ev.id} if not ev.headers else {**ev.headers, MSG_ID_HEADER: ev.id}
+            )
+            now = loop.time()
+            inflight[reply] = (batch, i, now)
+            batch.outstanding += 1
+            try:
+                await nc.publish(ev.subject, ev.data, reply=reply, headers=headers)
+            except Exception as err:  # noqa: BLE001 - per-event failure, reported not raised
+                if inflight.pop(reply, None) is not None:
+                    batch.outstanding -= 1
+                    window.release()
+                message, retryable = _classify_send_error(err)
+                self._fail_now(batch, i, message, retryable)
+                continue
+            if self._timer is None:
+                self._timer = loop.call_at(now + self.ack_timeout, self._expire)
+        if batch.outstanding:
+            batch.done = loop.create_future()
+            await batch.done
+        published: list[Published] = []
+        failed: list[Failed] = []
+        for r in batch.results:
+            if type(r) is Published:
+                published.append(r)
+            else:
+                failed.append(r)  # type: ignore[arg-type]
+        return published, failed
+
+    async def publish_with_retry(
+        self,
+        events: Sequence[Outgoing],
+        *,
+        attempts: int,
+        backoff: Callable[[int], float],
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> tuple[list[Published], list[Failed]]:
+        """Up to `attempts` tries; each retry resends only the retryable failures, same ids.
+
+        Results are final outcomes in input order (ids are expected unique within a call).
+
+        `backoff(n)` is the pause in seconds before retry n (1-based). With the stream's
+        duplicate window longer than the whole retry horizon (`duplicate_window_for`), an
+        event whose ack was lost but which was stored comes back `duplicate=True`: stored once.
+        """
+        if attempts < 1:
+            raise ValueError("attempts must be >= 1")
+        by_id = {ev.id: ev for ev in events}
+        order = {ev.id: i for i, ev in enumerate(events)}
+        done, failed = await self.publish_batch(events)
+        for attempt in range(1, attempts):
+            retry = [f for f in failed if f.retryable]
+            if not retry:
+                break
+            await sleep(backoff(attempt))
+            again, still = await self.publish_batch([by_id[f.id] for f in retry])
+            done += again
+            failed = [f for f in failed if not f.retryable] + still
+        done.sort(key=lambda p: order[p.id])
+        failed.sort(key=lambda f: order[f.id])
+        return done, failed
+
+    # ---- ack handling ----------------------------------------------------------------
+
+    async def _on_reply(self, msg: Msg) -> None:
+        entry = self._inflight.pop(msg.subject, None)
+        if entry is None:
+            return  # timed out already, or a reply for a publisher that was closed
+        batch, i, sent_at = entry
+        ev_id = batch.events[i].id
+        hdrs = msg.headers
+        if hdrs and hdrs.get(_STATUS_HEADER) == _NO_RESPONDERS:
+            subject = batch.events[i].subject
+            outcome: Outcome = Failed(
+                ev_id,
+                f"no responders: no JetStream stream captures subject {subject!r} "
+                "(or the stream is unavailable)",
+                True,
+            )
+        else:
+            try:
+                ack = _decode_ack(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                outcome = Failed(ev_id, f"unreadable JetStream ack: {err}", True)
+            else:
+                if ack.error is not None:
+                    e = ack.error
+                    outcome = Failed(
+                        ev_id,
+                        f"JetStream API error {e.code} (err_code {e.err_code}): {e.description}",
+                        api_error_retryable(e.code),
+                    )
+                elif ack.seq <= 0:
+                    outcome = Failed(ev_id, f"JetStream ack without sequence: {msg.data!r}", True)
+                else:
+                    outcome = Published(ev_id, ack.stream, ack.seq, ack.duplicate)
+                    lat = asyncio.get_running_loop().time() - sent_at
+                    self.latency.add(lat)
+                    if self._histogram is not None:
+                        self._histogram.observe(lat)
+        self._window.release()
+        self._resolve(batch, i, outcome)
+
+    def _expire(self) -> None:
+        """Timer: fail every in-flight event older than ack_timeout, re-arm for the next."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        inflight = self._inflight
+        timeout = self.ack_timeout
+        while inflight:
+            reply = next(iter(inflight))
+            batch, i, sent_at = inflight[reply]
+            deadline = sent_at + timeout
+            if deadline > now:
+                self._timer = loop.call_at(deadline, self._expire)
+                return
+            del inflight[reply]
+            self._window.release()
+            self._resolve(
+                batch, i, Failed(batch.events[i].id, f"no ack within {timeout:g}s (timeout)", True)
+            )
+
+    def _fail_now(self, batch: _Batch, i: int, error: str, retryable: bool) -> None:
+        batch.outstanding += 1
+        self._resolve(batch, i, Failed(batch.events[i].id, error, retryable))
+
+    def _resolve(self, batch: _Batch, i: int, outcome: Outcome) -> None:
+        batch.results[i] = outcome
+        if type(outcome) is Published:
+            if outcome.duplicate:
+                self.duplicates += 1
+            else:
+                self.published += 1
+        else:
+            self.failed += 1
+        batch.outstanding -= 1
+        if batch.outstanding == 0 and batch.done is not None and not batch.done.done():
+            batch.done.set_result(None)
+
+
+def jittered(base: float, cap: float, rng: random.Random) -> Callable[[int], float]:
+    """A full-jitter exponential backoff: uniform(0, min(cap, base * 2**(n-1)))."""
+
+    def backoff(n: int) -> float:
+        return rng.uniform(0.0, min(cap, base * 2 ** (n - 1)))
+
+    return backoff
+
+
+__all__ = [
+    "Failed",
+    "JetStreamPublisher",
+    "LatencyReservoir",
+    "Outgoing",
+    "Published",
+    "api_error_retryable",
+    "duplicate_window_for",
+    "jittered",
+]
