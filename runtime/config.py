@@ -150,6 +150,7 @@ def default_streams() -> dict[str, dict[str, Any]]:
     return {
         "meetup": {"subjects": ["raw.meetup"]},
         "results": {"subjects": ["results.>"]},
+        "deadletter": {"subjects": ["deadletter.>"]},
     }
 
 

@@ -26,7 +26,7 @@ def test_defaults_are_the_embedded_setup() -> None:
     assert cfg.logging.mode == "hml"
     assert cfg.roles.logger.k == 1
     assert cfg.roles.collector.port == 8000 and cfg.roles.gateway.port == 8080
-    assert set(cfg.streams) == {"meetup", "results"}
+    assert set(cfg.streams) == {"meetup", "results", "deadletter"}
 
 
 def test_file_then_env_then_overrides(tmp_path: Path) -> None:

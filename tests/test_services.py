@@ -95,7 +95,7 @@ async def test_external_nats_with_credentials_is_used_not_started(tmp_path: Path
         try:
             assert svc.nats_server is None and svc.nats_url == ext.url
             nc = await connect_nats(good, svc.nats_url)
-            assert await ensure_streams(nc, good) == ["meetup", "results"]
+            assert await ensure_streams(nc, good) == ["meetup", "results", "deadletter"]
             js = nc.jetstream()
             ack = await js.publish("raw.meetup", b"{}", headers={"Nats-Msg-Id": "e1"})
             assert ack.stream == "meetup" and ack.seq == 1

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from actors.bridge import MSG_ID_HEADER, JetStreamPublisher, Outgoing
+from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
 from runtime.nats import NatsServer, connect
 
 EVENTS = 20_000

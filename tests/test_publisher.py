@@ -1,4 +1,4 @@
-"""actors/bridge.py against a real nats-server: pipelined acked publishing, dedup, failures."""
+"""runtime/publisher.py against a real nats-server: pipelined acked publishing, dedup, failures."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
-from actors.bridge import (
+from runtime.publisher import (
     MSG_ID_HEADER,
     JetStreamPublisher,
     LatencyReservoir,
