@@ -1,4 +1,4 @@
-"""Publishing event batches to JetStream with dedup ids and pipelined acks (the BrokerBridge engine).
+"""Publishing event batches to JetStream with dedup ids and pipelined acks (bridge engine).
 
 Every event goes out with `Nats-Msg-Id` = its id, so a resend with the same id inside the
 stream's duplicate window is acknowledged as a duplicate instead of stored twice: retries
