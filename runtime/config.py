@@ -96,6 +96,32 @@ class RolesConfig(_Strict):
     gateway: RoleConfig = _role(port=8080)
 
 
+class LogicConfig(_Strict, frozen=True):
+    """A stream's `[streams.NAME.logic]` table; every key optional (default: no logic).
+
+    ```toml
+    [streams.meetup.logic]
+    validate = { response = "str", guests = "int", "group.group_city" = "str" }
+    validate_hook = "mypkg.rules:check"      # fn(data) -> None/True ok, False/str invalid
+    enrich = ["received_at", "collector", "mypkg.rules:add_geo"]  # hook: fn(data) -> dict|None
+    filter = "response = 'yes' AND guests >= 0"   # keep where true; or "mypkg.rules:keep"
+    route = "raw.meetup.{group.group_country}"    # subject template over dotted paths
+    route_default = "unknown"                     # token for a missing field
+    ```
+
+    `validate` maps dotted paths (quoted, or as TOML dotted keys) to a type: str, int,
+    float (any number), number, bool, object, array, any (present, not null); a `?`
+    suffix makes the field optional (absent or null is fine).
+    """
+
+    validate: dict[str, Any] = {}
+    validate_hook: str = ""
+    enrich: list[str] = []
+    filter: str = ""
+    route: str = ""
+    route_default: str = "unknown"
+
+
 class StreamConfig(_Strict):
     """A JetStream stream the runtime creates or updates at start-up."""
 
@@ -104,6 +130,7 @@ class StreamConfig(_Strict):
     max_bytes: int = -1
     duplicate_window_s: PositiveF = 600.0
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
 
 
 class LoggingConfig(_Strict):
@@ -239,6 +266,11 @@ def validate(data: Mapping[str, Any], source: str = "") -> Config:
 
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
+    from actors.ingest import compile_logic  # lazy: ingest imports this module
+
+    for name, stream in cfg.streams.items():
+        if stream.logic != LogicConfig():
+            compile_logic(name, stream.logic, stream.subjects[0])  # raises ConfigError
     ports = {
         "roles.collector.port": cfg.roles.collector.port,
         "roles.gateway.port": cfg.roles.gateway.port,

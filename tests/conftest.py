@@ -28,3 +28,20 @@ def spark(session_cfg: Config) -> Iterator[object]:
     session = spark_session(session_cfg, app_name="tierflow-tests")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_module() -> Iterator[object]:
+    """A local Ray instance for this module (reused if one is up; other modules' fixtures
+    may shut it down, so each module asks again rather than holding a session handle)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=2,
+            namespace="tierflow-tests",
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    yield ray

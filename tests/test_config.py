@@ -124,3 +124,12 @@ def test_shown_config_loads_back_to_the_same(tmp_path: Path) -> None:
     cfg = load(environ={"TIERFLOW_ROLES__LOGGER__K": "2", "TIERFLOW_SPARK__CONF__spark.x": "1"})
     again = load(write(tmp_path, dumps_toml(cfg)), environ=EMPTY)
     assert again == cfg
+
+
+def test_stream_logic_is_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"streams\.clicks\.logic\.filter: .*line 1, column"):
+        validate({"streams": {"clicks": {"logic": {"filter": "kind LIKE 'b%'"}}}})
+    with pytest.raises(ConfigError, match=r"streams\.clicks\.logic\.validate"):
+        validate({"streams": {"clicks": {"logic": {"validate": {"kind": "string-ish"}}}}})
+    ok = validate({"streams": {"clicks": {"logic": {"filter": "kind != 'bot'"}}}})
+    assert ok.streams["clicks"].logic.filter == "kind != 'bot'"
