@@ -1,0 +1,254 @@
+"""BrokerBridge: the actor side of NATS JetStream (book ch. 2 SBML completion, ch. 3).
+
+The data path of one batch: decode -> publish every event with `Nats-Msg-Id` = its id,
+many acks in flight -> acked ids are forgotten by the MessageLogger (with their stream
+sequences, for ack tokens) -> failures move to the logger's failed store.
+
+The replayer closes every gap the happy path leaves: entries still in the logger's
+transient store after `stale_after_s` (a collector or bridge died with them in flight, or
+the logger restarted) and failed entries whose retry time has come are published again
+under the same ids. JetStream's duplicate window turns those resends into exactly-once,
+so a bridge never needs to know whether an earlier attempt landed.
+
+Bridge replicas are interchangeable: a batch lives in the logger until a bridge has it
+acknowledged, so a dead replica loses nothing; only replicas started with
+`replay=True` scan the logger (one is enough; more would only resend duplicates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from actors.events import Event, decode_batch
+from actors.ingest import LogicResult, StreamLogic, compile_logic
+from actors.logger import LoggerGroup
+from runtime.config import Config, validate
+from runtime.loop_thread import LoopThread
+from runtime.publisher import Failed, JetStreamPublisher, Outgoing, Published
+from runtime.ray_supervisor import SupervisedActor
+from runtime.services import connect_nats, ensure_streams
+
+log = logging.getLogger(__name__)
+
+DEADLETTER_PREFIX = "deadletter"
+
+
+def retry_delay_ms(attempt: int) -> int:
+    """Backoff for failed entries: 0.5 s doubling to 30 s (well inside the dedup window)."""
+    return int(min(30_000, 500 * 2 ** max(0, attempt - 1)))
+
+
+class BrokerBridge(SupervisedActor):
+    """Ray actor: publishes logged batches to JetStream and completes them in the logger."""
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        name: str,
+        config: dict[str, Any],
+        nats_url: str,
+        loggers: Sequence[LoggerGroup] = (),
+        replay: bool = True,
+        max_in_flight: int = 4096,
+        ack_timeout_s: float = 5.0,
+        replay_every_s: float = 0.5,
+        stale_after_s: float | None = None,
+        replay_batch: int = 4096,
+    ) -> None:
+        super().__init__(state_dir, name=name)
+        self.cfg: Config = validate(config)
+        self.nats_url = nats_url
+        self.replay = replay
+        self.max_in_flight = max_in_flight
+        self.ack_timeout_s = ack_timeout_s
+        self.replay_every_s = replay_every_s
+        # Older than any healthy publish round trip: only orphans qualify.
+        self.stale_after_s = stale_after_s or (2 * ack_timeout_s + 1.0)
+        self.replay_batch = replay_batch
+        # Given at construction: Ray reruns __init__ with these on restart.
+        self.loggers: dict[str, LoggerGroup] = {g.name: g for g in loggers}
+        self.logic: dict[str, StreamLogic] = {
+            name: compile_logic(name, s.logic, s.subjects[0])
+            for name, s in self.cfg.streams.items()
+        }
+        self.counters = {
+            "batches": 0,
+            "published": 0,
+            "duplicates": 0,
+            "failed": 0,
+            "replayed": 0,
+            "deadlettered": 0,
+            "dropped": 0,
+        }
+        self._pub: JetStreamPublisher | None = None
+        self._nc: Any = None
+        self._dataplane = LoopThread(f"{name}-dataplane")
+        self._dataplane.start(self._serve)
+
+    def restore(self, store: Any) -> None:
+        """Nothing to restore: what a bridge had in flight is still in the logger."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
+        """Connect, make sure the streams exist, run the replayer until stopped."""
+        self._nc = await connect_nats(self.cfg, self.nats_url, name=f"bridge-{self.name}")
+        await ensure_streams(self._nc, self.cfg)
+        self._pub = JetStreamPublisher(self._nc, self.max_in_flight, self.ack_timeout_s)
+        await self._pub.start()
+        replayer = asyncio.ensure_future(self._replay_loop()) if self.replay else None
+        ready()
+        try:
+            await stop.wait()
+        finally:
+            if replayer is not None:
+                replayer.cancel()
+            await self._pub.close()
+            await self._nc.close()
+
+    async def ready(self) -> list[str]:
+        """The logger groups this bridge completes (it serves once constructed)."""
+        return sorted(self.loggers)
+
+    async def stats(self) -> dict[str, Any]:
+        pub = self._pub
+        return {
+            **self.counters,
+            "in_flight": pub.in_flight if pub else 0,
+            "ack_p50_ms": _ms(pub.latency.quantile(0.5)) if pub else None,
+            "ack_p99_ms": _ms(pub.latency.quantile(0.99)) if pub else None,
+            "loggers": sorted(self.loggers),
+        }
+
+    def shutdown(self) -> bool:
+        return self._dataplane.stop()
+
+    # ------------------------------------------------------------------ the data path
+
+    async def publish(self, batch: bytes, logger: str) -> dict[str, Any]:
+        """Publish one logged batch; answer each id's stream sequence or error.
+
+        One Ray call per batch (never per event). Events the collector already processed
+        go out as they are; raw ones (and replayed ones) run the stream's logic here first.
+        The logger entries are completed before this returns, so a caller that answers
+        `?wait=queued` after it tells the truth.
+        """
+        self.counters["batches"] += 1
+        work = self._process_and_publish(self.loggers[logger], decode_batch(batch))
+        return await self._dataplane.run(work)
+
+    async def _publish_events(self, events: list[Event], group: LoggerGroup) -> dict[str, Any]:
+        assert self._pub is not None
+        published, failed = await self._pub.publish_batch(
+            [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in events]
+        )
+        await self._complete(group, events, published, failed)
+        return {
+            "published": {p.id: [p.stream, p.seq, p.duplicate] for p in published},
+            "failed": {f.id: f.error for f in failed},
+        }
+
+    async def _complete(
+        self,
+        group: LoggerGroup,
+        events: Sequence[Event],
+        published: Sequence[Published],
+        failed: Sequence[Failed],
+    ) -> None:
+        """SBML completion: forget what JetStream holds, park what it refused for retry."""
+        if published:
+            await group.forget(
+                [p.id for p in published], {p.id: (p.stream, p.seq) for p in published}
+            )
+        if failed:
+            by_id = {e.id: e for e in events}
+            await group.fail([(by_id[f.id], f.error) for f in failed], _now_ms())
+        self.counters["published"] += sum(1 for p in published if not p.duplicate)
+        self.counters["duplicates"] += sum(1 for p in published if p.duplicate)
+        self.counters["failed"] += len(failed)
+
+    # ------------------------------------------------------------------ replay
+
+    async def replay_now(self) -> int:
+        """One replay pass on demand (tests, drains); returns how many entries were resent."""
+        return await self._dataplane.run(self.replay_once())
+
+    async def replay_once(self) -> int:
+        """One pass over every attached logger; returns how many entries were resent."""
+        total = 0
+        now = _now_ms()
+        for group in list(self.loggers.values()):
+            entries = await group.pending(int(self.stale_after_s * 1000), now, self.replay_batch)
+            entries += await group.due_failed(now, self.replay_batch)
+            if entries:
+                await self._process_and_publish(group, entries)
+                total += len(entries)
+        self.counters["replayed"] += total
+        return total
+
+    async def _process_and_publish(
+        self, group: LoggerGroup, entries: list[Event]
+    ) -> dict[str, Any]:
+        """Run the logic on raw entries (RBML/HML log before it), settle rejects, publish."""
+        ready: list[Event] = [e for e in entries if e.processed]
+        raw = [e for e in entries if not e.processed]
+        by_stream: dict[str, list[Event]] = {}
+        for e in raw:
+            by_stream.setdefault(e.stream, []).append(e)
+        for stream, items in by_stream.items():
+            logic = self.logic.get(stream)
+            if logic is None:  # stream removed from config: keep the data, route as logged
+                ready.extend(items)
+                continue
+            result = logic.apply(items)
+            ready.extend(result.kept)
+            await self._settle_rejects(group, result)
+        if not ready:
+            return {"published": {}, "failed": {}}
+        return await self._publish_events(ready, group)
+
+    async def _settle_rejects(self, group: LoggerGroup, result: LogicResult) -> None:
+        """Filtered events are done; invalid ones go to the dead-letter subject first."""
+        if result.invalid:
+            assert self._pub is not None
+            dead = [
+                Outgoing(
+                    id=e.id,
+                    subject=f"{DEADLETTER_PREFIX}.{e.stream}",
+                    data=e.data,
+                    headers={"Tf-Error": reason[:200]},
+                )
+                for e, reason in result.invalid
+            ]
+            published, failed = await self._pub.publish_batch(dead)
+            ok = {p.id for p in published}
+            await group.forget(sorted(ok), None)
+            self.counters["deadlettered"] += len(ok)
+            if failed:  # stay in the log; the next pass tries again
+                log.warning("dead-letter publish failed for %d events", len(failed))
+        if result.dropped:
+            await group.forget([e.id for e in result.dropped], None)
+            self.counters["dropped"] += len(result.dropped)
+
+    async def _replay_loop(self) -> None:
+        while True:
+            try:
+                await self.replay_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a logger restarting must not kill the loop
+                log.warning("replay pass failed: %r", err)
+            await asyncio.sleep(self.replay_every_s)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

@@ -1,0 +1,409 @@
+"""Collector: the collection tier's front door (book ch. 2), one Ray actor per replica.
+
+The path of one request, top to bottom in this module:
+
+    parse -> ids -> group commit -> MessageLogger (all k+1 replicas, synced)
+          -> answer -> logic (validate, enrich, filter, route) -> BrokerBridge
+
+Interaction patterns:
+- request/response  `POST /v1/streams/{stream}/events` answers once the events are logged
+  on every logger replica; `?wait=queued` answers once JetStream acknowledged them.
+- request/acknowledge `?ack=token` answers 202 with a token right after logging;
+  `GET /v1/acks/{token}` tells logged / queued (with sequences) / failed.
+- one-way  `POST /v1/streams/{stream}/fire` and UDP datagrams are answered (or not) before
+  logging. Loss window: an event acknowledged with 204 (or sent by UDP) is lost if this
+  replica dies before its group commit reaches the logger (a few ms); `oneway_lost`
+  counts the ones whose logging failed while the replica lived.
+- publish/subscribe  core NATS `ingest.{stream}` (queue group `collectors`): logged like
+  any producer's events, and answered when the message has a reply subject.
+The stream pattern (the collector as client of a source) lives in `actors/stream_ingest.py`.
+
+The HTTP/UDP/NATS data plane runs on a `LoopThread` started in `__init__`, so a
+replica Ray restarts serves again by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from actors.events import Event, encode_batch
+from actors.ingest import (
+    BadInput,
+    GroupCommitPolicy,
+    GroupCommitter,
+    Overloaded,
+    StreamLogic,
+    assign_ids,
+    compile_logic,
+    parse_body,
+)
+from actors.logger import LogFull, LoggerGroup, LogUnavailable
+from runtime.config import Config, validate
+from runtime.loop_thread import LoopThread
+from runtime.ray_supervisor import SupervisedActor
+from runtime.services import connect_nats
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+_json = msgspec.json.Encoder()
+
+
+def _reply(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status, body=_json.encode(body), content_type="application/json", headers=headers
+    )
+
+
+def _error(status: int, reason: str, **extra: Any) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return _reply(status, {"error": reason, **extra}, headers)
+
+
+class Collector(SupervisedActor):
+    """Ray actor: accepts events over HTTP, UDP and NATS and logs them before answering."""
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        name: str,
+        config: dict[str, Any],
+        logger: LoggerGroup,
+        bridges: Sequence[str],
+        nats_url: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        udp_port: int = 0,
+        nats_ingest: bool = True,
+        namespace: str = "tierflow",
+        max_body_bytes: int = 8 << 20,
+        max_events: int = 10_000,
+        max_event_bytes: int = 1 << 20,
+        commit: GroupCommitPolicy | None = None,
+        max_bridge_calls: int = 4,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(state_dir, name=name)
+        self.cfg: Config = validate(config)
+        self.mode = self.cfg.logging.mode
+        self.logger = logger
+        self.bridge_names = list(bridges)
+        self.namespace = namespace
+        self.nats_url = nats_url
+        self.host, self.port, self.udp_port = host, port, udp_port
+        self.nats_ingest = nats_ingest
+        self.max_body_bytes = max_body_bytes
+        self.max_events, self.max_event_bytes = max_events, max_event_bytes
+        self.logic: dict[str, StreamLogic] = {
+            s: compile_logic(s, sc.logic, sc.subjects[0]) for s, sc in self.cfg.streams.items()
+        }
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "accepted": 0,
+            "rejected": 0,
+            "overloaded": 0,
+            "oneway_accepted": 0,
+            "oneway_lost": 0,
+            "udp": 0,
+            "nats": 0,
+            "bridge_errors": 0,
+            "handoffs": 0,
+        }
+        self._commit_policy = commit or GroupCommitPolicy(
+            max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
+        )
+        self._max_bridge_calls = max_bridge_calls
+        self._rr = 0
+        self._dataplane = LoopThread(f"{name}-dataplane")
+        self._dataplane.start(self._serve, start_timeout_s)
+
+    def restore(self, store: Any) -> None:
+        """Stateless by design: accepted events live in the MessageLogger, not here."""
+
+    # ------------------------------------------------------------------ control plane (Ray)
+
+    def endpoints(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "port": self.port,
+            "udp_port": self.udp_port,
+            "url": f"http://{self.host}:{self.port}",
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "mode": self.mode, "in_flight": self._in_flight()}
+
+    def shutdown(self) -> bool:
+        """Stop taking work and finish what is in hand (drain), then stop serving."""
+        return self._dataplane.stop()
+
+    def _in_flight(self) -> int:
+        return self._committer.pending_events if hasattr(self, "_committer") else 0
+
+    # ------------------------------------------------------------------ data plane thread
+
+    async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
+        self._committer = GroupCommitter(self.logger.append, self._commit_policy)
+        self._bridge_slots = asyncio.Semaphore(self._max_bridge_calls)
+        self._background: set[asyncio.Task[Any]] = set()
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/streams/{stream}/events", self.post_events)
+        app.router.add_post("/v1/streams/{stream}/fire", self.post_fire)
+        app.router.add_get("/v1/acks/{token}", self.get_ack)
+        app.router.add_get("/healthz", self.healthz)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_port=True)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        udp = await self._start_udp()
+        nc = await self._start_nats_ingest()
+        ready()
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()  # stop accepting; in-flight handlers finish first
+            if udp is not None:
+                udp.close()
+            if nc is not None:
+                await nc.drain()
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ------------------------------------------------------------------ one request
+
+    async def post_events(self, request: web.Request) -> web.Response:
+        """Request/response and request/acknowledge."""
+        self.counters["requests"] += 1
+        stream = request.match_info["stream"]
+        try:
+            events = await self._receive(request, stream)
+            token = secrets.token_urlsafe(16) if request.query.get("ack") == "token" else ""
+            if token:
+                events = [msgspec.structs.replace(e, token=token) for e in events]
+            processed = await self._log_and_process(events)
+        except BadInput as bad:
+            self.counters["rejected"] += 1
+            return _error(bad.status, bad.reason)
+        except (LogFull, Overloaded) as full:
+            self.counters["overloaded"] += 1
+            return _error(503, f"overloaded, retry later: {full}")
+        except LogUnavailable as down:
+            self.counters["overloaded"] += 1
+            return _error(503, f"message log unavailable, retry later: {down}")
+        ids = [e.id for e in events]
+        self.counters["accepted"] += len(ids)
+        if token:
+            self._handoff(processed)
+            return _reply(202, {"accepted": len(ids), "ids": ids, "token": token})
+        if request.query.get("wait") == "queued":
+            result = await self._send_to_bridge(processed)
+            if result is None:
+                return _reply(
+                    202,
+                    {
+                        "accepted": len(ids),
+                        "ids": ids,
+                        "queued": False,
+                        "note": "logged; the bridge will publish it",
+                    },
+                )
+            return _reply(200, {"accepted": len(ids), "ids": ids, **result})
+        self._handoff(processed)
+        return _reply(200, {"accepted": len(ids), "ids": ids})
+
+    async def post_fire(self, request: web.Request) -> web.Response:
+        """One-way: answered before logging (the documented loss window)."""
+        stream = request.match_info["stream"]
+        try:
+            events = await self._receive(request, stream)
+        except BadInput as bad:
+            self.counters["rejected"] += 1
+            return _error(bad.status, bad.reason)
+        self._one_way(events)
+        return web.Response(status=204)
+
+    async def get_ack(self, request: web.Request) -> web.Response:
+        status = await self.logger.token_status(request.match_info["token"])
+        if status is None:
+            return _error(404, "unknown or expired token")
+        return _reply(200, status)
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return _reply(200, {"ok": True, "name": self.name})
+
+    async def _receive(self, request: web.Request, stream: str) -> list[Event]:
+        """Parse and identify; every refusal is a BadInput with a status and a reason."""
+        if stream not in self.cfg.streams:
+            raise BadInput(404, f"unknown stream {stream!r}")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BadInput(413, f"body over {self.max_body_bytes} bytes") from None
+        items = parse_body(
+            request.headers.get("Content-Type"),
+            body,
+            max_events=self.max_events,
+            max_event_bytes=self.max_event_bytes,
+        )
+        return assign_ids(items, stream, self.cfg.streams[stream].subjects[0], _now_ms())
+
+    async def _log_and_process(self, events: list[Event]) -> list[Event]:
+        """Log per the mode, run the logic; returns what goes to the bridge.
+
+        rbml: log raw, then logic. sbml: logic, then log what goes out. hml: log raw while
+        the logic runs; the answer still waits for the log. none: no log at all.
+        """
+        if self.mode == "none":
+            return self._apply_logic(events)
+        if self.mode == "rbml":
+            await self._committer.submit(events)
+            return self._apply_logic(events)
+        if self.mode == "sbml":
+            out = self._apply_logic(events)
+            await self._committer.submit(out)
+            return out
+        logged = asyncio.ensure_future(self._committer.submit(events))
+        try:
+            out = self._apply_logic(events)
+        finally:
+            await logged
+        return out
+
+    def _apply_logic(self, events: list[Event]) -> list[Event]:
+        """Kept events come back processed; rejects go on raw so the bridge settles them
+        (dead letter or forget) through the one path replay uses too."""
+        by_stream: dict[str, list[Event]] = {}
+        for e in events:
+            by_stream.setdefault(e.stream, []).append(e)
+        out: list[Event] = []
+        for stream, items in by_stream.items():
+            result = self.logic[stream].apply(items)
+            out.extend(result.kept)
+            out.extend(e for e, _ in result.invalid)
+            out.extend(result.dropped)
+        return out
+
+    # ------------------------------------------------------------------ to the bridge
+
+    def _bridge(self) -> Any:
+        import ray
+
+        self._rr = (self._rr + 1) % len(self.bridge_names)
+        return ray.get_actor(self.bridge_names[self._rr], namespace=self.namespace)
+
+    async def _send_to_bridge(self, events: list[Event]) -> dict[str, Any] | None:
+        """One Ray call per batch; None if no bridge answered (the log still holds it)."""
+        async with self._bridge_slots:
+            try:
+                self.counters["handoffs"] += 1
+                return await self._bridge().publish.remote(encode_batch(events), self.logger.name)
+            except Exception as err:
+                self.counters["bridge_errors"] += 1
+                log.warning("bridge call failed; the replayer will publish: %r", err)
+                return None
+
+    def _handoff(self, events: list[Event]) -> None:
+        self._spawn(self._send_to_bridge(events))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _one_way(self, events: list[Event]) -> None:
+        self.counters["oneway_accepted"] += len(events)
+
+        async def log_then_send() -> None:
+            try:
+                self._handoff(await self._log_and_process(events))
+            except Exception as err:
+                self.counters["oneway_lost"] += len(events)
+                log.warning("one-way events lost (%d): %r", len(events), err)
+
+        self._spawn(log_then_send())
+
+    # ------------------------------------------------------------------ UDP and NATS ingest
+
+    async def _start_udp(self) -> asyncio.DatagramTransport | None:
+        if not self.udp_port:
+            return None
+        collector = self
+
+        class Datagrams(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: Any) -> None:
+                collector._datagram(data)
+
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            Datagrams, local_addr=(self.host, self.udp_port), reuse_port=True
+        )
+        self.udp_port = transport.get_extra_info("sockname")[1]
+        return transport
+
+    def _datagram(self, data: bytes) -> None:
+        """UDP: `stream <json>` per datagram; one-way by nature (no one to answer)."""
+        stream, _, payload = data.partition(b" ")
+        try:
+            name = stream.decode("ascii")
+            if name not in self.cfg.streams:
+                raise BadInput(404, f"unknown stream {name!r}")
+            items = parse_body(
+                "application/json", payload, max_events=1, max_event_bytes=self.max_event_bytes
+            )
+            events = assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+        except (BadInput, UnicodeDecodeError):
+            self.counters["rejected"] += 1
+            return
+        self.counters["udp"] += 1
+        self._one_way(events)
+
+    async def _start_nats_ingest(self) -> Any:
+        if not self.nats_ingest:
+            return None
+        nc = await connect_nats(self.cfg, self.nats_url, name=f"collector-{self.name}")
+        await nc.subscribe("ingest.*", queue="collectors", cb=self._nats_message)
+        return nc
+
+    async def _nats_message(self, msg: Any) -> None:
+        """Pub/sub ingest: logged before any reply, exactly like an HTTP producer."""
+        name = msg.subject.split(".", 1)[1]
+        try:
+            if name not in self.cfg.streams:
+                raise BadInput(404, f"unknown stream {name!r}")
+            ctype = (msg.headers or {}).get("Content-Type", "application/json")
+            items = parse_body(
+                ctype, msg.data, max_events=self.max_events, max_event_bytes=self.max_event_bytes
+            )
+            events = assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+            processed = await self._log_and_process(events)
+        except BadInput as bad:
+            self.counters["rejected"] += 1
+            if msg.reply:
+                await msg.respond(_json.encode({"error": bad.reason, "status": bad.status}))
+            return
+        except (LogFull, Overloaded, LogUnavailable) as err:
+            self.counters["overloaded"] += 1
+            if msg.reply:
+                await msg.respond(_json.encode({"error": f"retry later: {err}", "status": 503}))
+            return
+        self.counters["nats"] += len(events)
+        self.counters["accepted"] += len(events)
+        self._handoff(processed)
+        if msg.reply:
+            await msg.respond(
+                _json.encode({"accepted": len(events), "ids": [e.id for e in events]})
+            )
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
