@@ -18,6 +18,8 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from runtime.config import Config, load
+from runtime.nats import NatsServer, connect
 from runtime.publisher import (
     MSG_ID_HEADER,
     JetStreamPublisher,
@@ -28,8 +30,6 @@ from runtime.publisher import (
     duplicate_window_for,
     jittered,
 )
-from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
 from runtime.services import ensure_streams
 from runtime.waiting import await_until
 

@@ -28,8 +28,8 @@ from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
 from runtime.nats import NatsServer, connect
+from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
 
 EVENTS = 20_000
 PAYLOAD = 500
