@@ -236,8 +236,13 @@ class BrokerBridge(SupervisedActor):
             self.counters["dropped"] += len(result.dropped)
 
     async def _replay_loop(self) -> None:
+        passes = 0
         while True:
             try:
+                if passes % 5 == 0:  # a replica back on an empty disk rejoins within seconds
+                    for group in list(self.loggers.values()):
+                        await group.heal()
+                passes += 1
                 await self.replay_once()
             except asyncio.CancelledError:
                 raise

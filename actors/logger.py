@@ -1307,6 +1307,24 @@ class LoggerGroup:
         log.info("%s caught up from %s: %d entries", self.replica_name(index), src, copied)
         return copied
 
+    async def heal(self) -> dict[int, int]:
+        """Catch up every replica that came back empty (Ray restarted it on a fresh disk,
+        or its directory was lost) from the primary; returns {index: entries copied}.
+
+        Cheap when all is well (one status call per replica), so a periodic loop (the
+        bridge's replayer) can run it: a lost replica is replaced by Ray and caught up
+        here without an operator.
+        """
+        statuses = await self.status()
+        primary = statuses[self.primary] if self.primary < len(statuses) else {}
+        if primary.get("error") or primary.get("catching_up"):
+            return {}  # nothing trustworthy to copy from; restart_group's business
+        healed: dict[int, int] = {}
+        for i, st in enumerate(statuses):
+            if i != self.primary and st.get("catching_up"):
+                healed[i] = await self.catch_up(i)
+        return healed
+
 
 # ----------------------------------------------------------------------------- group
 

@@ -1,0 +1,136 @@
+"""Collection tier under queue outages and logger disk loss (real NATS, Ray, LevelDB).
+
+Its own tier: a small log bound (so backpressure shows), two collector replicas sharing
+one port with SO_REUSEPORT, and a NATS server these tests stop and restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from runtime.config import load
+from runtime.loadgen import drive, known_events
+from runtime.nats import NatsServer, connect
+from runtime.pipeline import CollectionTier, start_collection_tier
+from runtime.verify import judge, stream_ids
+from runtime.waiting import await_until
+
+NS = "tf-faults"
+BOUND = 3000  # events the log holds before it refuses (503 + Retry-After)
+OUTAGE_S = 10.0  # the scenario: NATS fully down for 10 s
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tier(
+    ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CollectionTier]:
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path_factory.mktemp("state")),
+            "ray": {"namespace": NS},
+            "roles": {"logger": {"k": 1}, "collector": {"replicas": 2}},
+            "logging": {"max_pending_events": BOUND},
+            "streams": {"meetup": {"subjects": ["raw.meetup"]}},
+        },
+    )
+    t = start_collection_tier(cfg, nats_url=nats_server.url)
+    yield t
+    t.stop()
+
+
+async def verdict_after_drain(
+    tier: CollectionTier, nats_server: NatsServer, acked: set[str]
+) -> None:
+    async def empty() -> bool:
+        c = await tier.loggers[0].counts()
+        return c["transient"] == 0 and c["failed"] == 0
+
+    await await_until(empty, timeout=120, interval=0.5, what="log drained", swallow=True)
+    nc = await connect(nats_server.url)
+    try:
+        verdict = judge(acked, await stream_ids(nc, "meetup"))
+    finally:
+        await nc.close()
+    assert verdict.ok, str(verdict)
+
+
+async def test_two_collectors_share_one_port(tier: CollectionTier) -> None:
+    import ray
+
+    eps = [ray.get(tier.actor(n).endpoints.remote(), timeout=30) for n in tier.collectors]
+    assert len(eps) == 2 and eps[0]["port"] == eps[1]["port"] == tier.collector_port
+
+
+async def test_nats_down_10s_backpressure_then_drain(
+    tier: CollectionTier, nats_server: NatsServer
+) -> None:
+    events = known_events(10_000, "down")
+    outage: dict[str, Any] = {}
+
+    async def fault() -> None:
+        nats_server.kill()
+        outage["down"] = True
+        await asyncio.sleep(OUTAGE_S)  # the scenario's length, not a wait for a result
+        nats_server.restart()
+
+    def on_batch(idx: int) -> None:
+        if idx == 10 and "task" not in outage:
+            outage["task"] = asyncio.ensure_future(fault())
+
+    report = await drive(
+        tier.url, "meetup", events, batch=100, concurrency=4, on_batch=on_batch, deadline_s=240
+    )
+    await outage["task"]
+    assert outage["down"]
+    assert len(report.acknowledged) == len(events)
+    # The log filled to its bound while JetStream was away and refused the rest (503),
+    # which the producer retried with the same ids.
+    assert report.refused > 0
+    await verdict_after_drain(tier, nats_server, report.acknowledged)
+
+
+async def test_logger_replica_lost_with_its_disk_is_replaced_and_caught_up(
+    tier: CollectionTier, nats_server: NatsServer
+) -> None:
+    group = tier.loggers[0]
+    statuses = await group.status()
+    backup = 1 - group.primary
+    victim = statuses[backup]
+    nats_server.kill()  # hold events in the log so the copy has something to carry
+    try:
+        first = await drive(tier.url, "meetup", known_events(1500, "disk-a"), batch=100)
+        assert len(first.acknowledged) == 1500
+        shutil.rmtree(victim["path"])
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        async def healed() -> bool:
+            st = (await group.status())[backup]
+            return "error" not in st and st["pid"] != victim["pid"] and not st["catching_up"]
+
+        await await_until(healed, timeout=120, interval=0.5, what="replica caught up", swallow=True)
+        primary_counts = await group.counts(group.primary)
+        backup_counts = await group.counts(backup)
+        held = primary_counts["transient"] + primary_counts["failed"]
+        assert held >= 1500
+        assert backup_counts["transient"] + backup_counts["failed"] == held
+        # Writes after the loss reach both replicas again.
+        second = await drive(tier.url, "meetup", known_events(500, "disk-b"), batch=100)
+        assert len(second.acknowledged) == 500
+    finally:
+        if not nats_server.running:
+            nats_server.restart()
+    await verdict_after_drain(tier, nats_server, first.acknowledged | second.acknowledged)
