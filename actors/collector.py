@@ -160,6 +160,7 @@ class Collector(SupervisedActor):
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/streams/{stream}/events", self.post_events)
         app.router.add_post("/v1/streams/{stream}/fire", self.post_fire)
+        app.router.add_get("/v1/streams/{stream}/ws", self.ws_producer)
         app.router.add_get("/v1/acks/{token}", self.get_ack)
         app.router.add_get("/healthz", self.healthz)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -232,6 +233,48 @@ class Collector(SupervisedActor):
             return _error(bad.status, bad.reason)
         self._one_way(events)
         return web.Response(status=204)
+
+    async def ws_producer(self, request: web.Request) -> web.StreamResponse:
+        """Request/response over one WebSocket: a JSON object or array per frame, answered
+        per frame after logging; under backpressure the answer is a slow-down message and
+        the producer resends that frame (same ids) after `retry_after_ms`."""
+        stream = request.match_info["stream"]
+        if stream not in self.cfg.streams:
+            return _error(404, f"unknown stream {stream!r}")
+        ws = web.WebSocketResponse(max_msg_size=self.max_body_bytes, heartbeat=30)
+        await ws.prepare(request)
+        subject = self.cfg.streams[stream].subjects[0]
+        frame = 0
+        async for msg in ws:
+            if msg.type not in (web.WSMsgType.TEXT, web.WSMsgType.BINARY):
+                break  # errors and closes end the loop; aiohttp sends the close code
+            frame += 1
+            data = msg.data.encode() if msg.type == web.WSMsgType.TEXT else msg.data
+            answer: dict[str, Any] = {"frame": frame}
+            try:
+                items = parse_body(
+                    "application/json",
+                    data,
+                    max_events=self.max_events,
+                    max_event_bytes=self.max_event_bytes,
+                )
+                events = assign_ids(items, stream, subject, _now_ms())
+                self._handoff(await self._log_and_process(events))
+                self.counters["accepted"] += len(events)
+                answer.update(accepted=len(events), ids=[e.id for e in events])
+            except BadInput as bad:
+                self.counters["rejected"] += 1
+                answer.update(error=bad.reason, status=bad.status)
+            except (LogFull, Overloaded, LogUnavailable) as err:
+                self.counters["overloaded"] += 1
+                answer.update(
+                    slow_down=True,
+                    retry_after_ms=int(RETRY_AFTER_S) * 1000,
+                    error=f"overloaded, resend this frame later: {err}",
+                    status=503,
+                )
+            await ws.send_str(_json.encode(answer).decode())
+        return ws
 
     async def get_ack(self, request: web.Request) -> web.Response:
         status = await self.logger.token_status(request.match_info["token"])

@@ -154,6 +154,13 @@ def start_collection_tier(
         strategy=Strategy.ONE_FOR_ONE,
         intensity=Intensity(max_restarts=20, period_s=60.0),
     )
+    for name in tier.bridges:  # a bridge is ready once its streams exist
+        wait_until(
+            lambda n=name: ray.get(tier.actor(n).ready.remote(), timeout=30) is not None,
+            timeout=120,
+            what=f"{name} ready",
+            swallow=True,
+        )
     for name in tier.collectors:
         ep = wait_until(
             lambda n=name: ray.get(tier.actor(n).endpoints.remote(), timeout=30),

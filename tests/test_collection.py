@@ -285,3 +285,20 @@ async def test_sigkill_logger_primary_under_load(
     pid = ray.get(primary.heartbeat.remote(), timeout=30)["pid"]
     await _load_with_fault(tier, nats_server, "kl", lambda: os.kill(pid, signal.SIGKILL))
     assert ray.get(primary.heartbeat.remote(), timeout=30)["pid"] != pid
+
+
+async def test_websocket_producer(tier: CollectionTier, nats_server: NatsServer) -> None:
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{tier.url}/v1/streams/meetup/ws") as ws:
+        await ws.send_str('{"id": "ws-1"}')
+        assert await ws.receive_json(timeout=10) == {"frame": 1, "accepted": 1, "ids": ["ws-1"]}
+        await ws.send_str("{broken")
+        bad = await ws.receive_json(timeout=10)
+        assert bad["frame"] == 2 and bad["status"] == 400 and "JSON" in bad["error"]
+        await ws.send_bytes(b'[{"id": "ws-2"}, {"id": "ws-3"}]')  # the socket survives bad frames
+        assert (await ws.receive_json(timeout=10))["ids"] == ["ws-2", "ws-3"]
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await s.ws_connect(f"{tier.url}/v1/streams/nosuch/ws")
+        assert err.value.status == 404
+    want = ["ws-1", "ws-2", "ws-3"]
+    await await_until(lambda: _has(nats_server, "meetup", want), timeout=30, what="ws events")

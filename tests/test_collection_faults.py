@@ -134,3 +134,31 @@ async def test_logger_replica_lost_with_its_disk_is_replaced_and_caught_up(
         if not nats_server.running:
             nats_server.restart()
     await verdict_after_drain(tier, nats_server, first.acknowledged | second.acknowledged)
+
+
+async def test_full_log_tells_websocket_producers_to_slow_down(
+    tier: CollectionTier, nats_server: NatsServer
+) -> None:
+    import aiohttp
+
+    nats_server.kill()
+    try:
+        filled = await drive(tier.url, "meetup", known_events(BOUND, "full"), batch=100)
+        assert len(filled.acknowledged) == BOUND  # exactly the bound fits
+        url = f"{tier.url}/v1/streams/meetup/ws"
+        async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
+            await ws.send_str('{"id": "slow-1"}')
+            answer = await ws.receive_json(timeout=10)
+            assert answer["slow_down"] is True and answer["retry_after_ms"] > 0
+            assert answer["status"] == 503
+            nats_server.restart()
+
+            async def accepted_on_resend() -> bool:
+                await ws.send_str('{"id": "slow-1"}')  # same id: a resend, never a second event
+                return "accepted" in await ws.receive_json(timeout=10)
+
+            await await_until(accepted_on_resend, timeout=120, interval=1.0, what="log has room")
+    finally:
+        if not nats_server.running:
+            nats_server.restart()
+    await verdict_after_drain(tier, nats_server, filled.acknowledged | {"slow-1"})
