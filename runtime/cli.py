@@ -28,9 +28,11 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
 nats_app = typer.Typer(help="Run NATS servers on this machine.", no_args_is_help=True)
 checkpoint_app = typer.Typer(help="LevelDB checkpoints of actors.", no_args_is_help=True)
+logger_app = typer.Typer(help="The MessageLogger's stores.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(nats_app, name="nats")
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(logger_app, name="logger")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -61,6 +63,8 @@ def _where(info: dict[str, Any]) -> None:
     )
     console.print(f"  Spark     {info.get('spark', {}).get('master')}")
     console.print(f"  admin     {info.get('admin', {}).get('url')}/status  /metrics")
+    if info.get("collector", {}).get("url"):
+        console.print(f"  collector {info['collector']['url']}/v1/streams/<stream>/events")
     if info.get("streams"):
         console.print(f"  streams   {', '.join(info['streams'])}")
 
@@ -328,6 +332,45 @@ def replay(
         close_at_end=close_at_end,
         on_ready=ready,
     )
+
+
+@logger_app.command("inspect")
+def logger_inspect(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Pending (transient) and failed counts per logger replica: asked of the live replicas
+    when tierflow runs, read from their LevelDB stores when it does not."""
+    from actors.logger import inspect
+
+    cfg = _load(config)
+    state = runstate.read_state(cfg)
+    live = state and runstate.alive(state["process"]["pid"], state["process"]["create_time"])
+    rows = _fetch_status(state).get("loggers", []) if live else inspect(cfg.state_path)
+    if as_json:
+        print(json.dumps(rows))
+        return
+    table = Table(
+        "replica",
+        "state",
+        "pending",
+        "failed",
+        "bytes",
+        "epoch",
+        "catching up",
+        title=f"logger stores under {cfg.state_path / 'logger'}",
+    )
+    for r in rows:
+        table.add_row(
+            str(r.get("replica")),
+            str(r.get("state")),
+            str(r.get("transient", "")),
+            str(r.get("failed", "")),
+            str(r.get("bytes", "")),
+            str(r.get("epoch", "")),
+            str(r.get("catching_up", "")),
+        )
+    console.print(table)
 
 
 @checkpoint_app.command("repair")

@@ -36,6 +36,7 @@ class Runtime:
         self.admin_url = ""
         self.started_at = time.time()
         self.streams: list[str] = []
+        self.tier: Any = None
 
     async def start(self) -> None:
         from runtime.admin import serve
@@ -45,6 +46,11 @@ class Runtime:
         self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
         self.streams = await ensure_streams(self.nc, self.cfg)
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
+        from runtime.pipeline import start_collection_tier
+
+        self.tier = await loop.run_in_executor(
+            None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
+        )
         self.admin_runner, port = await serve(self.status, self.cfg.admin.host, self.cfg.admin.port)
         self.admin_url = f"http://{self.cfg.admin.host}:{port}"
 
@@ -52,6 +58,9 @@ class Runtime:
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
             self.admin_runner = None
+        if self.tier is not None:  # collectors drain first, then bridges, then loggers
+            await asyncio.get_running_loop().run_in_executor(None, self.tier.stop)
+            self.tier = None
         if self.root is not None:
             try:
                 await asyncio.wait_for(self.root.stop.remote(), timeout=10)
@@ -71,6 +80,7 @@ class Runtime:
             **self.services.describe(),
             "admin": {"url": self.admin_url},
             "streams": self.streams,
+            "collector": {"url": self.tier.url if self.tier else None},
         }
 
     async def status(self) -> dict[str, Any]:
@@ -120,7 +130,33 @@ class Runtime:
                 out["escalations"] = sup.get("escalations", [])
             except Exception as err:
                 out["supervisor_error"] = repr(err)
+        if self.tier is not None:
+            out["loggers"] = await self._logger_status()
         return out
+
+    async def _logger_status(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for group in self.tier.loggers:
+            try:
+                replicas = await asyncio.wait_for(group.status(), timeout=10)
+            except Exception as err:
+                replicas = [{"name": group.name, "error": repr(err)}]
+            for r in replicas:
+                c = r.get("counts") or {}
+                rows.append(
+                    {
+                        "replica": r.get("name"),
+                        "state": "error" if "error" in r else "running",
+                        "transient": c.get("transient"),
+                        "failed": c.get("failed"),
+                        "bytes": c.get("bytes"),
+                        "epoch": r.get("epoch"),
+                        "catching_up": r.get("catching_up"),
+                        "pid": r.get("pid"),
+                        "error": r.get("error"),
+                    }
+                )
+        return rows
 
 
 def start_root_supervisor(cfg: Config) -> Any:

@@ -76,8 +76,8 @@ def start_collection_tier(
 ) -> CollectionTier:
     """Start loggers, bridges and collectors; returns once every collector serves."""
     import ray
-    from actors.logger import start_logger_group
 
+    from actors.logger import start_logger_group
     from runtime.ray_supervisor import start_supervisor
     from runtime.waiting import wait_until
 

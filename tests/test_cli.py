@@ -29,6 +29,8 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
     env["TIERFLOW_STATE_DIR"] = str(tmp_path / "state")
     env["TIERFLOW_RAY__NUM_CPUS"] = "2"
+    env["TIERFLOW_ROLES__COLLECTOR__PORT"] = "0"  # a free port, not the default 8000
+    env["TIERFLOW_ROLES__GATEWAY__PORT"] = "0"
     return env
 
 
@@ -81,10 +83,26 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         assert [n["alive"] for n in snap["services"]["ray"]["nodes"]] == [True]
         names = [c["name"] for c in snap["children"]]
         assert names[0] == "tierflow-root" and snap["children"][0]["alive"]
+        assert len(snap["loggers"]) == 2  # k=1 by default: two replicas
         assert snap["escalated"] is None
 
         table = run(["status"], cli_env)
         assert table.returncode == 0 and "services" in table.stdout and "nats" in table.stdout
+
+        # The collection tier runs: an event posted to the collector is counted by the
+        # live logger replicas that `logger inspect` asks.
+        req = urllib.request.Request(
+            state["collector"]["url"] + "/v1/streams/meetup/events",
+            data=b'{"id": "cli-1"}',
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["ids"] == ["cli-1"]
+        inspect = run(["logger", "inspect", "--json"], cli_env)
+        assert inspect.returncode == 0, inspect.stderr
+        replicas = json.loads(inspect.stdout)
+        assert len(replicas) == 2 and all(r["state"] == "running" for r in replicas)
+        assert {r["epoch"] for r in replicas} == {1}
 
         with urllib.request.urlopen(state["admin"]["url"] + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
