@@ -7,7 +7,9 @@ The path of one request, top to bottom in this module:
 
 Interaction patterns:
 - request/response  `POST /v1/streams/{stream}/events` answers once the events are logged
-  on every logger replica; `?wait=queued` answers once JetStream acknowledged them.
+  on every logger replica; `?wait=queued` answers once JetStream acknowledged them. With
+  `logging.mode = "none"` there is no log, so every answer (any pattern) waits for
+  JetStream's ack: nothing is called accepted before something durable holds it.
 - request/acknowledge `?ack=token` answers 202 with a token right after logging;
   `GET /v1/acks/{token}` tells logged / queued (with sequences) / failed.
 - one-way  `POST /v1/streams/{stream}/fire` and UDP datagrams are answered (or not) before
@@ -55,6 +57,10 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 _json = msgspec.json.Encoder()
+
+
+class QueueRefused(Exception):
+    """Mode none only: JetStream did not acknowledge, and no log holds the events."""
 
 
 def _reply(
@@ -199,29 +205,34 @@ class Collector(SupervisedActor):
         except (LogFull, Overloaded) as full:
             self.counters["overloaded"] += 1
             return _error(503, f"overloaded, retry later: {full}")
-        except LogUnavailable as down:
+        except (LogUnavailable, QueueRefused) as down:
             self.counters["overloaded"] += 1
-            return _error(503, f"message log unavailable, retry later: {down}")
+            return _error(503, f"not persisted, resend with the same ids later: {down}")
         ids = [e.id for e in events]
+        if request.query.get("wait") == "queued":
+            return await self._answer_queued(processed, ids)
         self.counters["accepted"] += len(ids)
         if token:
             self._handoff(processed)
             return _reply(202, {"accepted": len(ids), "ids": ids, "token": token})
-        if request.query.get("wait") == "queued":
-            result = await self._send_to_bridge(processed)
-            if result is None:
-                return _reply(
-                    202,
-                    {
-                        "accepted": len(ids),
-                        "ids": ids,
-                        "queued": False,
-                        "note": "logged; the bridge will publish it",
-                    },
-                )
-            return _reply(200, {"accepted": len(ids), "ids": ids, **result})
         self._handoff(processed)
         return _reply(200, {"accepted": len(ids), "ids": ids})
+
+    async def _answer_queued(self, processed: list[Event], ids: list[str]) -> web.Response:
+        """Answer once JetStream acknowledged: 200 with sequences. When nothing holds the
+        events yet (mode none, and the queue refused them) the answer is 503."""
+        result = await self._send_to_bridge(processed)
+        if self.mode == "none" and (result is None or result["failed"]):
+            self.counters["overloaded"] += 1
+            failed = result["failed"] if result else ids
+            return _error(
+                503, "the queue did not acknowledge; resend with the same ids", failed=failed
+            )
+        self.counters["accepted"] += len(ids)
+        if result is None:
+            note = "logged; the bridge will publish it"
+            return _reply(202, {"accepted": len(ids), "ids": ids, "queued": False, "note": note})
+        return _reply(200, {"accepted": len(ids), "ids": ids, **result})
 
     async def post_fire(self, request: web.Request) -> web.Response:
         """One-way: answered before logging (the documented loss window)."""
@@ -265,7 +276,7 @@ class Collector(SupervisedActor):
             except BadInput as bad:
                 self.counters["rejected"] += 1
                 answer.update(error=bad.reason, status=bad.status)
-            except (LogFull, Overloaded, LogUnavailable) as err:
+            except (LogFull, Overloaded, LogUnavailable, QueueRefused) as err:
                 self.counters["overloaded"] += 1
                 answer.update(
                     slow_down=True,
@@ -308,7 +319,12 @@ class Collector(SupervisedActor):
         the logic runs; the answer still waits for the log. none: no log at all.
         """
         if self.mode == "none":
-            return self._apply_logic(events)
+            # No log: JetStream's ack is the only persistence, so wait for it here.
+            out = self._apply_logic(events)
+            result = await self._send_to_bridge(out)
+            if result is None or result["failed"]:
+                raise QueueRefused(f"{len(result['failed']) if result else len(out)} events")
+            return []  # already in JetStream: nothing left to hand off
         if self.mode == "rbml":
             await self._committer.submit(events)
             return self._apply_logic(events)
@@ -357,7 +373,8 @@ class Collector(SupervisedActor):
                 return None
 
     def _handoff(self, events: list[Event]) -> None:
-        self._spawn(self._send_to_bridge(events))
+        if events:
+            self._spawn(self._send_to_bridge(events))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -434,7 +451,7 @@ class Collector(SupervisedActor):
             if msg.reply:
                 await msg.respond(_json.encode({"error": bad.reason, "status": bad.status}))
             return
-        except (LogFull, Overloaded, LogUnavailable) as err:
+        except (LogFull, Overloaded, LogUnavailable, QueueRefused) as err:
             self.counters["overloaded"] += 1
             if msg.reply:
                 await msg.respond(_json.encode({"error": f"retry later: {err}", "status": 503}))

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +163,47 @@ async def test_full_log_tells_websocket_producers_to_slow_down(
         if not nats_server.running:
             nats_server.restart()
     await verdict_after_drain(tier, nats_server, filled.acknowledged | {"slow-1"})
+
+
+async def test_mode_none_acknowledges_only_what_jetstream_holds(
+    ray_module: Any, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """With no message log, the answer waits for JetStream: a dead queue means 503."""
+    import aiohttp
+
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path),
+            "ray": {"namespace": "tf-none"},
+            "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
+            "logging": {"mode": "none"},
+            "streams": {"nolog": {"subjects": ["raw.nolog"]}},
+        },
+    )
+    t = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: start_collection_tier(cfg, nats_url=nats_server.url)
+    )
+    url = f"{t.url}/v1/streams/nolog/events"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"id": "none-1"}) as r:
+                assert r.status == 200 and (await r.json())["ids"] == ["none-1"]
+            nats_server.kill()
+            async with s.post(url, json={"id": "none-2"}) as r:
+                assert r.status == 503 and "resend" in (await r.json())["error"]
+            nats_server.restart()
+
+            async def accepted() -> bool:
+                async with s.post(url, json={"id": "none-2"}) as r:
+                    return r.status == 200
+
+            await await_until(accepted, timeout=60, interval=0.5, what="queue back")
+        nc = await connect(nats_server.url)
+        stored = await stream_ids(nc, "nolog")
+        await nc.close()
+        assert stored == {"none-1": 1, "none-2": 1}
+    finally:
+        if not nats_server.running:
+            nats_server.restart()
+        await asyncio.get_running_loop().run_in_executor(None, t.stop)
