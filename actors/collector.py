@@ -124,6 +124,7 @@ class Collector(SupervisedActor):
             "udp": 0,
             "nats": 0,
             "bridge_errors": 0,
+            "buffered": 0,
             "handoffs": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
@@ -176,11 +177,15 @@ class Collector(SupervisedActor):
         self.port = runner.addresses[0][1]
         udp = await self._start_udp()
         nc = await self._start_nats_ingest()
+        consumers = await self._start_buffer_consumers(stop)
         ready()
         try:
             await stop.wait()
         finally:
             await runner.cleanup()  # stop accepting; in-flight handlers finish first
+            for consumer, task in consumers:
+                await task
+                await consumer.close()
             if udp is not None:
                 udp.close()
             if nc is not None:
@@ -426,6 +431,36 @@ class Collector(SupervisedActor):
             return
         self.counters["udp"] += 1
         self._one_way(events)
+
+    # ------------------------------------------------------------------ stream pattern
+
+    async def _start_buffer_consumers(self, stop: asyncio.Event) -> list[tuple[Any, Any]]:
+        """Processing side of the buffering layer: every collector shares one durable
+        consumer per stream-pattern stream, so buffered frames spread across replicas."""
+        from actors.stream_ingest import BufferConsumer, ensure_buffer_stream
+
+        streams = [s for s, sc in self.cfg.streams.items() if sc.source.url]
+        if not streams:
+            return []
+        nc = await connect_nats(self.cfg, self.nats_url, name=f"collector-{self.name}-buffer")
+        await ensure_buffer_stream(nc, streams)
+        out = []
+        for stream in streams:
+            consumer = BufferConsumer(nc, stream, lambda f, s=stream: self._buffered(s, f))
+            await consumer.start()
+            out.append((consumer, asyncio.ensure_future(consumer.run(stop))))
+        return out
+
+    async def _buffered(self, stream: str, frames: list[Any]) -> None:
+        """Raw frames from the buffer: the frame's dedup id becomes the event id, so a
+        redelivered frame is the same event. Raising (log full) leaves them unacked:
+        the buffer redelivers later, which is the backpressure of this pattern."""
+        subject = self.cfg.streams[stream].subjects[0]
+        now = _now_ms()
+        events = [Event(f.msg_id, stream, subject, f.data, now) for f in frames]
+        self._handoff(await self._log_and_process(events))
+        self.counters["buffered"] += len(events)
+        self.counters["accepted"] += len(events)
 
     async def _start_nats_ingest(self) -> Any:
         if not self.nats_ingest:

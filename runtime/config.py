@@ -122,6 +122,18 @@ class LogicConfig(_Strict, frozen=True):
     route_default: str = "unknown"
 
 
+class SourceConfig(_Strict):
+    """The stream pattern (book ch. 2): tierflow is the client of this long-lived source.
+
+    k+1 ingest nodes run (k standbys); the active one pushes raw frames to the buffer
+    stream and the collectors, scaled horizontally, apply the stream's logic to them.
+    """
+
+    url: str = ""
+    kind: Literal["auto", "ws", "websocket", "ndjson", "http", "sse"] = "auto"
+    k: Annotated[int, msgspec.Meta(ge=0, le=4)] = 1
+
+
 class StreamConfig(_Strict):
     """A JetStream stream the runtime creates or updates at start-up."""
 
@@ -131,6 +143,7 @@ class StreamConfig(_Strict):
     duplicate_window_s: PositiveF = 600.0
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
+    source: SourceConfig = msgspec.field(default_factory=SourceConfig)
 
 
 class LoggingConfig(_Strict):

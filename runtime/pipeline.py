@@ -34,6 +34,7 @@ class CollectionTier:
     supervisor: Any = None
     collector_port: int = 0
     udp_port: int = 0
+    ingest: list[str] = field(default_factory=list)  # stream-pattern ingest nodes
 
     @property
     def url(self) -> str:
@@ -48,6 +49,13 @@ class CollectionTier:
         """Stop collectors first (they drain), then bridges, then the logger groups."""
         import ray
 
+        for name in self.ingest:  # the source first: nothing new enters while draining
+            try:
+                handle = self.actor(name)
+                ray.get(handle.stop.remote(), timeout=30)
+                ray.kill(handle, no_restart=True)
+            except Exception as err:
+                log.info("ingest %s: %r", name, err)
         for name in self.collectors:
             try:
                 ray.get(self.actor(name).shutdown.remote(), timeout=60)
@@ -169,4 +177,18 @@ def start_collection_tier(
             swallow=True,
         )
         tier.udp_port = ep["udp_port"]
+    for stream, sc in cfg.streams.items():
+        if sc.source.url:
+            from actors.stream_ingest import start_stream_ingest
+
+            start_stream_ingest(
+                stream,
+                sc.source.url,
+                sc.source.kind,
+                replicas=sc.source.k + 1,
+                nats_url=nats_url,
+                state_dir=state,
+                namespace=ns,
+            )
+            tier.ingest += [f"ingest-{stream}-{i}" for i in range(sc.source.k + 1)]
     return tier

@@ -1,0 +1,414 @@
+"""Where analysis results go: a results stream, the latest value per key in NATS KV, dead letters.
+
+`ResultSink.write` is a ``foreachBatch`` function. For each result row it publishes to
+``<prefix>.<query>`` with ``Nats-Msg-Id = "<query>:<batchId>:<key>"`` and puts the row into
+the KV bucket under the key. All publishes are in flight together and every ack is awaited
+before `write` returns, so Spark records the batch as done only once its results are durable.
+A batch Spark replays after a crash publishes the same ids, which JetStream's duplicate window
+drops, and puts the same values: with the jetstream source's sequence offsets the pipeline is
+exactly-once end to end (the results stream's dedup window must outlast a restart).
+
+Malformed events read by the jetstream source (``valid`` false) go to
+``<deadletter_prefix>.<stream>`` with their original bytes, the reason and their origin in
+headers, and ``Nats-Msg-Id = "dl:<stream>:<seq>"``, so replays do not duplicate them either.
+
+A stream must capture the results and dead-letter subjects (e.g. ``results.>``,
+``deadletter.>``); a missing one fails the batch with an error naming the subject, rather
+than dropping results. The KV bucket is created (history 1, file storage) when missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import re
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js.api import PubAck
+    from pyspark.sql import DataFrame
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+QUERY_HEADER = "Tierflow-Query"
+BATCH_HEADER = "Tierflow-Batch"
+KEY_HEADER = "Tierflow-Key"
+ERROR_HEADER = "Tierflow-Error"
+SOURCE_STREAM_HEADER = "Tierflow-Source-Stream"
+SOURCE_SEQ_HEADER = "Tierflow-Source-Seq"
+SOURCE_SUBJECT_HEADER = "Tierflow-Source-Subject"
+SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
+B64_PREFIX = "b64."
+NULL_KEY = "b64.-"  # never produced by encoding a string: base64 output is >= 2 characters
+EMPTY_KEY = "b64.="
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_SUBJECT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+_PLAIN_KV_KEY = re.compile(r"^[-/_=a-zA-Z0-9]([-/_=.a-zA-Z0-9]*[-/_=a-zA-Z0-9])?$")
+_HEADER_MAX = 512
+_encoder = msgspec.json.Encoder(enc_hook=str)
+
+T = TypeVar("T")
+
+
+class SinkError(RuntimeError):
+    """Results could not be made durable; the batch must fail (and be replayed)."""
+
+
+def kv_key(key: Any) -> str:
+    """The KV key (also the id's last part) for a result key; reversible with `key_from_kv`.
+
+    Keys KV accepts as they are stay as they are; others (spaces, unicode, ...) become
+    ``b64.`` + URL-safe base64. None and "" have reserved forms.
+    """
+    if key is None:
+        return NULL_KEY
+    text = key if isinstance(key, str) else str(key)
+    if text == "":
+        return EMPTY_KEY
+    if _PLAIN_KV_KEY.match(text) and not text.startswith(B64_PREFIX):
+        return text
+    return B64_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def key_from_kv(kv: str) -> str | None:
+    """The result key a `kv_key` came from."""
+    if kv == NULL_KEY:
+        return None
+    if kv == EMPTY_KEY:
+        return ""
+    if kv.startswith(B64_PREFIX):
+        body = kv[len(B64_PREFIX) :]
+        return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+    return kv
+
+
+def result_id(query: str, batch_id: int, key: Any) -> str:
+    """The Nats-Msg-Id of one result: the same for a replay of the same batch."""
+    return f"{query}:{batch_id}:{kv_key(key)}"
+
+
+def _header_value(value: Any) -> str:
+    text = " ".join(str(value).split())  # no CR/LF in a header
+    return text[:_HEADER_MAX]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    subject: str
+    payload: bytes
+    headers: dict[str, str] | None = None
+
+
+@dataclass
+class BatchReport:
+    """What one call made durable; duplicates are publishes JetStream had already stored."""
+
+    published: int = 0
+    duplicates: int = 0
+    kv_puts: int = 0
+
+
+@dataclass
+class SinkStats:
+    """Totals since this sink object was created (on the driver, where foreachBatch runs)."""
+
+    batches: int = 0
+    results: int = 0
+    duplicates: int = 0
+    kv_puts: int = 0
+    dead_letters: int = 0
+    dead_letter_duplicates: int = 0
+    last_batch_id: int | None = None
+
+
+def _run_sync(make: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine to completion from sync code, even if this thread runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_call(make))
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(_call(make))
+        except BaseException as err:
+            box["error"] = err
+
+    t = threading.Thread(target=target, name="result-sink", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _call(make: Callable[[], Awaitable[T]]) -> T:
+    return await make()
+
+
+def _as_dict(row: Any) -> dict[str, Any]:
+    if isinstance(row, Mapping):
+        return dict(row)
+    if hasattr(row, "asDict"):
+        return row.asDict(recursive=True)
+    raise TypeError(f"a result row must be a Row or a mapping, not {type(row).__name__}")
+
+
+@dataclass
+class ResultSink:
+    """Idempotent results for one query: results stream + latest value per key in KV."""
+
+    nats_url: str
+    results_subject_prefix: str = "results"
+    kv_bucket: str = "results"
+    query_name: str = "query"
+    key_column: str = "key"
+    deadletter_prefix: str = "deadletter"
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    creds: str | None = None
+    tls_ca: str | None = None
+    timeout: float = 10.0
+    max_in_flight: int = 512
+    attempts: int = 3
+    create_bucket: bool = True
+    stats: SinkStats = field(default_factory=SinkStats, compare=False)
+    _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _TOKEN.match(self.query_name):
+            raise ValueError(f"query_name must match [A-Za-z0-9_-]+, not {self.query_name!r}")
+        if not _TOKEN.match(self.kv_bucket):
+            raise ValueError(f"kv_bucket must match [A-Za-z0-9_-]+, not {self.kv_bucket!r}")
+        for name in ("results_subject_prefix", "deadletter_prefix"):
+            if not _SUBJECT.match(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must be plain subject tokens, not {getattr(self, name)!r}"
+                )
+        if self.max_in_flight < 1 or self.attempts < 1:
+            raise ValueError("max_in_flight and attempts must be >= 1")
+
+    @property
+    def results_subject(self) -> str:
+        return f"{self.results_subject_prefix}.{self.query_name}"
+
+    def deadletter_subject(self, stream: str) -> str:
+        return f"{self.deadletter_prefix}.{stream}"
+
+    # ---- Spark entry points ------------------------------------------------------------
+
+    def write(self, df: DataFrame, batch_id: int) -> None:
+        """``foreachBatch`` function: the batch's result rows, one per key, made durable.
+
+        The rows are collected to the driver (results are per-key aggregates, not events).
+        """
+        rows = df.collect()
+        self.publish_results(rows, batch_id)
+
+    def dead_letters(self, stream: str) -> DeadLetterBatch:
+        """A ``foreachBatch`` function sending a jetstream source's invalid rows to dead letter."""
+        return DeadLetterBatch(self, stream)
+
+    # ---- sync API ----------------------------------------------------------------------
+
+    def publish_results(self, rows: Iterable[Any], batch_id: int) -> BatchReport:
+        """Publish and KV-put every row; return only when all are acknowledged.
+
+        One row per key: two rows with the same key in a batch would share an id, so the
+        second would be dropped as a duplicate; that is refused with ValueError.
+        """
+        dicts = [_as_dict(r) for r in rows]
+        report = _run_sync(
+            lambda: self._with_nc(lambda nc: self.apublish_results(nc, dicts, batch_id))
+        )
+        return report
+
+    def dead_letter(self, rows: Iterable[Any], stream: str) -> BatchReport:
+        """Publish malformed source rows (seq, subject, msg_id, error, raw/data) to dead letter."""
+        dicts = [_as_dict(r) for r in rows]
+        if not dicts:
+            return BatchReport()
+        return _run_sync(lambda: self._with_nc(lambda nc: self.adead_letter(nc, dicts, stream)))
+
+    # ---- async API ---------------------------------------------------------------------
+
+    async def connect(self) -> Client:
+        from runtime.nats import connect
+
+        return await connect(
+            self.nats_url,
+            user=self.user,
+            password=self.password,
+            token=self.token,
+            creds=self.creds,
+            tls_ca=self.tls_ca,
+            name=f"result-sink-{self.query_name}",
+        )
+
+    async def _with_nc(self, fn: Callable[[Client], Awaitable[T]]) -> T:
+        nc = await self.connect()
+        try:
+            return await fn(nc)
+        finally:
+            await nc.close()
+
+    async def apublish_results(
+        self, nc: Client, rows: list[dict[str, Any]], batch_id: int
+    ) -> BatchReport:
+        """`publish_results` on an open connection."""
+        results: list[Outgoing] = []
+        puts: list[Outgoing] = []
+        seen: set[str] = set()
+        for row in rows:
+            if self.key_column not in row:
+                raise ValueError(
+                    f"result sink {self.query_name!r}: row has no key column "
+                    f"{self.key_column!r}: {sorted(row)}"
+                )
+            key = kv_key(row[self.key_column])
+            if key in seen:
+                raise ValueError(
+                    f"result sink {self.query_name!r}: batch {batch_id} has two rows for key "
+                    f"{row[self.key_column]!r}; results must be one row per key"
+                )
+            seen.add(key)
+            payload = _encoder.encode(row)
+            headers = {
+                MSG_ID_HEADER: f"{self.query_name}:{batch_id}:{key}",
+                QUERY_HEADER: self.query_name,
+                BATCH_HEADER: str(batch_id),
+                KEY_HEADER: key,
+            }
+            results.append(Outgoing(self.results_subject, payload, headers))
+            puts.append(Outgoing(f"$KV.{self.kv_bucket}.{key}", payload))
+        if results:
+            await self._ensure_bucket(nc)
+        acks = await self._publish_all(nc, results + puts)
+        dups = sum(1 for a in acks[: len(results)] if a.duplicate)
+        report = BatchReport(published=len(results), duplicates=dups, kv_puts=len(puts))
+        s = self.stats
+        s.batches += 1
+        s.results += report.published
+        s.duplicates += report.duplicates
+        s.kv_puts += report.kv_puts
+        s.last_batch_id = batch_id
+        log.debug("result sink %s: batch %d: %s", self.query_name, batch_id, report)
+        return report
+
+    async def adead_letter(
+        self, nc: Client, rows: list[dict[str, Any]], stream: str
+    ) -> BatchReport:
+        """`dead_letter` on an open connection."""
+        subject = self.deadletter_subject(stream)
+        out = []
+        for row in rows:
+            raw = row.get("raw")
+            if raw is None:
+                raw = (row.get("data") or "").encode("utf-8")
+            headers = {
+                MSG_ID_HEADER: f"dl:{stream}:{row['seq']}",
+                SOURCE_STREAM_HEADER: stream,
+                SOURCE_SEQ_HEADER: str(row["seq"]),
+                ERROR_HEADER: _header_value(row.get("error") or "malformed"),
+            }
+            if row.get("subject"):
+                headers[SOURCE_SUBJECT_HEADER] = _header_value(row["subject"])
+            if row.get("msg_id"):
+                headers[SOURCE_MSG_ID_HEADER] = _header_value(row["msg_id"])
+            out.append(Outgoing(subject, bytes(raw), headers))
+        acks = await self._publish_all(nc, out)
+        dups = sum(1 for a in acks if a.duplicate)
+        self.stats.dead_letters += len(out)
+        self.stats.dead_letter_duplicates += dups
+        log.warning(
+            "result sink %s: %d malformed events from stream %r sent to %s",
+            self.query_name,
+            len(out),
+            stream,
+            subject,
+        )
+        return BatchReport(published=len(out), duplicates=dups)
+
+    async def _ensure_bucket(self, nc: Client) -> None:
+        from nats.js.api import KeyValueConfig, StorageType
+        from nats.js.errors import BucketNotFoundError, NotFoundError
+
+        if self._bucket_ready:
+            return
+        js = nc.jetstream(timeout=self.timeout)
+        try:
+            await js.key_value(self.kv_bucket)
+        except (BucketNotFoundError, NotFoundError) as err:
+            if not self.create_bucket:
+                raise SinkError(f"KV bucket {self.kv_bucket!r} does not exist") from err
+            await js.create_key_value(
+                KeyValueConfig(bucket=self.kv_bucket, history=1, storage=StorageType.FILE)
+            )
+        self._bucket_ready = True
+
+    async def _publish_all(self, nc: Client, msgs: list[Outgoing]) -> list[PubAck]:
+        """Publish all with up to `max_in_flight` acks pending; retry timeouts with the same id."""
+        import nats.errors
+        from nats.js.errors import APIError, NoStreamResponseError
+
+        js = nc.jetstream(timeout=self.timeout)
+        sem = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(m: Outgoing) -> PubAck:
+            last: Exception | None = None
+            for attempt in range(self.attempts):
+                if attempt:
+                    await asyncio.sleep(0.1 * 2**attempt)
+                async with sem:
+                    try:
+                        headers = dict(m.headers) if m.headers else None
+                        return await js.publish(m.subject, m.payload, headers=headers)
+                    except NoStreamResponseError as err:
+                        raise SinkError(
+                            f"no JetStream stream captures subject {m.subject!r}: create one "
+                            f"(e.g. a stream on '{m.subject.split('.')[0]}.>')"
+                        ) from err
+                    except (TimeoutError, nats.errors.TimeoutError) as err:
+                        last = err
+                    except APIError as err:
+                        raise SinkError(f"publishing to {m.subject!r} failed: {err}") from err
+            raise SinkError(
+                f"publishing to {m.subject!r} was not acknowledged after {self.attempts} "
+                f"attempts of {self.timeout} s: {last!r}"
+            )
+
+        return list(await asyncio.gather(*(one(m) for m in msgs)))
+
+
+@dataclass
+class DeadLetterBatch:
+    """``foreachBatch`` function: rows of a jetstream source with ``valid`` false -> dead letter."""
+
+    sink: ResultSink
+    stream: str
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        bad = df.where("valid = false").select("seq", "subject", "msg_id", "error", "raw", "data")
+        self.sink.dead_letter(bad.collect(), self.stream)
+
+
+__all__ = [
+    "BatchReport",
+    "DeadLetterBatch",
+    "ResultSink",
+    "SinkError",
+    "SinkStats",
+    "key_from_kv",
+    "kv_key",
+    "result_id",
+]

@@ -1,0 +1,341 @@
+"""jobs/jetstream.py: the jetstream PySpark DataSource against a real nats-server and real Spark."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
+
+from jobs.jetstream import (
+    AgedOutError,
+    Bounds,
+    SeqRange,
+    SourceError,
+    SourceOptions,
+    _parse_reply,
+    check_payload,
+    make_offset,
+    next_offset,
+    read_range,
+    register,
+    skipped_total,
+    split_range,
+)
+from runtime.nats import NatsServer, connect
+
+pytestmark = pytest.mark.timeout(180)
+T = TypeVar("T")
+
+
+# ---- pure policy ------------------------------------------------------------------------
+
+
+def test_next_offset_caps_by_limit_and_target_and_reports_no_data() -> None:
+    b = Bounds(first=1, last=100)
+    kw: dict[str, Any] = {"stream": "s", "on_aged_out": "fail"}
+    assert next_offset(make_offset(1), b, limit=ReadAllAvailable(), **kw) == make_offset(101)
+    assert next_offset(make_offset(1), b, limit=ReadMaxRows(30), **kw) == make_offset(31)
+    assert next_offset(make_offset(91), b, limit=ReadMaxRows(30), **kw) == make_offset(101)
+    assert next_offset(make_offset(1), b, limit=ReadAllAvailable(), target=51, **kw) == (
+        make_offset(51)
+    )
+    # nothing new: the start comes back unchanged
+    assert next_offset(make_offset(101), b, limit=ReadMaxRows(30), **kw) == make_offset(101)
+    assert next_offset(make_offset(95), b, limit=ReadMinRows(10), **kw) == make_offset(95)
+    # an empty stream that never held anything reports first=0, last=0
+    assert next_offset(make_offset(1), Bounds(0, 0), limit=ReadAllAvailable(), **kw) == (
+        make_offset(1)
+    )
+
+
+def test_next_offset_aged_out_fails_by_default_and_skip_counts_the_gap() -> None:
+    b = Bounds(first=251, last=350)
+    with pytest.raises(AgedOutError, match=r"'ev'.*start sequence 51.*first sequence .* 251"):
+        next_offset(make_offset(51), b, stream="ev", on_aged_out="fail", limit=ReadAllAvailable())
+    end = next_offset(make_offset(51, 7), b, stream="ev", on_aged_out="skip", limit=ReadMaxRows(40))
+    assert end == {"seq": 291, "skipped": 207}
+    # a stream purged down to nothing: first = last + 1
+    end = next_offset(
+        make_offset(5), Bounds(11, 10), stream="ev", on_aged_out="skip", limit=ReadAllAvailable()
+    )
+    assert end == {"seq": 11, "skipped": 6}
+
+
+def test_split_range_and_reply_parsing() -> None:
+    assert split_range(5, 5, 10) == []
+    assert split_range(1, 26, 10) == [SeqRange(1, 11), SeqRange(11, 21), SeqRange(21, 26)]
+    assert _parse_reply("$JS.ACK.ev.cons.1.42.40.1795301006886081543.7") == (
+        42,
+        1795301006886081543,
+        7,
+    )
+    v2 = "$JS.ACK.hub.ACCHASH.ev.cons.1.42.40.1795301006886081543.0.tok"
+    assert _parse_reply(v2) == (42, 1795301006886081543, 0)
+    with pytest.raises(SourceError):
+        _parse_reply("_INBOX.abc")
+
+
+def test_payload_checks() -> None:
+    assert check_payload(b'{"k": "a"}', "json") == ('{"k": "a"}', None)
+    text, err = check_payload(b'{"k": ', "json")
+    assert text == '{"k": ' and err and "not JSON" in err
+    assert check_payload(b"plain text", "utf8") == ("plain text", None)
+    text, err = check_payload(b"\xff\xfe{}", "utf8")
+    assert text is None and err and "not UTF-8" in err
+
+
+def test_options_are_validated_with_clear_errors() -> None:
+    base = {"url": "nats://127.0.0.1:4222", "stream": "ev"}
+    opts = SourceOptions.parse({**base, "subject": "raw.a, raw.b", "maxEventsPerTrigger": "50"})
+    assert opts.subjects == ("raw.a", "raw.b") and opts.max_events == 50
+    for bad, match in [
+        ({"stream": "ev"}, "'url'"),
+        ({"url": "nats://x"}, "'stream'"),
+        ({**base, "onAgedOut": "ignore"}, "onAgedOut"),
+        ({**base, "maxEventsPerTrigger": "0"}, "maxEventsPerTrigger"),
+        ({**base, "startingOffset": "-3"}, "startingOffset"),
+        ({**base, "validate": "xml"}, "validate"),
+    ]:
+        with pytest.raises(SourceError, match=match):
+            SourceOptions.parse(bad)
+
+
+# ---- against nats-server and Spark ------------------------------------------------------
+
+
+def run(fn: Callable[[Client], Awaitable[T]], url: str) -> T:
+    """Run `fn(nc)` on a fresh connection (sync tests drive Spark, so no loop is running)."""
+
+    async def main() -> T:
+        nc = await connect(url)
+        try:
+            return await fn(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+async def publish(nc: Client, msgs: list[tuple[str, bytes, str | None]]) -> None:
+    """Publish (subject, payload, msg id) in order with all acks in flight, then await them."""
+    js = nc.jetstream()
+    futs = []
+    for subject, payload, msg_id in msgs:
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        futs.append(await js.publish_async(subject, payload, headers=headers))
+    await asyncio.wait_for(asyncio.gather(*futs), 60)
+
+
+def add_stream(url: str, name: str, subjects: list[str], **kw: Any) -> None:
+    async def go(nc: Client) -> None:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects, **kw))
+
+    run(go, url)
+
+
+def event(i: int, key: str) -> bytes:
+    return json.dumps({"k": key, "i": i}).encode()
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # The tests kill Spark, never NATS, so fsync every 2 minutes is enough and far faster.
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def sp(spark: Any) -> Any:
+    register(spark)
+    return spark
+
+
+N = 10_000
+
+
+@pytest.fixture(scope="module")
+def ten_k(nats_url: str) -> list[tuple[int, str, str, str]]:
+    """Stream `ev` with 10k JSON events on raw.ev.a / raw.ev.b: (seq, subject, msg id, data)."""
+    add_stream(nats_url, "ev", ["raw.ev.>"])
+    msgs = [(f"raw.ev.{'ab'[i % 3 == 0]}", event(i, f"k{i % 7}"), f"ev-{i}") for i in range(N)]
+    run(lambda nc: publish(nc, msgs), nats_url)
+    return [(i + 1, s, mid, p.decode()) for i, (s, p, mid) in enumerate(msgs)]
+
+
+def reader(sp: Any, url: str, stream: str, **opts: str) -> Any:
+    r = sp.read.format("jetstream").option("url", url).option("stream", stream)
+    for k, v in opts.items():
+        r = r.option(k, v)
+    return r.load()
+
+
+def test_batch_read_returns_exactly_what_was_published(
+    sp: Any, nats_url: str, ten_k: list[tuple[int, str, str, str]]
+) -> None:
+    df = reader(sp, nats_url, "ev", partitionSize="3000", fetchBatch="1000")
+    assert df.rdd.getNumPartitions() == 4
+    rows = df.select("seq", "subject", "msg_id", "data", "valid", "ts").collect()
+    got = sorted((r.seq, r.subject, r.msg_id, r.data) for r in rows)
+    assert got == ten_k
+    assert all(r.valid for r in rows)
+    assert [r[0] for r in got] == list(range(1, N + 1))  # contiguous
+    assert all(r.ts is not None for r in rows)
+
+    t0 = time.perf_counter()
+    counted = reader(sp, nats_url, "ev").count()
+    dt = time.perf_counter() - t0
+    assert counted == N
+    opts = SourceOptions.parse({"url": nats_url, "stream": "ev"})
+    t1 = time.perf_counter()
+    direct = sum(batch.num_rows for batch in read_range(opts, SeqRange(1, N + 1)))
+    dt1 = time.perf_counter() - t1
+    assert direct == N
+    print(
+        f"\njetstream read of {N} events: Spark count() {N / dt:,.0f} events/s "
+        f"(job overhead included); one partition's reader alone {N / dt1:,.0f} events/s"
+    )
+
+
+def test_a_lost_consumer_is_replaced_without_gap_or_repeat(
+    nats_url: str, ten_k: list[tuple[int, str, str, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    opts = SourceOptions.parse(
+        {"url": nats_url, "stream": "ev", "fetchBatch": "1000", "timeout": "1"}
+    )
+
+    async def delete_consumers(nc: Client) -> int:
+        js = nc.jetstream()
+        names = [c.name for c in await js.consumers_info("ev")]
+        for name in names:
+            await js.delete_consumer("ev", name)
+        return len(names)
+
+    seqs: list[int] = []
+    for i, batch in enumerate(read_range(opts, SeqRange(1, N + 1))):
+        seqs.extend(batch.column("seq").to_pylist())
+        if i == 2:
+            assert run(delete_consumers, nats_url) == 1
+    assert seqs == list(range(1, N + 1))
+    assert "starting a new consumer" in caplog.text
+
+
+def test_subject_filter_and_sequence_range(
+    sp: Any, nats_url: str, ten_k: list[tuple[int, str, str, str]]
+) -> None:
+    want_b = [(seq, mid) for seq, subject, mid, _ in ten_k if subject == "raw.ev.b"]
+    rows = reader(sp, nats_url, "ev", subject="raw.ev.b", partitionSize="2500").collect()
+    assert sorted((r.seq, r.msg_id) for r in rows) == want_b
+    assert {r.subject for r in rows} == {"raw.ev.b"}
+
+    both = reader(sp, nats_url, "ev", subject="raw.ev.a,raw.ev.b").count()
+    assert both == N
+
+    part = reader(sp, nats_url, "ev", startingOffset="101", endingOffset="201", subject="raw.ev.a")
+    want = [seq for seq, subject, _, _ in ten_k if 101 <= seq < 201 and subject == "raw.ev.a"]
+    assert sorted(r.seq for r in part.collect()) == want
+
+
+def test_missing_stream_is_a_clear_error(sp: Any, nats_url: str) -> None:
+    with pytest.raises(Exception, match="stream 'nosuch' does not exist"):
+        reader(sp, nats_url, "nosuch").count()
+
+
+def stream_query(sp: Any, url: str, stream: str, ckpt: Path, seen: list[int], **opts: str) -> Any:
+    """An availableNow query appending every seq it sees to `seen` (driver-side foreachBatch)."""
+    r = sp.readStream.format("jetstream").option("url", url).option("stream", stream)
+    for k, v in opts.items():
+        r = r.option(k, v)
+
+    def collect(df: Any, batch_id: int) -> None:
+        seen.extend(row.seq for row in df.select("seq").collect())
+
+    return (
+        r.load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
+def test_streaming_reads_in_capped_batches_and_resumes_from_checkpoint(
+    sp: Any, nats_url: str, ten_k: list[tuple[int, str, str, str]], tmp_path: Path
+) -> None:
+    seen: list[int] = []
+    q = stream_query(sp, nats_url, "ev", tmp_path / "ck", seen, maxEventsPerTrigger="2500")
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert sorted(seen) == list(range(1, N + 1))
+    sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    assert sizes == [2500] * 4
+    t = sum(p["durationMs"]["addBatch"] for p in q.recentProgress) / 1000
+    print(f"\njetstream streaming: {N} events in 4 micro-batches, addBatch {t:.2f} s")
+
+    more = [("raw.ev.a", event(i, "late"), f"ev-{i}") for i in range(N, N + 300)]
+    more.append(("raw.ev.a", event(0, "dup"), "ev-5"))  # a duplicate id: JetStream drops it
+    run(lambda nc: publish(nc, more), nats_url)
+    seen.clear()
+    q = stream_query(sp, nats_url, "ev", tmp_path / "ck", seen, maxEventsPerTrigger="2500")
+    assert q.awaitTermination(120)
+    assert sorted(seen) == list(range(N + 1, N + 301))  # only the new events, once each
+
+
+def test_aged_out_start_fails_clearly_or_skips_and_counts(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    add_stream(nats_url, "small", ["raw.small"], max_msgs=100)
+    run(lambda nc: publish(nc, [("raw.small", event(i, "a"), None) for i in range(50)]), nats_url)
+    ckpt = tmp_path / "ck"
+    seen: list[int] = []
+    q = stream_query(sp, nats_url, "small", ckpt, seen)
+    assert q.awaitTermination(120)
+    assert sorted(seen) == list(range(1, 51))
+
+    # 300 more: the stream keeps 100, so sequences 51..250 are gone before the query returns
+    more = [("raw.small", event(i, "a"), None) for i in range(50, 350)]
+    run(lambda nc: publish(nc, more), nats_url)
+
+    failed = stream_query(sp, nats_url, "small", ckpt, seen)
+    with pytest.raises(Exception) as info:
+        failed.awaitTermination(120)
+    msg = str(info.value)
+    assert "'small'" in msg and "start sequence 51" in msg and "251" in msg, msg
+    assert not failed.isActive
+
+    seen.clear()
+    q = stream_query(sp, nats_url, "small", ckpt, seen, onAgedOut="skip")
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert sorted(seen) == list(range(251, 351))
+    assert skipped_total(q.lastProgress) == 200
+
+    # batch reads apply the same rule to an explicit start
+    with pytest.raises(Exception, match="start sequence 10 has aged out"):
+        reader(sp, nats_url, "small", startingOffset="10").count()
+    assert reader(sp, nats_url, "small", startingOffset="10", onAgedOut="skip").count() == 100
+
+
+def test_malformed_events_are_flagged_with_their_bytes(sp: Any, nats_url: str) -> None:
+    add_stream(nats_url, "mixed", ["raw.mixed"])
+    payloads = [event(0, "a"), b"\xff\xfenot utf-8", b"{not json", event(1, "b"), b""]
+    run(lambda nc: publish(nc, [("raw.mixed", p, None) for p in payloads]), nats_url)
+    rows = sorted(reader(sp, nats_url, "mixed").collect(), key=lambda r: r.seq)
+    assert [r.valid for r in rows] == [True, False, False, True, False]
+    assert rows[0].data == payloads[0].decode() and rows[0].raw is None and rows[0].error is None
+    assert rows[1].data is None and bytes(rows[1].raw) == payloads[1]
+    assert "not UTF-8" in rows[1].error
+    assert rows[2].data == "{not json" and "not JSON" in rows[2].error
+    assert bytes(rows[2].raw) == payloads[2]
+    lenient = reader(sp, nats_url, "mixed", validate="utf8").where("valid").count()
+    assert lenient == 4  # "{not json" and "" are UTF-8

@@ -1,0 +1,438 @@
+"""jobs/sink.py: idempotent results + KV upserts + dead letters; exactly-once across restarts.
+
+Real nats-server, real Spark (the shared session), and for the harshest case a Spark driver in
+a child process that is SIGKILLed (with its JVM) right after a batch's results are durable and
+before Spark commits the batch, so the restart must replay it and JetStream must drop the
+replayed results as duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+from nats.js.kv import _is_key_valid
+
+from jobs.jetstream import register
+from jobs.sink import (
+    BATCH_HEADER,
+    ERROR_HEADER,
+    MSG_ID_HEADER,
+    SOURCE_SEQ_HEADER,
+    SOURCE_STREAM_HEADER,
+    SOURCE_SUBJECT_HEADER,
+    ResultSink,
+    SinkError,
+    key_from_kv,
+    kv_key,
+    result_id,
+)
+from runtime.nats import NatsServer, connect
+from runtime.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(240)
+T = TypeVar("T")
+KEYS = 10
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def run(fn: Callable[[Client], Awaitable[T]], url: str) -> T:
+    async def main() -> T:
+        nc = await connect(url)
+        try:
+            return await fn(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def add_stream(url: str, name: str, subjects: list[str]) -> None:
+    async def go(nc: Client) -> None:
+        cfg = StreamConfig(name=name, subjects=subjects, duplicate_window=600)
+        await nc.jetstream().add_stream(cfg)
+
+    run(go, url)
+
+
+def publish(url: str, subject: str, payloads: list[bytes]) -> None:
+    async def go(nc: Client) -> None:
+        js = nc.jetstream()
+        futs = [await js.publish_async(subject, p) for p in payloads]
+        await asyncio.wait_for(asyncio.gather(*futs), 60)
+
+    run(go, url)
+
+
+def events(start: int, n: int) -> list[bytes]:
+    """Event i has key k(i % KEYS); the exact counts are computed from these same bytes."""
+    return [json.dumps({"k": f"k{i % KEYS}", "i": i}).encode() for i in range(start, start + n)]
+
+
+def exact_counts(payloads: list[bytes]) -> dict[str, int]:
+    return dict(Counter(json.loads(p)["k"] for p in payloads))
+
+
+def stream_msgs(url: str, stream: str, subject: str) -> list[tuple[int, dict[str, str], bytes]]:
+    """(seq, headers, data) of every message of `stream` on `subject`."""
+
+    async def go(nc: Client) -> list[tuple[int, dict[str, str], bytes]]:
+        js = nc.jetstream()
+        state = (await js.stream_info(stream)).state
+        out = []
+        for seq in range(max(state.first_seq, 1), state.last_seq + 1):
+            try:
+                m = await js.get_msg(stream, seq)
+            except NotFoundError:
+                continue
+            if m.subject == subject:
+                out.append((seq, dict(m.headers or {}), m.data or b""))
+        return out
+
+    return run(go, url)
+
+
+def kv_values(url: str, bucket: str) -> dict[str | None, dict[str, Any]]:
+    """The bucket's latest values, keyed by the original result key."""
+
+    async def go(nc: Client) -> dict[str | None, dict[str, Any]]:
+        kv = await nc.jetstream().key_value(bucket)
+        try:
+            keys = await kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return {}
+        return {key_from_kv(k): json.loads((await kv.get(k)).value) for k in keys}
+
+    return run(go, url)
+
+
+def kv_counts(url: str, bucket: str) -> dict[str, int]:
+    try:
+        return {k: v["count"] for k, v in kv_values(url, bucket).items()}
+    except NotFoundError:
+        return {}
+
+
+def count_query(
+    spark: Any,
+    url: str,
+    stream: str,
+    write: Callable[[Any, int], None],
+    ckpt: str | Path,
+    *,
+    max_events: int = 0,
+    trigger: dict[str, Any] | None = None,
+) -> Any:
+    """Count valid events by their JSON "k", written through `write` (a ResultSink)."""
+    from pyspark.sql import functions as F
+
+    src = spark.readStream.format("jetstream").option("url", url).option("stream", stream)
+    if max_events:
+        src = src.option("maxEventsPerTrigger", str(max_events))
+    counts = (
+        src.load()
+        .where("valid")
+        .select(F.get_json_object("data", "$.k").alias("key"))
+        .groupBy("key")
+        .count()
+    )
+    return (
+        counts.writeStream.outputMode("update")
+        .foreachBatch(write)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(**(trigger or {"availableNow": True}))
+        .start()
+    )
+
+
+def assert_exactly_once(url: str, query: str, bucket: str, payloads: list[bytes]) -> None:
+    """KV holds the exact counts; the results stream holds each (batch, key) result once."""
+    want = exact_counts(payloads)
+    assert kv_counts(url, bucket) == want
+    msgs = stream_msgs(url, "results", f"results.{query}")
+    ids = [h[MSG_ID_HEADER] for _, h, _ in msgs]
+    assert len(ids) == len(set(ids)), "a result id repeats"
+    # per key, results come in batch order with growing counts, the last one exact
+    last: dict[str, tuple[int, int]] = {}
+    for _, h, data in msgs:
+        row, batch = json.loads(data), int(h[BATCH_HEADER])
+        assert h[MSG_ID_HEADER] == result_id(query, batch, row["key"])
+        prev_batch, prev_count = last.get(row["key"], (-1, 0))
+        assert batch > prev_batch and row["count"] > prev_count, (row, batch, last)
+        last[row["key"]] = (batch, row["count"])
+    assert {k: c for k, (_, c) in last.items()} == want
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Spark is what gets killed here, never NATS, so fsync every 2 minutes is enough.
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+    try:
+        add_stream(server.url, "results", ["results.>"])
+        add_stream(server.url, "deadletter", ["deadletter.>"])
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def sp(spark: Any) -> Any:
+    register(spark)
+    return spark
+
+
+# ---- the sink on its own --------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.none(), st.text(max_size=40)))
+def test_kv_keys_are_valid_and_reversible(key: str | None) -> None:
+    k = kv_key(key)
+    assert _is_key_valid(k), k
+    assert key_from_kv(k) == key
+
+
+def test_kv_keys_keep_plain_keys_and_encode_the_rest() -> None:
+    assert kv_key("k1") == "k1" and kv_key("a/b=c.d_e-f") == "a/b=c.d_e-f"
+    assert kv_key(42) == "42"
+    for odd in ["two words", "ünï", ".lead", "trail.", "b64.looks-encoded", "a*b>c"]:
+        assert kv_key(odd).startswith("b64.") and key_from_kv(kv_key(odd)) == odd
+
+
+def test_publish_results_is_idempotent_per_batch_and_key(nats_url: str) -> None:
+    sink = ResultSink(nats_url, "results", "unit_kv", "unit")
+    rows = [{"key": "a", "count": 3}, {"key": "two words", "count": 1}, {"key": None, "count": 2}]
+    first = sink.publish_results(rows, 0)
+    assert (first.published, first.duplicates, first.kv_puts) == (3, 0, 3)
+    again = sink.publish_results(rows, 0)  # a replay of batch 0
+    assert (again.published, again.duplicates) == (3, 3)
+    sink.publish_results([{"key": "a", "count": 5}], 1)
+
+    msgs = stream_msgs(nats_url, "results", "results.unit")
+    assert [h[MSG_ID_HEADER] for _, h, _ in msgs] == [
+        "unit:0:a",
+        f"unit:0:{kv_key('two words')}",
+        "unit:0:b64.-",
+        "unit:1:a",
+    ]
+    assert kv_values(nats_url, "unit_kv") == {
+        "a": {"key": "a", "count": 5},
+        "two words": {"key": "two words", "count": 1},
+        None: {"key": None, "count": 2},
+    }
+    assert sink.stats.batches == 3 and sink.stats.duplicates == 3 and sink.stats.results == 7
+
+
+def test_bad_batches_are_refused_before_anything_is_published(nats_url: str) -> None:
+    sink = ResultSink(nats_url, "results", "unit_kv2", "unit2")
+    with pytest.raises(ValueError, match="two rows for key 'a'"):
+        sink.publish_results([{"key": "a", "n": 1}, {"key": "a", "n": 2}], 0)
+    with pytest.raises(ValueError, match="no key column 'key'"):
+        sink.publish_results([{"topic": "a"}], 0)
+    assert stream_msgs(nats_url, "results", "results.unit2") == []
+    lost = ResultSink(nats_url, "nowhere", "unit_kv2", "unit2")
+    with pytest.raises(SinkError, match="no JetStream stream captures subject 'nowhere.unit2'"):
+        lost.publish_results([{"key": "a"}], 0)
+    with pytest.raises(ValueError, match="query_name"):
+        ResultSink(nats_url, query_name="has.dot")
+
+
+def test_dead_letters_keep_the_bytes_and_the_reason_once(nats_url: str) -> None:
+    sink = ResultSink(nats_url, query_name="dl")
+    rows = [
+        {
+            "seq": 7,
+            "subject": "raw.x",
+            "msg_id": "e7",
+            "error": "payload is not UTF-8",
+            "raw": b"\xff",
+        },
+        {"seq": 9, "subject": "raw.x", "msg_id": None, "error": "not\r\nJSON", "raw": b"{"},
+    ]
+    assert sink.dead_letter(rows, "src").published == 2
+    assert sink.dead_letter(rows, "src").duplicates == 2  # a replayed batch
+    msgs = stream_msgs(nats_url, "deadletter", "deadletter.src")
+    assert [d for _, _, d in msgs] == [b"\xff", b"{"]
+    h = msgs[0][1]
+    assert h[MSG_ID_HEADER] == "dl:src:7" and h[SOURCE_STREAM_HEADER] == "src"
+    assert h[SOURCE_SEQ_HEADER] == "7" and h[SOURCE_SUBJECT_HEADER] == "raw.x"
+    assert h[ERROR_HEADER] == "payload is not UTF-8"
+    assert msgs[1][1][ERROR_HEADER] == "not JSON"
+    assert sink.stats.dead_letters == 4 and sink.stats.dead_letter_duplicates == 2
+
+
+# ---- exactly-once through Spark -------------------------------------------------------------
+
+
+def test_exactly_once_across_a_stop_mid_way(sp: Any, nats_url: str, tmp_path: Path) -> None:
+    add_stream(nats_url, "eo1", ["raw.eo1"])
+    sent = events(0, 2400)
+    publish(nats_url, "raw.eo1", sent)
+    ckpt = tmp_path / "ck"
+    sink = ResultSink(nats_url, "results", "eo1_kv", "eo1")
+    fast = {"processingTime": "50 milliseconds"}
+    q = count_query(sp, nats_url, "eo1", sink.write, ckpt, max_events=400, trigger=fast)
+    try:
+        wait_until(lambda: sink.stats.batches >= 2 or q.exception(), 120, what="2 batches")
+    finally:
+        q.stop()
+    assert q.exception() is None
+    assert sum(kv_counts(nats_url, "eo1_kv").values()) < len(sent), "stopped too late"
+
+    more = events(2400, 600)
+    publish(nats_url, "raw.eo1", more)
+    sink2 = ResultSink(nats_url, "results", "eo1_kv", "eo1")
+    q = count_query(sp, nats_url, "eo1", sink2.write, ckpt, max_events=1000)
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert_exactly_once(nats_url, "eo1", "eo1_kv", sent + more)
+
+
+CHILD = r"""
+import json, pathlib, sys, time
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["tests_dir"])
+from runtime.config import load
+from runtime.services import spark_session
+from jobs.jetstream import register
+from jobs.sink import ResultSink
+import test_sink
+
+cfg = load(environ={}, overrides={"state_dir": args["state_dir"], "spark": {"master": "local[2]"}})
+spark = spark_session(cfg, "tierflow-crash-child")
+register(spark)
+sink = ResultSink(args["url"], "results", args["bucket"], args["query"])
+
+def write(df, batch_id):
+    sink.write(df, batch_id)
+    if batch_id == args["block_at"]:
+        pathlib.Path(args["marker"]).write_text(str(batch_id))
+        time.sleep(600)  # results are durable, Spark has not committed: the parent kills us here
+
+q = test_sink.count_query(spark, args["url"], args["stream"], write, args["ckpt"],
+                          max_events=args["max_events"])
+q.awaitTermination()
+"""
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's whole process group (its JVM and Python workers) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(group_gone, 30, what="the child's JVM to exit")
+
+
+def test_exactly_once_across_sigkill_of_the_driver(sp: Any, nats_url: str, tmp_path: Path) -> None:
+    add_stream(nats_url, "eo2", ["raw.eo2"])
+    sent = events(0, 2000)
+    publish(nats_url, "raw.eo2", sent)
+    args = {
+        "tests_dir": str(Path(__file__).parent),
+        "state_dir": str(tmp_path / "child-state"),
+        "url": nats_url,
+        "stream": "eo2",
+        "bucket": "eo2_kv",
+        "query": "eo2",
+        "ckpt": str(tmp_path / "ck"),
+        "max_events": 1000,
+        "block_at": 1,
+        "marker": str(tmp_path / "blocked"),
+    }
+    log_path = tmp_path / "child.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(args)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: Path(args["marker"]).exists() or proc.poll() is not None,
+            150,
+            what="the child to finish batch 1",
+        )
+        assert Path(args["marker"]).exists(), log_path.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    # batches 0 and 1 are in the results stream and KV; Spark's commit log ends at batch 0
+    assert kv_counts(nats_url, "eo2_kv") == exact_counts(sent)
+    assert (Path(args["ckpt"]) / "commits" / "0").exists()
+    assert not (Path(args["ckpt"]) / "commits" / "1").exists()
+
+    more = events(2000, 1000)
+    publish(nats_url, "raw.eo2", more)
+    sink = ResultSink(nats_url, "results", "eo2_kv", "eo2")
+    q = count_query(sp, nats_url, "eo2", sink.write, args["ckpt"], max_events=1000)
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    # batch 1 was replayed: each of its KEYS results was already stored and was dropped
+    assert sink.stats.duplicates == KEYS
+    assert sink.stats.batches == 2  # batches 1 (again) and 2
+    assert_exactly_once(nats_url, "eo2", "eo2_kv", sent + more)
+    assert len(stream_msgs(nats_url, "results", "results.eo2")) == 3 * KEYS
+
+
+def test_malformed_events_go_to_dead_letter_and_the_query_keeps_running(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    add_stream(nats_url, "mal", ["raw.mal"])
+    good = events(0, 300)
+    bad = [b"\xff\xfe\x00", b'{"k": ', b"plain text"]
+    publish(nats_url, "raw.mal", good[:150] + bad + good[150:])
+    sink = ResultSink(nats_url, "results", "mal_kv", "mal")
+    trigger = {"processingTime": "100 milliseconds"}
+    counts = count_query(sp, nats_url, "mal", sink.write, tmp_path / "ck1", trigger=trigger)
+    dead = (
+        sp.readStream.format("jetstream")
+        .option("url", nats_url)
+        .option("stream", "mal")
+        .load()
+        .writeStream.foreachBatch(sink.dead_letters("mal"))
+        .option("checkpointLocation", str(tmp_path / "ck2"))
+        .trigger(**trigger)
+        .start()
+    )
+    try:
+        wait_until(lambda: kv_counts(nats_url, "mal_kv") == exact_counts(good), 90, what="counts")
+        wait_until(lambda: sink.stats.dead_letters == 3, 60, what="3 dead letters")
+        more_good, more_bad = events(300, 100), [b"\x80"]
+        publish(nats_url, "raw.mal", more_bad + more_good)
+        want = exact_counts(good + more_good)
+        wait_until(lambda: kv_counts(nats_url, "mal_kv") == want, 90, what="later counts")
+        wait_until(lambda: sink.stats.dead_letters == 4, 60, what="the 4th dead letter")
+        assert counts.isActive and dead.isActive
+        assert counts.exception() is None and dead.exception() is None
+    finally:
+        counts.stop()
+        dead.stop()
+    msgs = stream_msgs(nats_url, "deadletter", "deadletter.mal")
+    assert [d for _, _, d in msgs] == bad + more_bad
+    assert [h[SOURCE_SEQ_HEADER] for _, h, _ in msgs] == ["151", "152", "153", "304"]
+    assert "not UTF-8" in msgs[0][1][ERROR_HEADER] and "not JSON" in msgs[1][1][ERROR_HEADER]
