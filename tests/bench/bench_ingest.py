@@ -120,15 +120,16 @@ def test_ingest_per_logging_mode(tmp_path: Path) -> None:
             f"{label:<26}{r['rate']:>11,.0f}{r['queued_rate']:>10,.0f}{r['p50']:>8.1f}"
             f"{r['p99']:>8.1f}{r['queued_rate'] / ceiling['rate']:>12.2f}"
         )
-    rbml, hml = by[("rbml", 0)], by[("hml", 0)]
-    # The book's claim (43%): HML's overhead over no logging, relative to RBML's.
-    base = by[("none", 0)]["rate"]
-    over = {m: 1 / by[(m, 0)]["rate"] - 1 / base for m in ("rbml", "hml")}
-    reduction = 1 - over["hml"] / over["rbml"] if over["rbml"] > 0 else float("nan")
-    print(
-        f"HML overhead reduction vs RBML (per-event time over 'none'): {reduction:.0%} "
-        f"(book cites 43%); RBML {rbml['rate']:,.0f}/s, HML {hml['rate']:,.0f}/s"
-    )
+    # The book's claim (43%): HML cuts logging overhead against RBML. Measured here as the
+    # ack latency a producer sees (the log write is the overhead), per k.
+    reduction = {}
+    for k in (0, 1):
+        rbml, hml = by[("rbml", k)], by[("hml", k)]
+        reduction[k] = 1 - hml["p50"] / rbml["p50"]
+        print(
+            f"k={k}: HML p50 ack {hml['p50']:.1f} ms vs RBML {rbml['p50']:.1f} ms: "
+            f"{reduction[k]:+.0%} overhead reduction (book cites 43%)"
+        )
     out = Path("reports")
     out.mkdir(exist_ok=True)
     (out / "bench_ingest.json").write_text(
@@ -138,7 +139,7 @@ def test_ingest_per_logging_mode(tmp_path: Path) -> None:
                 "cores": os.cpu_count(),
                 "ceiling": ceiling,
                 "modes": rows,
-                "hml_overhead_reduction": reduction,
+                "hml_p50_reduction_by_k": reduction,
             },
             indent=2,
         )
