@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +64,8 @@ def _where(info: dict[str, Any]) -> None:
     )
     console.print(f"  Spark     {info.get('spark', {}).get('master')}")
     console.print(f"  admin     {info.get('admin', {}).get('url')}/status  /metrics")
+    if info.get("replay", {}).get("url"):
+        console.print(f"  source    {info['replay']['url']}  (synthetic Meetup RSVPs)")
     if info.get("collector", {}).get("url"):
         console.print(f"  collector {info['collector']['url']}/v1/streams/<stream>/events")
     if info.get("streams"):
@@ -394,19 +397,38 @@ def checkpoint_repair(path: Path) -> None:
 def demo(
     config: ConfigOpt = None,
     duration: Annotated[float, typer.Option(help="stop after N seconds (0: until Ctrl-C)")] = 0.0,
+    rate: Annotated[float, typer.Option(help="synthetic Meetup RSVPs per second")] = 200.0,
 ) -> None:
-    """Everything on one machine: the services, the runtime, and where to look."""
+    """The Meetup RSVP pipeline on this machine: a synthetic RSVP stream flows in."""
     cfg = _load(config)
     from runtime.launcher import serve_forever
 
     def ready(rt: Any, stop: asyncio.Event) -> None:
         console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")
         _where(rt.describe())
+        loop = asyncio.get_running_loop()
         if duration:
-            asyncio.get_running_loop().call_later(duration, stop.set)
+            loop.call_later(duration, stop.set)
+        loop.create_task(_report_flow(rt, stop))
 
-    asyncio.run(serve_forever(cfg, on_ready=ready, record_state=False))
+    asyncio.run(serve_forever(cfg, on_ready=ready, record_state=False, demo_rate=rate))
     console.print("tierflow demo stopped")
+
+
+async def _report_flow(rt: Any, stop: asyncio.Event, every_s: float = 5.0) -> None:
+    """A line every few seconds: how many RSVPs JetStream holds, and how fast they come."""
+    last, last_t = 0, time.monotonic()
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+        try:
+            info = await rt.nc.jetstream().stream_info("meetup")
+        except Exception as err:  # still starting, or stopping
+            console.print(f"  meetup stream: {err!r}")
+            continue
+        now, n = time.monotonic(), info.state.messages
+        console.print(f"  meetup stream: {n:,} RSVPs ({(n - last) / (now - last_t):,.0f}/s)")
+        last, last_t = n, now
 
 
 def main() -> None:

@@ -27,8 +27,10 @@ ROOT_SUPERVISOR = "tierflow-root"
 class Runtime:
     """The engines and actors of one `tierflow up`, with the status they report."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, demo_rate: float = 0.0) -> None:
         self.cfg = cfg
+        self.demo_rate = demo_rate
+        self.replay: Any = None
         self.services: Services | None = None
         self.root: Any = None
         self.nc: Any = None
@@ -46,6 +48,8 @@ class Runtime:
         self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
         self.streams = await ensure_streams(self.nc, self.cfg)
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
+        if self.demo_rate:
+            await self._start_demo_source()
         from runtime.pipeline import start_collection_tier
 
         self.tier = await loop.run_in_executor(
@@ -53,6 +57,22 @@ class Runtime:
         )
         self.admin_runner, port = await serve(self.status, self.cfg.admin.host, self.cfg.admin.port)
         self.admin_url = f"http://{self.cfg.admin.host}:{port}"
+
+    async def _start_demo_source(self) -> None:
+        """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by
+        the `meetup` stream's ingest nodes (the book's stream pattern)."""
+        import msgspec
+
+        from runtime.config import SourceConfig
+        from runtime.replay import ReplayServer
+
+        self.replay = ReplayServer(0, rate=self.demo_rate)
+        await self.replay.start()
+        streams = dict(self.cfg.streams)
+        meetup = streams["meetup"]
+        source = SourceConfig(url=self.replay.stream_url, kind="ws", k=meetup.source.k)
+        streams["meetup"] = msgspec.structs.replace(meetup, source=source)
+        self.cfg = msgspec.structs.replace(self.cfg, streams=streams)
 
     async def stop(self) -> None:
         if self.admin_runner is not None:
@@ -67,6 +87,9 @@ class Runtime:
             except Exception as err:  # a dying cluster must not block the rest of shutdown
                 log.warning("root supervisor did not stop cleanly: %s", err)
             self.root = None
+        if self.replay is not None:
+            await self.replay.stop()
+            self.replay = None
         if self.nc is not None:
             await self.nc.close()
             self.nc = None
@@ -81,6 +104,7 @@ class Runtime:
             "admin": {"url": self.admin_url},
             "streams": self.streams,
             "collector": {"url": self.tier.url if self.tier else None},
+            "replay": {"url": self.replay.stream_url if self.replay else None},
         }
 
     async def status(self) -> dict[str, Any]:
@@ -180,6 +204,7 @@ async def serve_forever(
     *,
     on_ready: Callable[[Runtime, asyncio.Event], None] | None = None,
     record_state: bool = True,
+    demo_rate: float = 0.0,
 ) -> None:
     """Run until SIGTERM/SIGINT (or `stop` is set); the run-state file exists while it runs."""
     stop = asyncio.Event()
@@ -190,7 +215,7 @@ async def serve_forever(
             loop.add_signal_handler(sig, stop.set)
 
     handle_signals()
-    rt = Runtime(cfg)
+    rt = Runtime(cfg, demo_rate=demo_rate)
     try:
         await rt.start()
         # ray.init installs its own SIGTERM handler, which skips our cleanup: take it back.
