@@ -26,6 +26,7 @@ from actors.logger import (
 )
 from runtime.replication import FencedError, ReplicaGroup
 from runtime.waiting import await_until
+from tests.support import fresh_ray
 
 NAMESPACE = f"test-logger-{uuid.uuid4().hex[:8]}"
 BIG = 1 << 40
@@ -33,16 +34,8 @@ BIG = 1 << 40
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
+    with fresh_ray(NAMESPACE):
+        yield
 
 
 def ev(i: int, *, token: str = "", ms: int = 1_000) -> Event:

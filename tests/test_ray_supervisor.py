@@ -27,6 +27,7 @@ from runtime.ray_supervisor import (
 )
 from runtime.supervision import Backoff, ChildSpec, Exit, Intensity, Restart, Strategy
 from runtime.waiting import wait_until
+from tests.support import fresh_ray
 
 NS = f"test-ray-supervisor-{uuid.uuid4().hex[:8]}"
 FAST = Backoff(base_s=0.05, factor=2.0, cap_s=0.5, jitter=0.0)
@@ -66,18 +67,8 @@ class Counter(SupervisedActor):
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    # address="local": without it ray.init joins any cluster recorded in
-    # /tmp/ray/ray_current_cluster (ray.cluster_utils.Cluster writes it in other tests)
-    ray.init(
-        address="local",
-        namespace=NS,
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+    with fresh_ray(NS):
+        yield
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER
 from runtime.replay import GeneratorSource, ReplayServer
 from runtime.waiting import await_until
+from tests.support import fresh_ray
 
 pytestmark = pytest.mark.timeout(120)
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -117,16 +118,8 @@ async def nc(server: NatsServer) -> AsyncIterator[Client]:
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(
-        address="local",
-        namespace=NS,
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+    with fresh_ray(NS):
+        yield
 
 
 # ---- pure parts ---------------------------------------------------------------------------
