@@ -98,6 +98,7 @@ class Collector(SupervisedActor):
         max_event_bytes: int = 1 << 20,
         commit: GroupCommitPolicy | None = None,
         max_bridge_calls: int = 4,
+        max_handoff_events: int = 50_000,
         start_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(state_dir, name=name)
@@ -125,12 +126,15 @@ class Collector(SupervisedActor):
             "nats": 0,
             "bridge_errors": 0,
             "buffered": 0,
+            "handoffs_deferred": 0,
             "handoffs": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
         )
         self._max_bridge_calls = max_bridge_calls
+        self.max_handoff_events = max_handoff_events
+        self._handoff_events = 0
         self._rr = 0
         self._dataplane = LoopThread(f"{name}-dataplane")
         self._dataplane.start(self._serve, start_timeout_s)
@@ -378,8 +382,23 @@ class Collector(SupervisedActor):
                 return None
 
     def _handoff(self, events: list[Event]) -> None:
-        if events:
-            self._spawn(self._send_to_bridge(events))
+        """Hand a logged batch to a bridge in the background. Past `max_handoff_events`
+        in memory the batch is left to the log: the bridge's replayer publishes it once
+        it is stale, so memory stays bounded while nothing is lost."""
+        if not events:
+            return
+        if self._handoff_events + len(events) > self.max_handoff_events:
+            self.counters["handoffs_deferred"] += len(events)
+            return
+        self._handoff_events += len(events)
+
+        async def send() -> None:
+            try:
+                await self._send_to_bridge(events)
+            finally:
+                self._handoff_events -= len(events)
+
+        self._spawn(send())
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -207,3 +207,47 @@ async def test_mode_none_acknowledges_only_what_jetstream_holds(
         if not nats_server.running:
             nats_server.restart()
         await asyncio.get_running_loop().run_in_executor(None, t.stop)
+
+
+async def test_deferred_handoffs_reach_jetstream_through_the_replayer(
+    ray_module: Any, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """With no room for in-memory handoffs, the log alone carries events to the bridge."""
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path),
+            "ray": {"namespace": "tf-deferred"},
+            "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
+            "streams": {"deferred": {"subjects": ["raw.deferred"]}},
+        },
+    )
+    t = await asyncio.get_running_loop().run_in_executor(
+        None,
+        lambda: start_collection_tier(
+            cfg,
+            nats_url=nats_server.url,
+            collector_options={"max_handoff_events": 0},
+            bridge_options={"stale_after_s": 1.0},
+        ),
+    )
+    try:
+        report = await drive(t.url, "deferred", known_events(2000, "dfr"), batch=100)
+        assert len(report.acknowledged) == 2000
+        stats = await t.actor(t.collectors[0]).stats.remote()
+        assert stats["handoffs_deferred"] == 2000 and stats["handoffs"] == 0
+
+        async def all_there() -> bool:
+            nc = await connect(nats_server.url)
+            try:
+                return sum((await stream_ids(nc, "deferred")).values()) == 2000
+            finally:
+                await nc.close()
+
+        await await_until(all_there, timeout=120, interval=0.5, what="replayed", swallow=True)
+        nc = await connect(nats_server.url)
+        verdict = judge(report.acknowledged, await stream_ids(nc, "deferred"))
+        await nc.close()
+        assert verdict.ok, str(verdict)
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, t.stop)
