@@ -7,10 +7,11 @@ one port with SO_REUSEPORT, and a NATS server these tests stop and restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,25 @@ def tier(
     t = start_collection_tier(cfg, nats_url=nats_server.url)
     yield t
     t.stop()
+
+
+@contextlib.asynccontextmanager
+async def own_tier(
+    nats_server: NatsServer, state: Path, namespace: str, overrides: dict[str, Any], **kwargs: Any
+) -> AsyncIterator[CollectionTier]:
+    """A throwaway tier with its own config, started and stopped off the event loop."""
+    cfg = load(
+        environ={},
+        overrides={"state_dir": str(state), "ray": {"namespace": namespace}, **overrides},
+    )
+    loop = asyncio.get_running_loop()
+    t = await loop.run_in_executor(
+        None, lambda: start_collection_tier(cfg, nats_url=nats_server.url, **kwargs)
+    )
+    try:
+        yield t
+    finally:
+        await loop.run_in_executor(None, t.stop)
 
 
 async def verdict_after_drain(
@@ -171,67 +191,52 @@ async def test_mode_none_acknowledges_only_what_jetstream_holds(
     """With no message log, the answer waits for JetStream: a dead queue means 503."""
     import aiohttp
 
-    cfg = load(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path),
-            "ray": {"namespace": "tf-none"},
-            "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
-            "logging": {"mode": "none"},
-            "streams": {"nolog": {"subjects": ["raw.nolog"]}},
-        },
-    )
-    t = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: start_collection_tier(cfg, nats_url=nats_server.url)
-    )
-    url = f"{t.url}/v1/streams/nolog/events"
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url, json={"id": "none-1"}) as r:
-                assert r.status == 200 and (await r.json())["ids"] == ["none-1"]
-            nats_server.kill()
-            async with s.post(url, json={"id": "none-2"}) as r:
-                assert r.status == 503 and "resend" in (await r.json())["error"]
-            nats_server.restart()
-
-            async def accepted() -> bool:
+    overrides = {
+        "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
+        "logging": {"mode": "none"},
+        "streams": {"nolog": {"subjects": ["raw.nolog"]}},
+    }
+    async with own_tier(nats_server, tmp_path, "tf-none", overrides) as t:
+        url = f"{t.url}/v1/streams/nolog/events"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url, json={"id": "none-1"}) as r:
+                    assert r.status == 200 and (await r.json())["ids"] == ["none-1"]
+                nats_server.kill()
                 async with s.post(url, json={"id": "none-2"}) as r:
-                    return r.status == 200
+                    assert r.status == 503 and "resend" in (await r.json())["error"]
+                nats_server.restart()
 
-            await await_until(accepted, timeout=60, interval=0.5, what="queue back")
-        nc = await connect(nats_server.url)
-        stored = await stream_ids(nc, "nolog")
-        await nc.close()
-        assert stored == {"none-1": 1, "none-2": 1}
-    finally:
-        if not nats_server.running:
-            nats_server.restart()
-        await asyncio.get_running_loop().run_in_executor(None, t.stop)
+                async def accepted() -> bool:
+                    async with s.post(url, json={"id": "none-2"}) as r:
+                        return r.status == 200
+
+                await await_until(accepted, timeout=60, interval=0.5, what="queue back")
+            nc = await connect(nats_server.url)
+            stored = await stream_ids(nc, "nolog")
+            await nc.close()
+            assert stored == {"none-1": 1, "none-2": 1}
+        finally:
+            if not nats_server.running:
+                nats_server.restart()
 
 
 async def test_deferred_handoffs_reach_jetstream_through_the_replayer(
     ray_module: Any, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     """With no room for in-memory handoffs, the log alone carries events to the bridge."""
-    cfg = load(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path),
-            "ray": {"namespace": "tf-deferred"},
-            "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
-            "streams": {"deferred": {"subjects": ["raw.deferred"]}},
-        },
-    )
-    t = await asyncio.get_running_loop().run_in_executor(
-        None,
-        lambda: start_collection_tier(
-            cfg,
-            nats_url=nats_server.url,
-            collector_options={"max_handoff_events": 0},
-            bridge_options={"stale_after_s": 1.0},
-        ),
-    )
-    try:
+    overrides = {
+        "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
+        "streams": {"deferred": {"subjects": ["raw.deferred"]}},
+    }
+    async with own_tier(
+        nats_server,
+        tmp_path,
+        "tf-deferred",
+        overrides,
+        collector_options={"max_handoff_events": 0},
+        bridge_options={"stale_after_s": 1.0},
+    ) as t:
         report = await drive(t.url, "deferred", known_events(2000, "dfr"), batch=100)
         assert len(report.acknowledged) == 2000
         stats = await t.actor(t.collectors[0]).stats.remote()
@@ -249,5 +254,3 @@ async def test_deferred_handoffs_reach_jetstream_through_the_replayer(
         verdict = judge(report.acknowledged, await stream_ids(nc, "deferred"))
         await nc.close()
         assert verdict.ok, str(verdict)
-    finally:
-        await asyncio.get_running_loop().run_in_executor(None, t.stop)

@@ -7,13 +7,8 @@ a pass is reproducible rather than a 99.7% coin that flakes once in a few hundre
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
 from collections import Counter
-from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +16,7 @@ from hypothesis import strategies as st
 
 from jobs import sketches as sk
 from jobs.sketches import Distinct, Frequency, Membership, Reservoir, TopN
+from tests.support import run_stream, write_batches
 
 # Skewed streams over a small alphabet: a few heavy hitters and a long tail.
 ALPHABET = [f"t{i}" for i in range(40)]
@@ -311,38 +307,6 @@ def test_merge_bytes_and_update_bytes(kind: str) -> None:
 
 
 # --------------------------------------------------------------------------- Spark glue
-
-
-def write_batches(directory: Path, batches: list[list[dict]]) -> str:
-    """One JSON-lines file per micro-batch; mtimes fix the order the file source reads."""
-    directory.mkdir(parents=True)
-    base = time.time() - 10_000
-    for i, rows in enumerate(batches):
-        path = directory / f"batch-{i:04d}.json"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(path, (base + i, base + i))
-    return str(directory)
-
-
-def run_stream(df: Any, checkpoint: Path, mode: str) -> tuple[list[tuple[int, list]], Any]:
-    """Run to completion (availableNow, a file per batch); non-empty batches' rows by id."""
-    emitted: list[tuple[int, list]] = []
-
-    def collect(batch: Any, batch_id: int) -> None:
-        rows = batch.collect()
-        if rows:
-            emitted.append((batch_id, rows))
-
-    q = (
-        df.writeStream.foreachBatch(collect)
-        .outputMode(mode)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    assert q.awaitTermination(120), "stream did not finish in 120 s"
-    assert q.exception() is None
-    return emitted, q
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,7 @@ window fires is observable, not only what it contains.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from jobs.windows import (
     tumbling_time_reference,
 )
 from runtime.waiting import poll
+from tests.support import run_stream, write_batches
 
 T0 = 1_700_000_000_000  # ms since the epoch, a multiple of every window length used here
 SEC = 1000
@@ -124,38 +122,6 @@ def test_late_reference_lags_one_batch_like_spark() -> None:
 
 
 # --------------------------------------------------------------------------- Spark helpers
-
-
-def write_batches(directory: Path, batches: list[list[dict]]) -> str:
-    """One JSON-lines file per micro-batch; mtimes fix the order the file source reads."""
-    directory.mkdir(parents=True)
-    base = time.time() - 10_000
-    for i, rows in enumerate(batches):
-        path = directory / f"batch-{i:04d}.json"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(path, (base + i, base + i))
-    return str(directory)
-
-
-def run_stream(df: Any, checkpoint: Path, mode: str) -> tuple[list[tuple[int, list]], Any]:
-    """Run to completion (availableNow); the rows of each non-empty batch, by batch id."""
-    emitted: list[tuple[int, list]] = []
-
-    def collect(batch: Any, batch_id: int) -> None:
-        rows = batch.collect()
-        if rows:
-            emitted.append((batch_id, rows))
-
-    q = (
-        df.writeStream.foreachBatch(collect)
-        .outputMode(mode)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    assert q.awaitTermination(120), "stream did not finish in 120 s"
-    assert q.exception() is None
-    return emitted, q
 
 
 EVENT_SCHEMA = "id string, k string, v string, ms long"
