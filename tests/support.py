@@ -63,3 +63,20 @@ def run_stream(df: Any, checkpoint: Path, mode: str) -> tuple[list[tuple[int, li
     assert q.awaitTermination(120), "stream did not finish in 120 s"
     assert q.exception() is None
     return emitted, q
+
+
+def with_nats(fn: Any, url: str) -> Any:
+    """Run `await fn(nc)` on a fresh NATS connection in a fresh loop (for sync tests that
+    drive Spark, where no event loop is running)."""
+    import asyncio
+
+    from runtime.nats import connect
+
+    async def main() -> Any:
+        nc = await connect(url)
+        try:
+            return await fn(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())

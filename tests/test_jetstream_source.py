@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,8 @@ from jobs.jetstream import (
     skipped_total,
     split_range,
 )
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(180)
 T = TypeVar("T")
@@ -111,19 +112,6 @@ def test_options_are_validated_with_clear_errors() -> None:
 # ---- against nats-server and Spark ------------------------------------------------------
 
 
-def run(fn: Callable[[Client], Awaitable[T]], url: str) -> T:
-    """Run `fn(nc)` on a fresh connection (sync tests drive Spark, so no loop is running)."""
-
-    async def main() -> T:
-        nc = await connect(url)
-        try:
-            return await fn(nc)
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
-
-
 async def publish(nc: Client, msgs: list[tuple[str, bytes, str | None]]) -> None:
     """Publish (subject, payload, msg id) in order with all acks in flight, then await them."""
     js = nc.jetstream()
@@ -138,7 +126,7 @@ def add_stream(url: str, name: str, subjects: list[str], **kw: Any) -> None:
     async def go(nc: Client) -> None:
         await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects, **kw))
 
-    run(go, url)
+    with_nats(go, url)
 
 
 def event(i: int, key: str) -> bytes:
@@ -169,7 +157,7 @@ def ten_k(nats_url: str) -> list[tuple[int, str, str, str]]:
     """Stream `ev` with 10k JSON events on raw.ev.a / raw.ev.b: (seq, subject, msg id, data)."""
     add_stream(nats_url, "ev", ["raw.ev.>"])
     msgs = [(f"raw.ev.{'ab'[i % 3 == 0]}", event(i, f"k{i % 7}"), f"ev-{i}") for i in range(N)]
-    run(lambda nc: publish(nc, msgs), nats_url)
+    with_nats(lambda nc: publish(nc, msgs), nats_url)
     return [(i + 1, s, mid, p.decode()) for i, (s, p, mid) in enumerate(msgs)]
 
 
@@ -225,7 +213,7 @@ def test_a_lost_consumer_is_replaced_without_gap_or_repeat(
     for i, batch in enumerate(read_range(opts, SeqRange(1, N + 1))):
         seqs.extend(batch.column("seq").to_pylist())
         if i == 2:
-            assert run(delete_consumers, nats_url) == 1
+            assert with_nats(delete_consumers, nats_url) == 1
     assert seqs == list(range(1, N + 1))
     assert "starting a new consumer" in caplog.text
 
@@ -284,7 +272,7 @@ def test_streaming_reads_in_capped_batches_and_resumes_from_checkpoint(
 
     more = [("raw.ev.a", event(i, "late"), f"ev-{i}") for i in range(N, N + 300)]
     more.append(("raw.ev.a", event(0, "dup"), "ev-5"))  # a duplicate id: JetStream drops it
-    run(lambda nc: publish(nc, more), nats_url)
+    with_nats(lambda nc: publish(nc, more), nats_url)
     seen.clear()
     q = stream_query(sp, nats_url, "ev", tmp_path / "ck", seen, maxEventsPerTrigger="2500")
     assert q.awaitTermination(120)
@@ -295,7 +283,9 @@ def test_aged_out_start_fails_clearly_or_skips_and_counts(
     sp: Any, nats_url: str, tmp_path: Path
 ) -> None:
     add_stream(nats_url, "small", ["raw.small"], max_msgs=100)
-    run(lambda nc: publish(nc, [("raw.small", event(i, "a"), None) for i in range(50)]), nats_url)
+    with_nats(
+        lambda nc: publish(nc, [("raw.small", event(i, "a"), None) for i in range(50)]), nats_url
+    )
     ckpt = tmp_path / "ck"
     seen: list[int] = []
     q = stream_query(sp, nats_url, "small", ckpt, seen)
@@ -304,7 +294,7 @@ def test_aged_out_start_fails_clearly_or_skips_and_counts(
 
     # 300 more: the stream keeps 100, so sequences 51..250 are gone before the query returns
     more = [("raw.small", event(i, "a"), None) for i in range(50, 350)]
-    run(lambda nc: publish(nc, more), nats_url)
+    with_nats(lambda nc: publish(nc, more), nats_url)
 
     failed = stream_query(sp, nats_url, "small", ckpt, seen)
     with pytest.raises(Exception) as info:
@@ -329,7 +319,7 @@ def test_aged_out_start_fails_clearly_or_skips_and_counts(
 def test_malformed_events_are_flagged_with_their_bytes(sp: Any, nats_url: str) -> None:
     add_stream(nats_url, "mixed", ["raw.mixed"])
     payloads = [event(0, "a"), b"\xff\xfenot utf-8", b"{not json", event(1, "b"), b""]
-    run(lambda nc: publish(nc, [("raw.mixed", p, None) for p in payloads]), nats_url)
+    with_nats(lambda nc: publish(nc, [("raw.mixed", p, None) for p in payloads]), nats_url)
     rows = sorted(reader(sp, nats_url, "mixed").collect(), key=lambda r: r.seq)
     assert [r.valid for r in rows] == [True, False, False, True, False]
     assert rows[0].data == payloads[0].decode() and rows[0].raw is None and rows[0].error is None

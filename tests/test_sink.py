@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,8 +42,9 @@ from jobs.sink import (
     kv_key,
     result_id,
 )
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
 from runtime.waiting import wait_until
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(240)
 T = TypeVar("T")
@@ -53,23 +54,12 @@ KEYS = 10
 # ---- helpers ------------------------------------------------------------------------------
 
 
-def run(fn: Callable[[Client], Awaitable[T]], url: str) -> T:
-    async def main() -> T:
-        nc = await connect(url)
-        try:
-            return await fn(nc)
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
-
-
 def add_stream(url: str, name: str, subjects: list[str]) -> None:
     async def go(nc: Client) -> None:
         cfg = StreamConfig(name=name, subjects=subjects, duplicate_window=600)
         await nc.jetstream().add_stream(cfg)
 
-    run(go, url)
+    with_nats(go, url)
 
 
 def publish(url: str, subject: str, payloads: list[bytes]) -> None:
@@ -78,7 +68,7 @@ def publish(url: str, subject: str, payloads: list[bytes]) -> None:
         futs = [await js.publish_async(subject, p) for p in payloads]
         await asyncio.wait_for(asyncio.gather(*futs), 60)
 
-    run(go, url)
+    with_nats(go, url)
 
 
 def events(start: int, n: int) -> list[bytes]:
@@ -106,7 +96,7 @@ def stream_msgs(url: str, stream: str, subject: str) -> list[tuple[int, dict[str
                 out.append((seq, dict(m.headers or {}), m.data or b""))
         return out
 
-    return run(go, url)
+    return with_nats(go, url)
 
 
 def kv_values(url: str, bucket: str) -> dict[str | None, dict[str, Any]]:
@@ -120,7 +110,7 @@ def kv_values(url: str, bucket: str) -> dict[str | None, dict[str, Any]]:
             return {}
         return {key_from_kv(k): json.loads((await kv.get(k)).value) for k in keys}
 
-    return run(go, url)
+    return with_nats(go, url)
 
 
 def kv_counts(url: str, bucket: str) -> dict[str, int]:
