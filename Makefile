@@ -6,7 +6,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench chaos lint fmt setup java clean
+CHROMIUM ?= /usr/bin/chromium
+SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+.PHONY: demo test bench chaos lint fmt setup java chromium clean
 
 setup: $(STAMP)
 
@@ -21,10 +24,17 @@ $(STAMP): pyproject.toml
 java: $(STAMP)
 	@$(VENV)/bin/tierflow check
 
+# The dashboard tests drive a real headless Chromium (Debian's package; Playwright's own
+# browser download is not used). They fail, not skip, without it.
+chromium:
+	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq chromium; } || \
+	  { echo "make test needs the Debian package chromium (apt-get install chromium)"; exit 1; }
+
 demo: $(STAMP) java
 	$(VENV)/bin/tierflow demo
 
-test: $(STAMP) java lint
+test: $(STAMP) java chromium lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Benchmarks print numbers and assert no speed; files are tests/bench/bench_*.py.
