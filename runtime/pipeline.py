@@ -40,6 +40,80 @@ class CollectionTier:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.collector_port}"
 
+    nats_url: str = ""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def spec(self, role: str, i: int) -> ChildSpec:
+        """The child spec of replica `i` of a role (the whole configuration: Ray reruns
+        `__init__` with exactly these arguments on restart)."""
+        common = {
+            "state_dir": str(self.cfg.state_path),
+            "config": self.cfg.to_dict(),
+            "nats_url": self.nats_url,
+            **self.options.get(role, {}),
+        }
+        if role == "bridge":
+            kwargs = {"name": f"bridge-{i}", "loggers": self.loggers, "replay": i == 0}
+            start = "actors.bridge:BrokerBridge"
+        elif role == "collector":
+            kwargs = {
+                "name": f"collector-{i}",
+                "logger": self.loggers[i % len(self.loggers)],
+                "bridges": self.bridges,
+                "port": self.collector_port,
+                "udp_port": self.udp_port,
+                "namespace": self.namespace,
+            }
+            start = "actors.collector:Collector"
+        else:
+            raise ValueError(f"no spec for role {role!r}")
+        return ChildSpec(
+            id=kwargs["name"],
+            start=start,
+            kwargs={**common, **kwargs},
+            ray_options={"num_cpus": 0},
+        )
+
+    def wait_serving(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
+        import ray
+
+        from runtime.waiting import wait_until
+
+        return wait_until(
+            lambda: ray.get(self.actor(name).endpoints.remote(), timeout=30),
+            timeout=timeout,
+            what=f"{name} serving",
+            swallow=True,
+        )
+
+    def scale(self, role: str, n: int) -> list[str]:
+        """Grow or shrink a role to `n` replicas while data flows.
+
+        Scale-down drains: the replica stops taking work (its listening socket closes, so
+        SO_REUSEPORT sends new connections to the others), finishes what is in hand, hands
+        its logged batches on, then leaves. What it accepted is in the MessageLogger, so
+        nothing acknowledged is lost; a client whose connection closes retries. Only
+        collectors scale this way for now: loggers hold state (k+1 groups), and bridges
+        are named by collectors at construction.
+        """
+        import ray
+
+        if role != "collector":
+            raise ValueError(f"scaling {role!r} is not supported yet (collectors only)")
+        if n < 1:
+            raise ValueError("a role needs at least 1 replica")
+        names = self.collectors
+        while len(names) < n:
+            i = _next_index(names, "collector")
+            spec = self.spec(role, i)
+            ray.get(self.supervisor.add_child.remote(spec), timeout=60)
+            self.wait_serving(spec.id)
+            names.append(spec.id)
+        while len(names) > n:
+            name = names.pop()
+            ray.get(self.supervisor.remove_child.remote(name, drain="shutdown"), timeout=120)
+        return list(names)
+
     def actor(self, name: str) -> Any:
         import ray
 
@@ -73,6 +147,11 @@ class CollectionTier:
         self.logger_groups.clear()
 
 
+def _next_index(names: list[str], role: str) -> int:
+    used = {int(n.rsplit("-", 1)[1]) for n in names}
+    return next(i for i in range(len(used) + 1) if i not in used)
+
+
 def start_collection_tier(
     cfg: Config,
     *,
@@ -104,55 +183,21 @@ def start_collection_tier(
         tier.logger_groups.append(group)
         tier.loggers.append(client)
 
-    config = cfg.to_dict()
-    specs: list[ChildSpec] = []
-    for i in range(cfg.roles.bridge.replicas):
-        name = f"bridge-{i}"
-        tier.bridges.append(name)
-        specs.append(
-            ChildSpec(
-                id=name,
-                start="actors.bridge:BrokerBridge",
-                kwargs={
-                    "state_dir": state,
-                    "name": name,
-                    "config": config,
-                    "nats_url": nats_url,
-                    "loggers": tier.loggers,
-                    "replay": i == 0,
-                    **(bridge_options or {}),
-                },
-                ray_options={"num_cpus": 0},
-            )
-        )
+    tier.nats_url, tier.udp_port = nats_url, udp_port
+    tier.options = {
+        "bridge": dict(bridge_options or {}),
+        "collector": dict(collector_options or {}),
+    }
     port = cfg.roles.collector.port if collector_port is None else collector_port
     if not port:
         from runtime.nats import free_port
 
         port = free_port()  # replicas share it with SO_REUSEPORT, so it is fixed up front
     tier.collector_port = port
-    for i in range(cfg.roles.collector.replicas):
-        name = f"collector-{i}"
-        tier.collectors.append(name)
-        specs.append(
-            ChildSpec(
-                id=name,
-                start="actors.collector:Collector",
-                kwargs={
-                    "state_dir": state,
-                    "name": name,
-                    "config": config,
-                    "logger": tier.loggers[i % len(tier.loggers)],
-                    "bridges": tier.bridges,
-                    "nats_url": nats_url,
-                    "port": port,
-                    "udp_port": udp_port,
-                    "namespace": ns,
-                    **(collector_options or {}),
-                },
-                ray_options={"num_cpus": 0},
-            )
-        )
+    tier.bridges = [f"bridge-{i}" for i in range(cfg.roles.bridge.replicas)]
+    tier.collectors = [f"collector-{i}" for i in range(cfg.roles.collector.replicas)]
+    specs = [tier.spec("bridge", i) for i in range(len(tier.bridges))]
+    specs += [tier.spec("collector", i) for i in range(len(tier.collectors))]
     tier.supervisor = start_supervisor(
         SUPERVISOR,
         specs,
@@ -170,13 +215,7 @@ def start_collection_tier(
             swallow=True,
         )
     for name in tier.collectors:
-        ep = wait_until(
-            lambda n=name: ray.get(tier.actor(n).endpoints.remote(), timeout=30),
-            timeout=120,
-            what=f"{name} serving",
-            swallow=True,
-        )
-        tier.udp_port = ep["udp_port"]
+        tier.udp_port = tier.wait_serving(name)["udp_port"]
     for stream, sc in cfg.streams.items():
         if sc.source.url:
             from actors.stream_ingest import start_stream_ingest

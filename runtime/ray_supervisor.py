@@ -213,6 +213,7 @@ class _Saved(msgspec.Struct, kw_only=True):
     parent_notified: bool = False
     stopped: bool = False
     escalations: list[dict[str, Any]] = []
+    added: dict[str, bytes] = {}  # ChildSpecs added at run time (pickled: they hold handles)
 
 
 @dataclass
@@ -276,6 +277,8 @@ class RaySupervisor(SupervisedActor):
         self._parent = parent
         self._saved = _Saved()
         super().__init__(state_dir, name=name)  # calls restore()
+        for cid, blob in self._saved.added.items():  # children added by scaling, kept
+            self._specs.setdefault(cid, ray.cloudpickle.loads(blob))
         self._namespace = namespace or ray.get_runtime_context().namespace
         self._children = {cid: _Child() for cid in self._specs}
         now = time.time()
@@ -352,6 +355,42 @@ class RaySupervisor(SupervisedActor):
         self._saved.escalations.append({"child": name, "reason": reason, "at": time.time()})
         del self._saved.escalations[:-_MAX_ESCALATIONS]
         self._save()
+
+    async def add_child(self, spec: ChildSpec) -> str:
+        """Start and supervise one more child (scaling up); kept across this actor's restarts."""
+        if spec.id in self._specs and spec.id not in self._saved.dropped:
+            raise ValueError(f"{self.name}: child {spec.id!r} already exists")
+        if spec.id in self._saved.dropped:
+            self._saved.dropped.remove(spec.id)
+        self._specs[spec.id] = spec
+        self._children[spec.id] = _Child()
+        self._saved.added[spec.id] = ray.cloudpickle.dumps(spec)
+        self._save()
+        self._children[spec.id].handle = self._create(spec.id)
+        return spec.id
+
+    async def remove_child(
+        self, cid: str, *, drain: str | None = "shutdown", timeout_s: float = 60.0
+    ) -> bool:
+        """Scale down by one child: stop supervising it, let it drain (call its `drain`
+        method: stop taking work, finish what it holds), then kill it for good.
+        Returns whether the drain finished in time."""
+        if cid not in self._specs or cid in self._saved.dropped:
+            raise ValueError(f"{self.name}: no child {cid!r}")
+        self._saved.dropped.append(cid)  # the monitor stops watching it first
+        self._save()
+        drained = True
+        handle = self._children[cid].handle
+        if drain and handle is not None:
+            try:
+                drained = bool(await asyncio.wait_for(getattr(handle, drain).remote(), timeout_s))
+            except Exception as exc:  # noqa: BLE001 - a dead child has nothing left to drain
+                log.warning("%s: drain of %s failed: %r", self.name, cid, exc)
+                drained = False
+        self._kill(cid, no_restart=True)
+        self._saved.added.pop(cid, None)
+        self._save()
+        return drained
 
     async def stop(self) -> None:
         """Stop supervising and kill the children for good; survives a restart of this actor."""
