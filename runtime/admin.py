@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
+ScaleFn = Callable[[str, int], Awaitable[list[str]]]
 
 
 class StatusMetrics:
@@ -63,7 +64,7 @@ class StatusMetrics:
         return generate_latest(self.registry)
 
 
-def make_app(status_fn: StatusFn) -> web.Application:
+def make_app(status_fn: StatusFn, scale_fn: ScaleFn | None = None) -> web.Application:
     metrics = StatusMetrics()
 
     async def status(_: web.Request) -> web.Response:
@@ -77,16 +78,30 @@ def make_app(status_fn: StatusFn) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "time": time.time()})
 
+    async def scale(request: web.Request) -> web.Response:
+        if scale_fn is None:
+            return web.json_response({"error": "scaling is not available"}, status=501)
+        try:
+            body = await request.json()
+            role, n = str(body["role"]), int(body["replicas"])
+            replicas = await scale_fn(role, n)
+        except (KeyError, TypeError, ValueError) as err:
+            return web.json_response({"error": str(err)}, status=400)
+        return web.json_response({"role": role, "replicas": replicas})
+
     app = web.Application()
+    app.router.add_post("/scale", scale)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", prom)
     app.router.add_get("/healthz", healthz)
     return app
 
 
-async def serve(status_fn: StatusFn, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def serve(
+    status_fn: StatusFn, host: str, port: int, scale_fn: ScaleFn | None = None
+) -> tuple[web.AppRunner, int]:
     """Start the admin app; returns the runner (to clean up) and the bound port."""
-    runner = web.AppRunner(make_app(status_fn), access_log=None)
+    runner = web.AppRunner(make_app(status_fn, scale_fn), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

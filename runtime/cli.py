@@ -250,6 +250,35 @@ def check() -> None:
     console.print(f"java {java}, nats-server {binary}: ok")
 
 
+@app.command()
+def scale(
+    role: Annotated[str, typer.Argument(help="collector (others to come)")],
+    replicas: Annotated[int, typer.Argument(min=1)],
+    config: ConfigOpt = None,
+) -> None:
+    """Resize a role of the running runtime; scale-down drains, nothing accepted is lost."""
+    cfg = _load(config)
+    state = runstate.read_state(cfg)
+    if not state or not runstate.alive(state["process"]["pid"], state["process"]["create_time"]):
+        err_console.print("tierflow is not running")
+        raise typer.Exit(3)
+    req = urllib.request.Request(
+        state["admin"]["url"] + "/scale",
+        data=json.dumps({"role": role, "replicas": replicas}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with (
+            console.status(f"scaling {role} to {replicas}..."),
+            urllib.request.urlopen(req, timeout=300) as resp,
+        ):
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        err_console.print(f"[red]{json.loads(err.read()).get('error', err)}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{role}: {len(body['replicas'])} replicas ({', '.join(body['replicas'])})")
+
+
 # --------------------------------------------------------------------------- config / nats
 
 

@@ -55,7 +55,9 @@ class Runtime:
         self.tier = await loop.run_in_executor(
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
-        self.admin_runner, port = await serve(self.status, self.cfg.admin.host, self.cfg.admin.port)
+        self.admin_runner, port = await serve(
+            self.status, self.cfg.admin.host, self.cfg.admin.port, self.scale
+        )
         self.admin_url = f"http://{self.cfg.admin.host}:{port}"
 
     async def _start_demo_source(self) -> None:
@@ -96,6 +98,13 @@ class Runtime:
         if self.services is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.services.stop)
             self.services = None
+
+    async def scale(self, role: str, n: int) -> list[str]:
+        """Resize a role while it runs (blocking Ray calls, so off the event loop)."""
+        if self.tier is None:
+            raise ValueError("the collection tier is not running")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.tier.scale, role, n)
 
     def describe(self) -> dict[str, Any]:
         assert self.services is not None

@@ -104,6 +104,11 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         assert len(replicas) == 2 and all(r["state"] == "running" for r in replicas)
         assert {r["epoch"] for r in replicas} == {1}
 
+        scaled = run(["scale", "collector", "2"], cli_env)
+        assert scaled.returncode == 0 and "2 replicas" in scaled.stdout, scaled.stderr
+        refused = run(["scale", "logger", "2"], cli_env)
+        assert refused.returncode == 1 and "not supported" in refused.stderr
+
         with urllib.request.urlopen(state["admin"]["url"] + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
         assert 'tierflow_service_healthy{service="nats"} 1.0' in metrics
