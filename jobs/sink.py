@@ -2,11 +2,13 @@
 
 `ResultSink.write` is a ``foreachBatch`` function. For each result row it publishes to
 ``<prefix>.<query>`` with ``Nats-Msg-Id = "<query>:<batchId>:<key>"`` and puts the row into
-the KV bucket under the key. All publishes are in flight together and every ack is awaited
-before `write` returns, so Spark records the batch as done only once its results are durable.
-A batch Spark replays after a crash publishes the same ids, which JetStream's duplicate window
-drops, and puts the same values: with the jetstream source's sequence offsets the pipeline is
-exactly-once end to end (the results stream's dedup window must outlast a restart).
+the KV bucket under the key (``<kv_prefix>.<key>`` when `kv_prefix` is set: the analysis jobs
+set it to the query name, as docs/contracts.md asks). All publishes are in flight together
+and every ack is awaited before `write` returns, so Spark records the batch as done only once
+its results are durable. A batch Spark replays after a crash publishes the same ids, which
+JetStream's duplicate window drops, and puts the same values: with the jetstream source's
+sequence offsets the pipeline is exactly-once end to end (the results stream's dedup window
+must outlast a restart).
 
 Malformed events read by the jetstream source (``valid`` false) go to
 ``<deadletter_prefix>.<stream>`` with their original bytes, the reason and their origin in
@@ -93,6 +95,14 @@ def key_from_kv(kv: str) -> str | None:
 def result_id(query: str, batch_id: int, key: Any) -> str:
     """The Nats-Msg-Id of one result: the same for a replay of the same batch."""
     return f"{query}:{batch_id}:{kv_key(key)}"
+
+
+def result_kv_key(query: str, key: Any) -> str:
+    """The KV key of a query's result (docs/contracts.md): ``<query>.<kv_key(key)>``.
+
+    A sink writes it when its `kv_prefix` is the query name, so queries never collide.
+    """
+    return f"{query}.{kv_key(key)}"
 
 
 def _header_value(value: Any) -> str:
@@ -182,6 +192,7 @@ class ResultSink:
     max_in_flight: int = 512
     attempts: int = 3
     create_bucket: bool = True
+    kv_prefix: str = ""
     stats: SinkStats = field(default_factory=SinkStats, compare=False)
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -190,6 +201,8 @@ class ResultSink:
             raise ValueError(f"query_name must match [A-Za-z0-9_-]+, not {self.query_name!r}")
         if not _TOKEN.match(self.kv_bucket):
             raise ValueError(f"kv_bucket must match [A-Za-z0-9_-]+, not {self.kv_bucket!r}")
+        if self.kv_prefix and not _SUBJECT.match(self.kv_prefix):
+            raise ValueError(f"kv_prefix must be plain key tokens, not {self.kv_prefix!r}")
         for name in ("results_subject_prefix", "deadletter_prefix"):
             if not _SUBJECT.match(getattr(self, name)):
                 raise ValueError(
@@ -290,7 +303,8 @@ class ResultSink:
                 KEY_HEADER: key,
             }
             results.append(Outgoing(self.results_subject, payload, headers))
-            puts.append(Outgoing(f"$KV.{self.kv_bucket}.{key}", payload))
+            kv = f"{self.kv_prefix}.{key}" if self.kv_prefix else key
+            puts.append(Outgoing(f"$KV.{self.kv_bucket}.{kv}", payload))
         if results:
             await self._ensure_bucket(nc)
         acks = await self._publish_all(nc, results + puts)
@@ -411,4 +425,5 @@ __all__ = [
     "key_from_kv",
     "kv_key",
     "result_id",
+    "result_kv_key",
 ]

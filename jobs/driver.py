@@ -1,0 +1,747 @@
+"""The analysis tier's driver: a supervised Ray actor hosting Spark and the streaming queries.
+
+`AnalysisDriver` is a detached, named Ray actor (`max_restarts=-1`, `num_cpus=0`). Its
+`__init__`, which Ray reruns after a crash, opens its LevelDB checkpoint, starts a thread that
+creates the Spark session (``local[2]`` unless ``spark.master`` names another) and starts
+every wanted query from its checkpoint under ``<state_dir>/spark/<query>`` (or
+``spark.checkpoint_dir``). Source offsets are stream sequences and the sink is idempotent,
+so a restart resumes exactly: nothing lost, no result published twice.
+
+The wanted jobs are the configured ones (constructor) plus those `start`ed later, minus
+those `stop`ped; both changes are kept in the checkpoint, so they survive restarts. One
+thread owns every Spark control call and reconciles the running queries with the wanted set
+once a second: it starts what is missing, stops what is no longer wanted, and restarts a
+query that died (backoff 1 s doubling to 30 s). Ray methods only change the wanted set and
+read state, so heartbeats never wait behind Spark (the actor is threaded). Each stream
+with a job also gets a dead-letter query: malformed events go to ``deadletter.<stream>``
+and are counted exactly (per batch id, in the checkpoint).
+
+`jobs_list`, `jobs_start`, `jobs_stop` serve ``tierflow jobs list|start|stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import ray
+
+from jobs.library import (
+    JobError,
+    JobSpec,
+    NatsTarget,
+    deadletter_query_name,
+    decode_spec,
+    encode_spec,
+    parse_job,
+    start_deadletters,
+    start_job,
+)
+from jobs.sink import BatchReport
+from runtime.ray_supervisor import SupervisedActor, supervised_options
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+    from runtime.checkpoint import CheckpointStore
+    from runtime.config import Config
+    from runtime.supervision import ChildSpec
+
+log = logging.getLogger(__name__)
+
+DRIVER_NAME = "tierflow-analysis"
+MAX_CONCURRENCY = 8
+DEFAULT_MASTER = "local[2]"
+RECONCILE_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+class JobsError(RuntimeError):
+    """The analysis driver cannot be reached or refused a request; the message says why."""
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] | None] | None:
+    """(batch id, first source's end offset) of a query's last committed batch, from its
+    checkpoint (Spark writes ``commits/<id>`` after the sink finished the batch); None when
+    no batch was committed yet."""
+    root = Path(checkpoint)
+    try:
+        ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
+    except FileNotFoundError:
+        return None
+    if not ids:
+        return None
+    batch = max(ids)
+    try:
+        lines = (root / "offsets" / str(batch)).read_text().splitlines()
+    except FileNotFoundError:
+        return batch, None
+    offset = json.loads(lines[2]) if len(lines) > 2 and lines[2] not in ("", "-") else None
+    return batch, offset if isinstance(offset, dict) else None
+
+
+def progress_summary(progress: Any) -> dict[str, Any]:
+    """The numbers `status()` shows from a StreamingQueryProgress (or its dict)."""
+    if progress is None:
+        return {}
+    p = json.loads(progress.json) if hasattr(progress, "json") else dict(progress)
+    durations = p.get("durationMs") or {}
+    return {
+        "batch_id": p.get("batchId"),
+        "input_rows": p.get("numInputRows"),
+        "input_rows_per_s": round(float(p.get("inputRowsPerSecond") or 0.0), 1),
+        "processed_rows_per_s": round(float(p.get("processedRowsPerSecond") or 0.0), 1),
+        "latency_ms": durations.get("triggerExecution"),
+        "watermark": (p.get("eventTime") or {}).get("watermark"),
+        "at": p.get("timestamp"),
+    }
+
+
+def backoff_s(failures: int) -> float:
+    """Delay before restarting a query that failed `failures` times in a row."""
+    return min(BACKOFF_MAX_S, 2.0 ** max(0, failures - 1))
+
+
+def default_master(cfg: Config) -> str:
+    """``spark.master`` when configured; the config's default ``local[*]`` becomes local[2]
+    (the driver shares its machine with Ray and NATS)."""
+    return DEFAULT_MASTER if cfg.spark.master == "local[*]" else cfg.spark.master
+
+
+# --------------------------------------------------------------------------- the actor
+
+
+@dataclass
+class _Query:
+    """One running (or wanted) query as the reconcile thread sees it."""
+
+    name: str
+    stream: str
+    kind: str
+    checkpoint: Path
+    query: StreamingQuery | None = None
+    failures: int = 0
+    restarts: int = 0
+    next_try: float = 0.0
+    error: str | None = None
+    started_at: float | None = None
+    last_batch: int | None = None
+    results: int = 0
+    duplicates: int = 0
+
+    def count(self, batch_id: int, report: BatchReport) -> None:
+        """A batch's results are durable (called from Spark's foreachBatch thread)."""
+        self.last_batch = batch_id
+        self.results += report.published
+        self.duplicates += report.duplicates
+
+
+class _DeadLetterCount(msgspec.Struct, array_like=True):
+    last_batch: int
+    total: int
+
+
+@dataclass
+class _Wanted:
+    """The wanted set and what the reconcile thread reports back."""
+
+    jobs: dict[str, JobSpec] = field(default_factory=dict)
+    queries: dict[str, _Query] = field(default_factory=dict)
+
+
+class AnalysisDriver(SupervisedActor):
+    """Spark and the streaming queries in one supervised Ray actor.
+
+    Args:
+        state_dir: root of the actor's LevelDB checkpoint and (by default) Spark checkpoints.
+        config: the tierflow config as a mapping (`Config.to_dict()`), validated here.
+        nats_url: where the streams are (default ``nats.url`` of the config).
+        jobs: the configured jobs (JobSpec mappings); each started unless `stop`ped.
+        master: Spark master (default: see `default_master`).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        config: Mapping[str, Any] | None = None,
+        *,
+        nats_url: str = "",
+        jobs: Sequence[Mapping[str, Any]] = (),
+        name: str | None = None,
+        master: str | None = None,
+    ) -> None:
+        from runtime.config import validate
+
+        self.cfg = validate(dict(config or {}))
+        self._configured = {s.name: s for s in (decode_spec(j) for j in jobs)}
+        self._lock = threading.Lock()
+        self._w = _Wanted()
+        super().__init__(state_dir, name=name)
+        self.nats = NatsTarget.from_config(self.cfg, nats_url)
+        if not self.nats.url:
+            raise JobsError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
+        self.master = master or default_master(self.cfg)
+        self.checkpoint_root = (
+            Path(self.cfg.spark.checkpoint_dir)
+            if self.cfg.spark.checkpoint_dir
+            else Path(state_dir) / "spark"
+        )
+        self.spark: SparkSession | None = None
+        self.late: Any = None
+        self.state = "starting"
+        self.error: str | None = None
+        self._closing = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="analysis-driver", daemon=True)
+        self._thread.start()
+
+    # ---- checkpoint ---------------------------------------------------------------------
+
+    def restore(self, store: CheckpointStore) -> None:
+        self._jobs_ns = store.namespace("jobs")
+        self._stopped_ns = store.namespace("stopped")
+        self._dl_ns = store.namespace("deadletters")
+        wanted = {
+            n: s for n, s in self._configured.items() if self._stopped_ns.get(n.encode()) is None
+        }
+        for key, blob in self._jobs_ns.scan():
+            try:
+                spec = decode_spec(blob)
+            except JobError as err:
+                log.error("analysis driver: dropping stored job %r: %s", key, err)
+                continue
+            wanted[spec.name] = spec
+        self._w.jobs = wanted
+
+    def _count_deadletters(self, stream: str, batch_id: int, n: int) -> None:
+        key = stream.encode()
+        raw = self._dl_ns.get(key)
+        seen = msgspec.msgpack.decode(raw, type=_DeadLetterCount) if raw else None
+        if seen is not None and batch_id <= seen.last_batch:
+            return  # a replayed batch: already counted
+        total = (seen.total if seen else 0) + n
+        self._dl_ns.put(key, msgspec.msgpack.encode(_DeadLetterCount(batch_id, total)))
+
+    def _deadletter_totals(self) -> dict[str, int]:
+        out = {}
+        for key, raw in self._dl_ns.scan():
+            out[key.decode()] = msgspec.msgpack.decode(raw, type=_DeadLetterCount).total
+        return out
+
+    # ---- the reconcile thread (the only one making Spark control calls) -----------------
+
+    def _run(self) -> None:
+        try:
+            self.spark = self._start_spark()
+        except Exception as err:  # reported by status(); a restart would fail the same way
+            log.exception("analysis driver: Spark did not start")
+            self.state, self.error = "failed", f"Spark did not start: {err!r}"
+            return
+        self.state = "running"
+        while not self._closing.is_set():
+            try:
+                self._reconcile()
+            except Exception:  # keep reconciling: one bad job must not stop the others
+                log.exception("analysis driver: reconcile")
+            self._wake.wait(RECONCILE_S)
+            self._wake.clear()
+        self._stop_all()
+
+    def _start_spark(self) -> SparkSession:
+        from jobs.jetstream import register
+        from jobs.windows import LateEventCounter
+        from runtime.services import spark_session
+
+        spark_cfg = msgspec.structs.replace(self.cfg.spark, master=self.master)
+        cfg = msgspec.structs.replace(self.cfg, spark=spark_cfg)
+        spark = spark_session(cfg, app_name=f"tierflow-{self.name}")
+        register(spark)
+        self.late = LateEventCounter()
+        spark.streams.addListener(self.late)
+        return spark
+
+    def _reconcile(self) -> None:
+        with self._lock:
+            wanted = dict(self._w.jobs)
+        streams: dict[str, float] = {}
+        for spec in wanted.values():
+            t = spec.trigger_s
+            streams[spec.stream] = min(streams.get(spec.stream, t), t)
+            self._ensure(spec.name, spec.stream, spec.kind, lambda s=spec: self._start_job(s))
+        for stream, trigger_s in streams.items():
+            name = deadletter_query_name(stream)
+            self._ensure(
+                name, stream, "deadletter", lambda s=stream, t=trigger_s: self._start_dl(s, t)
+            )
+        keep = set(wanted) | {deadletter_query_name(s) for s in streams}
+        for name in [n for n in self._w.queries if n not in keep]:
+            self._stop_query(name)
+
+    def _ensure(self, name: str, stream: str, kind: str, start: Any) -> None:
+        q = self._w.queries.get(name)
+        if q is None:
+            q = self._w.queries[name] = _Query(name, stream, kind, self.checkpoint_root / name)
+        if q.query is not None and q.query.isActive:
+            if q.failures and q.started_at and time.time() - q.started_at > BACKOFF_MAX_S:
+                q.failures = 0  # running steadily again
+            return
+        if q.query is not None:  # it died: why, and when to try again
+            exc = q.query.exception()
+            q.error = str(exc) if exc is not None else "stopped"
+            q.failures += 1
+            q.next_try = time.monotonic() + backoff_s(q.failures)
+            q.query = None
+            log.error("analysis driver: query %s died: %s", name, q.error)
+        if time.monotonic() < q.next_try:
+            return
+        try:
+            q.query = start()
+            q.started_at = time.time()
+            if q.failures:
+                q.restarts += 1
+        except Exception as err:
+            q.error = f"could not start: {err}"
+            q.failures += 1
+            q.next_try = time.monotonic() + backoff_s(q.failures)
+            log.error("analysis driver: query %s could not start: %s", name, err)
+
+    def _start_job(self, spec: JobSpec) -> StreamingQuery:
+        q = self._w.queries[spec.name]
+
+        def on_batch(batch_id: int, report: BatchReport) -> None:
+            q.count(batch_id, report)
+
+        assert self.spark is not None
+        return start_job(self.spark, spec, self.nats, self.checkpoint_root, on_batch=on_batch)
+
+    def _start_dl(self, stream: str, trigger_s: float) -> StreamingQuery:
+        q = self._w.queries[deadletter_query_name(stream)]
+
+        def on_batch(batch_id: int, report: BatchReport) -> None:
+            self._count_deadletters(stream, batch_id, report.published)
+            q.count(batch_id, report)
+
+        assert self.spark is not None
+        return start_deadletters(
+            self.spark,
+            stream,
+            self.nats,
+            self.checkpoint_root,
+            on_batch=on_batch,
+            trigger_s=trigger_s,
+        )
+
+    def _stop_query(self, name: str) -> None:
+        q = self._w.queries.pop(name, None)
+        if q is not None and q.query is not None:
+            try:
+                q.query.stop()
+            except Exception as err:
+                log.warning("analysis driver: stopping %s: %r", name, err)
+
+    def _stop_all(self) -> None:
+        for name in list(self._w.queries):
+            self._stop_query(name)
+        if self.spark is not None:
+            with contextlib.suppress(Exception):
+                self.spark.stop()
+            self.spark = None
+        self.state = "stopped"
+
+    # ---- Ray methods (quick; never a Spark control call) --------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """State, and per query: last committed batch and offset, rates, latency, late
+        events, results published and replayed results JetStream dropped as duplicates (both
+        since this incarnation started), query restarts, the last error; dead letters per
+        stream (exact, over all incarnations)."""
+        queries = {}
+        for name, q in list(self._w.queries.items()):
+            sq = q.query
+            active = bool(sq is not None and sq.isActive)
+            row: dict[str, Any] = {
+                "kind": q.kind,
+                "stream": q.stream,
+                "state": "running" if active else ("failed" if q.error else "starting"),
+                "restarts": q.restarts,
+                "error": q.error,
+                "results": q.results,
+                "duplicates": q.duplicates,
+            }
+            done = committed(q.checkpoint)
+            if done is not None:
+                row["last_batch_id"] = done[0]
+                row["committed_seq"] = (done[1] or {}).get("seq")
+            if sq is not None:
+                with contextlib.suppress(Exception):
+                    row.update(progress_summary(sq.lastProgress))
+                    row["late_events"] = self.late.count(sq.id) if self.late else 0
+            queries[name] = row
+        with self._lock:
+            wanted = sorted(self._w.jobs)
+        return {
+            **self.heartbeat(),
+            "state": self.state,
+            "error": self.error,
+            "master": self.master,
+            "nats_url": self.nats.url,
+            "jobs": wanted,
+            "queries": queries,
+            "dead_letters": self._deadletter_totals() if self.state != "stopped" else {},
+        }
+
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        """The wanted jobs' specs, by name."""
+        with self._lock:
+            return {n: msgspec.to_builtins(s) for n, s in self._w.jobs.items()}
+
+    def start(self, job: Mapping[str, Any] | str, wait_s: float = 60.0) -> dict[str, Any]:
+        """Want `job` (a JobSpec mapping or JSON) from now on, also after restarts; wait up
+        to `wait_s` for its query to run (or fail) and return its status row."""
+        spec = decode_spec(job if isinstance(job, str) else dict(job))
+        with self._lock:
+            running = self._w.jobs.get(spec.name)
+            if running is not None and running != spec:
+                raise JobsError(
+                    f"job {spec.name!r} runs with another spec; stop it first (its checkpoint "
+                    "holds the old query's state: a changed query needs a new name)"
+                )
+            self._w.jobs[spec.name] = spec
+        self._jobs_ns.put(spec.name.encode(), encode_spec(spec))
+        self._stopped_ns.delete(spec.name.encode())
+        self._wake.set()
+        return self._wait_for(spec.name, lambda row: row and row["state"] != "starting", wait_s)
+
+    def stop(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
+        """Stop wanting job `name` (also after restarts); wait up to `wait_s` for its query
+        to stop. Its checkpoint stays, so starting it again resumes where it stopped."""
+        with self._lock:
+            known = self._w.jobs.pop(name, None) is not None
+        self._jobs_ns.delete(name.encode())
+        if name in self._configured:
+            self._stopped_ns.put(name.encode(), b"1")
+        self._wake.set()
+        row = self._wait_for(name, lambda row: row is None, wait_s)
+        return {"name": name, "was_running": known, "stopped": row is None}
+
+    def _wait_for(self, name: str, done: Any, wait_s: float) -> Any:
+        deadline = time.monotonic() + wait_s
+        while True:
+            row = self.status()["queries"].get(name)
+            if done(row) or time.monotonic() >= deadline:
+                return row
+            time.sleep(0.1)
+
+    def await_idle(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait (at most `timeout` s) until every wanted query has committed all the input
+        its stream held when this call began; ``{"idle": bool, "behind": {query: seq}}``."""
+        deadline = time.monotonic() + timeout
+        targets: dict[str, int] = {}
+        behind: dict[str, Any] = {"driver": self.state}
+        while time.monotonic() < deadline:
+            try:
+                streams = {q.stream for q in list(self._w.queries.values())}
+                for s in streams - set(targets):
+                    targets[s] = _stream_end(self.nats, s)
+                behind = self._behind(targets)
+            except Exception as err:
+                behind = {"error": repr(err)}
+            if not behind:
+                return {"idle": True, "targets": targets}
+            time.sleep(0.2)
+        return {"idle": False, "targets": targets, "behind": behind}
+
+    def _behind(self, targets: Mapping[str, int]) -> dict[str, Any]:
+        if self.state != "running":
+            return {"driver": self.state}
+        out: dict[str, Any] = {}
+        with self._lock:
+            wanted = set(self._w.jobs)
+        queries = dict(self._w.queries)
+        for name in wanted - set(queries):
+            out[name] = "not started"
+        for name, q in queries.items():
+            if q.query is None or not q.query.isActive:
+                out[name] = "not running"
+                continue
+            done = committed(q.checkpoint)
+            seq = int((done[1] or {}).get("seq", 1)) if done else 1
+            if seq < targets.get(q.stream, 1):
+                out[name] = seq
+        return out
+
+    def shutdown(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Stop every query and Spark (the wanted set is kept for the next start)."""
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        stopped = not self._thread.is_alive()
+        if stopped:
+            self.state = "stopped"
+            self.store.close()
+        return {"stopped": stopped, "state": self.state}
+
+
+def _stream_end(nats: NatsTarget, stream: str) -> int:
+    """The next sequence `stream` will write (its committed-input target)."""
+    import asyncio
+
+    from jobs.jetstream import NatsOptions, stream_bounds
+
+    async def go() -> int:
+        opts = NatsOptions(nats.url, nats.user, nats.password, nats.token, nats.creds, nats.tls_ca)
+        nc = await opts.connect("analysis-driver-idle")
+        try:
+            return (await stream_bounds(nc, stream)).latest
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- starting it
+
+
+def driver_kwargs(
+    cfg: Config,
+    nats_url: str,
+    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
+    *,
+    master: str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """The constructor arguments of an AnalysisDriver (plain data, for Ray or a ChildSpec)."""
+    specs = [
+        msgspec.to_builtins(decode_spec(j if isinstance(j, JobSpec) else dict(j))) for j in jobs
+    ]
+    return {
+        "state_dir": str(state_dir or cfg.state_path),
+        "config": cfg.to_dict(),
+        "nats_url": nats_url,
+        "jobs": specs,
+        "master": master,
+    }
+
+
+def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
+    """Ray options: detached, named, restarted forever, threaded, no CPU reserved."""
+    return supervised_options(name, cfg.ray.namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
+
+
+def start_driver(
+    cfg: Config,
+    nats_url: str,
+    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
+    *,
+    name: str = DRIVER_NAME,
+    master: str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Start the named driver, or return the running one (its configured jobs unchanged:
+    use `start` on it to add jobs)."""
+    remote = ray.remote(AnalysisDriver)
+    kwargs = driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir)
+    return remote.options(**driver_options(cfg, name)).remote(**kwargs)
+
+
+def driver_child_spec(
+    cfg: Config,
+    nats_url: str,
+    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
+    *,
+    name: str = DRIVER_NAME,
+    master: str | None = None,
+) -> ChildSpec:
+    """The driver as a child of a RaySupervisor (e.g. under tierflow's root supervisor)."""
+    from runtime.supervision import ChildSpec
+
+    return ChildSpec(
+        name,
+        "jobs.driver:AnalysisDriver",
+        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master),
+        ray_options={"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY},
+        shutdown_s=60.0,
+    )
+
+
+def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
+    """The driver's status once Spark runs (or failed), or the last status at the deadline."""
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            status = ray.get(driver.status.remote(), timeout=10)
+            if status.get("state") in ("running", "failed"):
+                return status
+        time.sleep(0.5)
+    return status
+
+
+def stop_driver(driver: Any, timeout: float = 60.0) -> None:
+    """Stop the queries and Spark cleanly, then remove the actor for good."""
+    with contextlib.suppress(Exception):
+        ray.get(driver.shutdown.remote(timeout), timeout=timeout + 10)
+    ray.kill(driver, no_restart=True)
+
+
+# --------------------------------------------------------------------------- CLI functions
+
+
+def connect_ray(cfg: Config) -> None:
+    """Join `ray.address`, the running tierflow's Ray (its run-state file), or the cluster
+    ``RAY_ADDRESS`` names (set by ``ray job submit``)."""
+    if ray.is_initialized():
+        return
+    from runtime import runstate
+
+    state = runstate.read_state(cfg) or {}
+    address = (
+        cfg.ray.address
+        or (state.get("ray") or {}).get("address")
+        or os.environ.get("RAY_ADDRESS", "")
+    )
+    if not address:
+        raise JobsError(
+            "no Ray to join: start tierflow with `tierflow up --detach`, set ray.address, or "
+            "run under `ray job submit`"
+        )
+    ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
+
+
+def runtime_nats_url(cfg: Config) -> str:
+    """``nats.url``, or the URL of the running tierflow's embedded server."""
+    if cfg.nats.url:
+        return cfg.nats.url
+    from runtime import runstate
+
+    url = ((runstate.read_state(cfg) or {}).get("nats") or {}).get("url")
+    if not url:
+        raise JobsError("no NATS URL: set nats.url, or start tierflow with `tierflow up`")
+    return url
+
+
+def get_driver(cfg: Config, name: str = DRIVER_NAME) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=cfg.ray.namespace)
+    except ValueError:
+        return None
+
+
+def catalog(cfg: Config) -> dict[str, JobSpec]:
+    """Jobs known by name: the Meetup queries (when a ``meetup`` stream is configured) and
+    a ``jobs`` list in the config, once the config has one."""
+    from jobs.meetup import STREAM, meetup_jobs
+
+    out: dict[str, JobSpec] = {}
+    if STREAM in cfg.streams:
+        out.update({s.name: s for s in meetup_jobs()})
+    for raw in getattr(cfg, "jobs", None) or []:
+        spec = decode_spec(raw)
+        out[spec.name] = spec
+    return out
+
+
+def resolve_jobs(cfg: Config, name: str) -> list[JobSpec]:
+    """`name` as jobs: a catalog name, ``meetup`` (all five), or an inline spec."""
+    known = catalog(cfg)
+    if name in known:
+        return [known[name]]
+    if name == "meetup":
+        from jobs.meetup import QUERIES
+
+        return [known[q] for q in QUERIES if q in known]
+    if "=" in name or name.lstrip().startswith("{"):
+        return [parse_job(name)]
+    raise JobsError(
+        f"unknown job {name!r}: known are {sorted(known) or 'none'}; or give a spec such as "
+        "'name=topics kind=topn stream=meetup field=group.group_topics[].topic_name'"
+    )
+
+
+def _call(ref: Any, timeout: float) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError as err:
+        raise JobsError(f"the analysis driver did not answer within {timeout} s") from err
+
+
+def jobs_list(cfg: Config) -> list[dict[str, Any]]:
+    """Every known or running job: name, kind, stream, state and the query's numbers."""
+    connect_ray(cfg)
+    driver = get_driver(cfg)
+    status = _call(driver.status.remote(), 30) if driver is not None else {"queries": {}}
+    rows = []
+    for name, q in sorted(status["queries"].items()):
+        rows.append({"name": name, **q})
+    running = set(status["queries"])
+    for name, spec in sorted(catalog(cfg).items()):
+        if name not in running:
+            rows.append(
+                {"name": name, "kind": spec.kind, "stream": spec.stream, "state": "available"}
+            )
+    return rows
+
+
+def jobs_start(cfg: Config, name: str) -> list[dict[str, Any]]:
+    """Start job(s) `name` (see `resolve_jobs`) in the driver, starting the driver if needed."""
+    specs = resolve_jobs(cfg, name)
+    connect_ray(cfg)
+    driver = get_driver(cfg) or start_driver(cfg, runtime_nats_url(cfg))
+    out = []
+    for spec in specs:
+        row = _call(driver.start.remote(msgspec.to_builtins(spec), 120.0), 180)
+        out.append({"name": spec.name, **(row or {"state": "starting"})})
+    return out
+
+
+def jobs_stop(cfg: Config, name: str) -> list[dict[str, Any]]:
+    """Stop job(s) `name` (a job name or ``meetup``); their checkpoints stay."""
+    connect_ray(cfg)
+    driver = get_driver(cfg)
+    if driver is None:
+        raise JobsError("the analysis driver is not running")
+    if name == "meetup":
+        from jobs.meetup import QUERIES
+
+        names = list(QUERIES)
+    else:
+        names = [name]
+    return [_call(driver.stop.remote(n, 60.0), 90) for n in names]
+
+
+__all__ = [
+    "DRIVER_NAME",
+    "AnalysisDriver",
+    "JobsError",
+    "backoff_s",
+    "catalog",
+    "committed",
+    "connect_ray",
+    "default_master",
+    "driver_child_spec",
+    "driver_kwargs",
+    "driver_options",
+    "get_driver",
+    "jobs_list",
+    "jobs_start",
+    "jobs_stop",
+    "progress_summary",
+    "resolve_jobs",
+    "runtime_nats_url",
+    "start_driver",
+    "stop_driver",
+    "wait_running",
+]

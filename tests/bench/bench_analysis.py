@@ -1,0 +1,174 @@
+"""Analysis benchmark: events/s through the Meetup top-N job on Spark local[2].
+
+Prints numbers, asserts no speed (`make bench`). The same top-N query (all-time Space-Saving
+of ``group.group_topics[].topic_name``, results through the idempotent sink to the results
+stream and KV) runs twice over the same synthetic RSVPs, in the same Spark session: once
+reading the JetStream stream through the ``jetstream`` source, once reading the same events
+from JSON-lines files (Spark's file source), in micro-batches of equal size. A small
+warm-up query per source first pays the Python workers' start-up, so neither measured run
+does. Micro-batch latency (p50/p99) is each batch's ``triggerExecution`` from query progress.
+
+Run alone:
+`.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_analysis.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from jobs.jetstream import register
+from jobs.library import JobSpec, NatsTarget, start_job
+from jobs.meetup import meetup_jobs, topic_counts
+from runtime.config import load
+from runtime.meetup import RsvpGenerator
+from runtime.nats import NatsServer, connect
+from runtime.services import spark_session
+
+EVENTS = int(os.environ.get("TIERFLOW_BENCH_EVENTS", "50000"))
+BATCH = int(os.environ.get("TIERFLOW_BENCH_BATCH", "5000"))
+WARM = 2000
+
+
+async def publish(url: str, rsvps: list[bytes], warm: list[bytes]) -> float:
+    """Fill streams `meetup` and `warm`; returns the seconds `meetup` took (not measured)."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    for name, subjects in (
+        ("meetup", ["raw.meetup"]),
+        ("warm", ["raw.warm"]),
+        ("results", ["results.>"]),
+    ):
+        await js.add_stream(name=name, subjects=subjects)
+    await asyncio.gather(*[await js.publish_async("raw.warm", body) for body in warm])
+    t = time.perf_counter()
+    for start in range(0, len(rsvps), 1000):
+        acks = [
+            await js.publish_async("raw.meetup", body, headers={"Nats-Msg-Id": f"b{start + i}"})
+            for i, body in enumerate(rsvps[start : start + 1000])
+        ]
+        await asyncio.gather(*acks)
+    elapsed = time.perf_counter() - t
+    await nc.close()
+    return elapsed
+
+
+def quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def measure(query: Any, started: float, events: int) -> dict[str, Any]:
+    assert query.awaitTermination(1800), "the benchmark query did not finish"
+    wall = time.perf_counter() - started
+    assert query.exception() is None, query.exception()
+    progress = [json.loads(p.json) for p in query.recentProgress]
+    batches = [p for p in progress if p["numInputRows"]]
+    lat = [float(p["durationMs"]["triggerExecution"]) for p in batches]
+    rows = sum(p["numInputRows"] for p in batches)
+    return {
+        "events": rows,
+        "batches": len(batches),
+        "wall_s": wall,
+        "events_per_s": events / wall,
+        "processing_events_per_s": rows / (sum(lat) / 1000) if lat else 0.0,
+        "p50_ms": quantile(lat, 0.5),
+        "p99_ms": quantile(lat, 0.99),
+    }
+
+
+def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
+    gen = RsvpGenerator(seed=1)
+    rsvps = [gen.next() for _ in range(EVENTS)]
+    bodies = [json.dumps(r).encode() for r in rsvps]
+    files = tmp_path / "files"
+    files.mkdir()
+    for i, start in enumerate(range(0, EVENTS, BATCH)):
+        (files / f"part-{i:04d}.json").write_bytes(b"\n".join(bodies[start : start + BATCH]))
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "part.json").write_bytes(b"\n".join(bodies[:WARM]))
+
+    cfg = load(environ={}, overrides={"state_dir": str(tmp_path / "state")})
+    cfg = msgspec.structs.replace(cfg, spark=msgspec.structs.replace(cfg.spark, master="local[2]"))
+    spark = spark_session(cfg, app_name="tierflow-bench-analysis")
+    register(spark)
+    master = spark.sparkContext.master
+    topn: JobSpec = meetup_jobs()[0]
+
+    def files_source(path: Path) -> Any:
+        return (
+            spark.readStream.option("maxFilesPerTrigger", 1)
+            .text(str(path))
+            .withColumnRenamed("value", "data")
+        )
+
+    with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
+        publish_s = asyncio.run(publish(server.url, bodies, bodies[:WARM]))
+        nats = NatsTarget(server.url)
+        once = {"availableNow": True}
+
+        def run(name: str, events: int = EVENTS, stream: str = "meetup", **kw: Any) -> Any:
+            spec = msgspec.structs.replace(
+                topn, name=name, stream=stream, max_events_per_trigger=BATCH
+            )
+            t = time.perf_counter()
+            q = start_job(spark, spec, nats, tmp_path / "ckpt", trigger=once, **kw)
+            return measure(q, t, events)
+
+        run("bench_warm_files", WARM, source=files_source(warm))
+        run("bench_warm_jetstream", WARM, stream="warm")
+        from_js = run("bench_topn_jetstream")
+        from_files = run("bench_topn_files", source=files_source(files))
+
+        async def top_of(query: str) -> list[dict[str, Any]]:
+            nc = await connect(server.url)
+            kv = await nc.jetstream().key_value("results")
+            value = json.loads((await kv.get(f"{query}.all")).value)
+            await nc.close()
+            return value["top"]
+
+        tops = [asyncio.run(top_of(q)) for q in ("bench_topn_jetstream", "bench_topn_files")]
+    spark.stop()
+
+    exact = [t for t, _ in topic_counts(rsvps).most_common(10)]
+    assert [t["item"] for t in tops[0]] == exact == [t["item"] for t in tops[1]]
+    assert from_js["events"] == from_files["events"] == EVENTS
+
+    print(
+        f"\nanalysis: Meetup top-N (Space-Saving, capacity 100000), {EVENTS} RSVPs, "
+        f"micro-batches of {BATCH}, Spark {master}, {os.cpu_count()} cores "
+        f"(stream filled in {publish_s:.1f} s, not measured)"
+    )
+    head = f"{'events/s':>10}{'proc ev/s':>11}{'batches':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    print(f"{'source':<12}{head}")
+    for label, r in (("jetstream", from_js), ("files", from_files)):
+        print(
+            f"{label:<12}{r['events_per_s']:>10,.0f}{r['processing_events_per_s']:>11,.0f}"
+            f"{r['batches']:>9}{r['p50_ms']:>9.0f}{r['p99_ms']:>9.0f}"
+        )
+    print(
+        "events/s: wall clock from query start to its end; proc ev/s: events over the sum of "
+        "batch durations; p50/p99: triggerExecution per micro-batch"
+    )
+    out = Path("reports")
+    out.mkdir(exist_ok=True)
+    (out / "bench_analysis.json").write_text(
+        json.dumps(
+            {
+                "events": EVENTS,
+                "batch": BATCH,
+                "master": master,
+                "cores": os.cpu_count(),
+                "jetstream": from_js,
+                "files": from_files,
+            },
+            indent=2,
+        )
+    )

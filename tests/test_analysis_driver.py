@@ -1,0 +1,412 @@
+"""jobs/driver.py: the AnalysisDriver actor under SIGKILL, with real Spark, nats-server and Ray.
+
+One driver for the module (Spark in a Ray actor takes ~11 s to its first query). The
+acceptance test publishes synthetic Meetup RSVPs (with Nats-Msg-Id) while the driver runs
+the five Meetup queries, kills the driver's process three times (SIGKILL to the pid its
+heartbeat names; Ray restarts it, `__init__` resumes every query from its checkpoint), and,
+once the stream stops and the driver is idle, compares the results in KV with a plain-Python
+recomputation over exactly the acknowledged RSVPs. Later tests reuse the same driver for
+malformed events and for the `tierflow jobs` functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import ray
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from jobs.driver import (
+    DRIVER_NAME,
+    JobsError,
+    backoff_s,
+    committed,
+    default_master,
+    get_driver,
+    jobs_list,
+    jobs_start,
+    jobs_stop,
+    progress_summary,
+    resolve_jobs,
+    start_driver,
+    stop_driver,
+    wait_running,
+)
+from jobs.library import deadletter_query_name
+from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, key_from_kv
+from jobs.sketches import Distinct
+from runtime.config import Config, load
+from runtime.meetup import RsvpGenerator
+from runtime.nats import NatsServer, connect
+from runtime.services import ensure_streams
+from runtime.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(900)
+
+RATE_PER_S = 60
+KILL_DELAYS_S = (0.0, 0.7, 1.9)  # three kills, each this long after the last progress
+DL = deadletter_query_name("meetup")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+async def _with_nc(url: str, fn: Any) -> Any:
+    nc = await connect(url)
+    try:
+        return await fn(nc)
+    finally:
+        await nc.close()
+
+
+def run(url: str, fn: Any) -> Any:
+    return asyncio.run(_with_nc(url, fn))
+
+
+class Publisher:
+    """Publishes RSVPs at a steady rate on its own loop; `sent` holds the acknowledged ones.
+
+    A publish that is not acknowledged is retried with the same Nats-Msg-Id (JetStream
+    drops a repeat), a bounded number of times; a final failure fails the test.
+    """
+
+    def __init__(self, url: str, seed: int = 11) -> None:
+        self.url = url
+        self.gen = RsvpGenerator(seed=seed)
+        self.sent: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rsvp-publisher", daemon=True)
+
+    def start(self) -> Publisher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "publisher did not stop"
+        assert self.error is None, f"publisher failed: {self.error!r}"
+        return self.sent
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(_with_nc(self.url, self._main))
+        except BaseException as err:
+            self.error = err
+
+    async def _main(self, nc: Any) -> None:
+        js = nc.jetstream(timeout=10)
+        per_tick = max(1, RATE_PER_S // 10)
+        while not self._stop.is_set():
+            batch = [self.gen.next() for _ in range(per_tick)]
+            await asyncio.gather(*(self._publish(js, r) for r in batch))
+            self.sent.extend(batch)
+            await asyncio.sleep(0.1)
+
+    async def _publish(self, js: Any, rsvp: dict[str, Any]) -> None:
+        body = json.dumps(rsvp).encode()
+        headers = {MSG_ID_HEADER: f"rsvp-{rsvp['rsvp_id']}"}
+        for attempt in range(5):
+            try:
+                await js.publish("raw.meetup", body, headers=headers)
+                return
+            except Exception:
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+
+
+def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
+    async def go(nc: Any) -> dict[str, dict[str | None, Any]]:
+        kv = await nc.jetstream().key_value("results")
+        out: dict[str, dict[str | None, Any]] = {}
+        for k in await kv.keys():
+            query, _, rest = k.partition(".")
+            out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
+        return out
+
+    return run(url, go)
+
+
+def stream_headers(url: str, stream: str) -> list[dict[str, str]]:
+    """The headers of every message in `stream`, in order."""
+
+    async def go(nc: Any) -> list[dict[str, str]]:
+        js = nc.jetstream()
+        total = (await js.stream_info(stream)).state.messages
+        sub = await js.pull_subscribe(
+            ">", stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+        )
+        out: list[dict[str, str]] = []
+        for _ in range(1000):
+            if len(out) >= total:
+                break
+            out += [dict(m.headers or {}) for m in await sub.fetch(1000, timeout=5)]
+        await sub.unsubscribe()
+        return out
+
+    return run(url, go)
+
+
+def java_children(pid: int) -> list[psutil.Process]:
+    """The JVMs among a process's descendants (Spark's driver JVM for the actor)."""
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "java" in p.name():
+                out.append(p)
+        except psutil.NoSuchProcess:  # a short-lived child (a Python worker) went away
+            continue
+    return out
+
+
+def status(driver: Any) -> dict[str, Any]:
+    return ray.get(driver.status.remote(), timeout=30)
+
+
+def committed_seqs(driver: Any) -> dict[str, int]:
+    """Committed end sequence per query; only when every query has committed a batch."""
+    queries = status(driver)["queries"]
+    seqs = {n: q.get("committed_seq") for n, q in queries.items()}
+    if set(seqs) != {*QUERIES, DL} or any(s is None for s in seqs.values()):
+        return {}
+    return seqs  # type: ignore[return-value]
+
+
+def await_idle(driver: Any, timeout: float = 300.0) -> None:
+    idle = ray.get(driver.await_idle.remote(timeout), timeout=timeout + 30)
+    assert idle["idle"], idle
+
+
+def check_results(url: str, sent: list[dict[str, Any]]) -> None:
+    got = kv_by_query(url)
+    want = reference(sent)
+    for name in ("meetup_topn", "meetup_topn_window", "meetup_city_minute", "meetup_responses"):
+        assert got[name] == want[name], name
+    top = got["meetup_topn"]["all"]
+    counts = topic_counts(sent)
+    assert top["events"] == len(sent)
+    for t in top["top"]:  # Space-Saving bounds; exact here (capacity >= distinct topics)
+        assert t["count"] - t["error"] <= counts[t["item"]] <= t["count"]
+        assert t["error"] == 0
+    members = got["meetup_members"]["all"]
+    exact = want["meetup_members"]["all"]["distinct"]
+    assert abs(members["distinct"] - exact) <= Distinct(12).relative_error(3) * exact, members
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_committed_reads_the_last_commit_and_its_offsets(tmp_path: Path) -> None:
+    assert committed(tmp_path) is None
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "offsets").mkdir()
+    assert committed(tmp_path) is None
+    for batch, seq in ((0, 11), (1, 42), (2, 99)):
+        meta = '{"batchWatermarkMs":0}'
+        (tmp_path / "offsets" / str(batch)).write_text(f'v1\n{meta}\n{{"seq": {seq}}}')
+    for batch in (0, 1):  # batch 2 was planned, not committed
+        (tmp_path / "commits" / str(batch)).write_text("v1\n{}")
+    assert committed(tmp_path) == (1, {"seq": 42})
+
+
+def test_policy_helpers() -> None:
+    assert [backoff_s(n) for n in (1, 2, 3, 6, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0]
+    cfg = load(environ={})
+    assert default_master(cfg) == "local[2]"
+    assert default_master(load(environ={}, overrides={"spark": {"master": "spark://h:7077"}}))
+    assert progress_summary(None) == {}
+    row = progress_summary(
+        {
+            "batchId": 3,
+            "numInputRows": 10,
+            "inputRowsPerSecond": 5.04,
+            "processedRowsPerSecond": 20.0,
+            "durationMs": {"triggerExecution": 500},
+            "eventTime": {"watermark": "2016-09-06T10:52:00.000Z"},
+        }
+    )
+    assert (row["batch_id"], row["latency_ms"], row["input_rows_per_s"]) == (3, 500, 5.0)
+
+
+def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
+    cfg = load(environ={})
+    assert [s.name for s in resolve_jobs(cfg, "meetup")] == list(QUERIES)
+    assert resolve_jobs(cfg, "meetup_topn")[0].capacity == 100_000
+    (spec,) = resolve_jobs(cfg, "name=x kind=distinct stream=meetup field=member.member_id")
+    assert spec.kind == "distinct"
+    with pytest.raises(JobsError, match="unknown job 'nope'"):
+        resolve_jobs(cfg, "nope")
+
+
+def test_meetup_entrypoint_runs_as_a_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.meetup", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "python -m jobs.meetup" in out.stdout and "--nats-url" in out.stdout
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Spark is what gets killed here, never NATS: fsync every 2 minutes is enough.
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path_factory.mktemp("driver-state")),
+            "nats": {"url": nats_url},
+            "ray": {"namespace": "tierflow-tests"},
+            "spark": {"master": "local[2]", "conf": {"spark.sql.shuffle.partitions": 2}},
+        },
+    )
+    run(nats_url, lambda nc: ensure_streams(nc, cfg))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def driver(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[Any]:
+    handle = start_driver(cfg, nats_url, jobs=meetup_jobs(trigger_s=0.5))
+    try:
+        st = wait_running(handle, 180)
+        assert st.get("state") == "running", st
+        yield handle
+    finally:
+        stop_driver(handle)
+
+
+@pytest.fixture(scope="module")
+def published(nats_url: str) -> list[dict[str, Any]]:
+    """Every RSVP acknowledged so far by the module's tests (the recomputation's input)."""
+    return []
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_results_survive_three_sigkills_of_the_driver(
+    driver: Any, nats_url: str, published: list[dict[str, Any]]
+) -> None:
+    publisher = Publisher(nats_url).start()
+    try:
+        wait_until(lambda: committed_seqs(driver), 240, 0.5, what="every query's first batch")
+        for kill, delay in enumerate(KILL_DELAYS_S):
+            time.sleep(delay)  # kill at different points of a micro-batch
+            before = wait_until(lambda: committed_seqs(driver), 60, 0.2, what="positions")
+            beat = ray.get(driver.heartbeat.remote(), timeout=30)
+            jvms = java_children(beat["pid"])
+            assert jvms, "Spark's JVM runs as a child of the driver's process"
+            os.kill(beat["pid"], signal.SIGKILL)
+            # the JVM dies with its actor: no orphan keeps running the old queries
+            gone, alive = psutil.wait_procs(jvms, timeout=30)
+            assert not alive, f"kill {kill + 1}: orphan JVM {alive}"
+            wait_until(
+                lambda b=beat: ray.get(driver.heartbeat.remote(), timeout=5)["pid"] != b["pid"],
+                120,
+                0.5,
+                what=f"restart after kill {kill + 1}",
+                swallow=True,
+            )
+            wait_until(
+                lambda b=before: (s := committed_seqs(driver)) and all(s[n] > b[n] for n in b),
+                240,
+                0.5,
+                what=f"every query's progress after kill {kill + 1}",
+                swallow=True,
+            )
+    finally:
+        published.extend(publisher.stop())
+    assert len(published) > 1000
+    await_idle(driver)
+    st = status(driver)
+    assert st["incarnation"] != beat["incarnation"] and st["state"] == "running"
+    assert all(q["state"] == "running" for q in st["queries"].values()), st["queries"]
+    check_results(nats_url, published)
+    # the results stream holds each (query, batch, key) once: messages == distinct ids
+    ids = [h[MSG_ID_HEADER] for h in stream_headers(nats_url, "results")]
+    assert ids and len(ids) == len(set(ids))
+    assert {i.split(":")[0] for i in ids} == set(QUERIES)
+
+
+def test_malformed_events_are_counted_and_dead_lettered_and_queries_go_on(
+    driver: Any, nats_url: str, published: list[dict[str, Any]]
+) -> None:
+    gen = RsvpGenerator(seed=99, start_ms=published[-1]["mtime"] + 1)
+    more = [gen.next() for _ in range(40)]
+
+    async def go(nc: Any) -> list[int]:
+        js = nc.jetstream()
+        seqs = []
+        for i, bad in enumerate((b"\xff\xfe not utf-8", b'{"venue": ')):
+            ack = await js.publish("raw.meetup", bad, headers={MSG_ID_HEADER: f"bad-{i}"})
+            seqs.append(ack.seq)
+        for r in more:
+            headers = {MSG_ID_HEADER: f"late-rsvp-{r['rsvp_id']}"}
+            await js.publish("raw.meetup", json.dumps(r).encode(), headers=headers)
+        return seqs
+
+    bad_seqs = run(nats_url, go)
+    published.extend(more)
+    await_idle(driver)
+    st = status(driver)
+    assert st["dead_letters"] == {"meetup": 2}
+    assert all(q["state"] == "running" for q in st["queries"].values()), st["queries"]
+    dead = stream_headers(nats_url, "deadletter")
+    assert [h[MSG_ID_HEADER] for h in dead] == [f"dl:meetup:{s}" for s in bad_seqs]
+    assert [h[SOURCE_SEQ_HEADER] for h in dead] == [str(s) for s in bad_seqs]
+    check_results(nats_url, published)
+
+
+def test_jobs_list_start_stop_through_the_cli_functions(
+    driver: Any, cfg: Config, nats_url: str, published: list[dict[str, Any]]
+) -> None:
+    assert get_driver(cfg) is not None and DRIVER_NAME == "tierflow-analysis"
+    rows = {r["name"]: r for r in jobs_list(cfg)}
+    assert {*QUERIES, DL} <= set(rows) and rows["meetup_topn"]["state"] == "running"
+
+    (stopped,) = jobs_stop(cfg, "meetup_members")
+    assert stopped == {"name": "meetup_members", "was_running": True, "stopped": True}
+    assert {r["name"]: r for r in jobs_list(cfg)}["meetup_members"]["state"] == "available"
+
+    (started,) = jobs_start(cfg, "name=by_response kind=count stream=meetup by=response")
+    assert started["state"] == "running", started
+    again = jobs_start(cfg, "meetup_members")[0]  # resumes from its checkpoint
+    assert again["state"] == "running", again
+    await_idle(driver)
+    yes = sum(1 for r in published if r["response"] == "yes")
+    assert kv_by_query(nats_url)["by_response"]["yes"] == {
+        "key": "yes",
+        "response": "yes",
+        "count": yes,
+    }
+    check_results(nats_url, published)
+    assert ray.get(driver.stop.remote("by_response"), timeout=90)["stopped"]
+    assert "by_response" not in status(driver)["queries"]

@@ -1,0 +1,178 @@
+"""jobs/meetup.py: the five Meetup queries of docs/contracts.md on real Spark and nats-server.
+
+Synthetic RSVPs (seeded `RsvpGenerator`) and one malformed event go to the `meetup` stream;
+all five queries run at once, in several micro-batches each, and their KV results must
+equal `reference` (plain Python over the same RSVPs): exact top-N, windows, per-city counts
+and yes/no; distinct members within the HLL bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from jobs.jetstream import register
+from jobs.library import NatsTarget, start_job
+from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from jobs.sink import MSG_ID_HEADER, key_from_kv
+from jobs.sketches import Distinct
+from runtime.meetup import RsvpGenerator
+from runtime.nats import NatsServer, connect
+
+pytestmark = pytest.mark.timeout(300)
+
+N_RSVPS = 1500
+_GEN = RsvpGenerator(seed=5)
+RSVPS = [_GEN.next() for _ in range(N_RSVPS)]
+
+
+async def _with_nc(url: str, fn: Any) -> Any:
+    nc = await connect(url)
+    try:
+        return await fn(nc)
+    finally:
+        await nc.close()
+
+
+def run(url: str, fn: Any) -> Any:
+    return asyncio.run(_with_nc(url, fn))
+
+
+def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
+    async def go(nc: Any) -> dict[str, dict[str | None, Any]]:
+        kv = await nc.jetstream().key_value("results")
+        out: dict[str, dict[str | None, Any]] = {}
+        for k in await kv.keys():
+            query, _, rest = k.partition(".")
+            out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
+        return out
+
+    return run(url, go)
+
+
+def result_ids(url: str) -> list[str]:
+    """Nats-Msg-Id of every message in the results stream."""
+
+    async def go(nc: Any) -> list[str]:
+        js = nc.jetstream()
+        total = (await js.stream_info("results")).state.messages
+        sub = await js.pull_subscribe(
+            "results.>", stream="results", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+        )
+        ids: list[str] = []
+        for _ in range(1000):
+            if len(ids) >= total:
+                break
+            for m in await sub.fetch(500, timeout=5):
+                ids.append(m.headers[MSG_ID_HEADER])
+        await sub.unsubscribe()
+        return ids
+
+    return run(url, go)
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+
+    async def setup(nc: Any) -> None:
+        js = nc.jetstream()
+        for name, subjects in (
+            ("meetup", ["raw.meetup"]),
+            ("results", ["results.>"]),
+            ("deadletter", ["deadletter.>"]),
+        ):
+            await js.add_stream(StreamConfig(name=name, subjects=subjects, duplicate_window=600))
+        acks = []
+        for i, r in enumerate(RSVPS):
+            if i == 700:
+                acks.append(await js.publish_async("raw.meetup", b"\xff not utf-8"))
+            body = json.dumps(r).encode()
+            headers = {MSG_ID_HEADER: f"rsvp-{r['rsvp_id']}"}
+            acks.append(await js.publish_async("raw.meetup", body, headers=headers))
+        await asyncio.gather(*acks)
+
+    try:
+        run(server.url, setup)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_specs_follow_the_contract() -> None:
+    specs = meetup_jobs()
+    assert tuple(s.name for s in specs) == QUERIES
+    topn = specs[0]
+    assert (topn.field, topn.n, topn.capacity) == ("group.group_topics[].topic_name", 10, 100_000)
+    window = specs[1].window
+    assert window is not None and (window.length, window.slide) == ("5 minutes", "10 seconds")
+
+
+def test_reference_puts_each_rsvp_in_thirty_sliding_windows() -> None:
+    rsvps = RSVPS[:200]
+    full = reference(rsvps, n=10_000)["meetup_topn_window"]
+    per_rsvp_topics = sum(len(r["group"]["group_topics"]) for r in rsvps)
+    assert sum(t["count"] for w in full.values() for t in w["top"]) == 30 * per_rsvp_topics
+    ref = reference(rsvps)
+    assert all(w["top"] and len(w["top"]) <= 10 for w in ref["meetup_topn_window"].values())
+    assert sum(r["rsvps"] for r in ref["meetup_city_minute"].values()) == 200
+
+
+def test_meetup_queries_equal_the_plain_python_answer(
+    spark: Any, nats_url: str, tmp_path: Path
+) -> None:
+    register(spark)
+    nats = NatsTarget(nats_url)
+    specs = meetup_jobs(max_events_per_trigger=600)  # 1501 sequences: 3 micro-batches
+    queries = [start_job(spark, s, nats, tmp_path, trigger={"availableNow": True}) for s in specs]
+    for q in queries:
+        assert q.awaitTermination(240), f"{q.name} did not finish"
+        assert q.exception() is None, q.exception()
+    assert min(len(q.recentProgress) for q in queries) >= 3
+
+    got = kv_by_query(nats_url)
+    want = reference(RSVPS)
+    for name in ("meetup_topn", "meetup_topn_window", "meetup_city_minute", "meetup_responses"):
+        assert got[name] == want[name], name
+    members = got["meetup_members"]["all"]
+    exact = want["meetup_members"]["all"]["distinct"]
+    assert members["lower"] <= exact <= members["upper"]
+    assert abs(members["distinct"] - exact) <= Distinct(12).relative_error(3) * exact
+
+    # the book's format, exact because the 100000 counters exceed the topics
+    top = got["meetup_topn"]["all"]["top"]
+    counts = topic_counts(RSVPS)
+    assert [t["item"] for t in top] == [t for t, _ in counts.most_common(10)]
+    assert all(t["count"] == counts[t["item"]] and t["error"] == 0 for t in top)
+
+    # one result per (query, batch, key): no id repeats, and every id names its query
+    ids = result_ids(nats_url)
+    assert len(ids) == len(set(ids))
+    assert {i.split(":")[0] for i in ids} == set(QUERIES)
+
+
+def test_space_saving_bounds_hold_with_fewer_counters_than_topics(
+    spark: Any, nats_url: str, tmp_path: Path
+) -> None:
+    register(spark)
+    small = msgspec.structs.replace(
+        meetup_jobs(max_events_per_trigger=500)[0], name="meetup_topn_small", capacity=64
+    )
+    q = start_job(spark, small, NatsTarget(nats_url), tmp_path, trigger={"availableNow": True})
+    assert q.awaitTermination(240) and q.exception() is None
+    row = kv_by_query(nats_url)["meetup_topn_small"]["all"]
+    counts = topic_counts(RSVPS)
+    assert len(counts) > 64 and row["events"] == N_RSVPS
+    assert len(row["top"]) == 10
+    for t in row["top"]:
+        assert t["count"] - t["error"] <= counts[t["item"]] <= t["count"], t
+    offset = max(t["error"] for t in row["top"])
+    heavy = [t for t, c in counts.most_common(10) if c > offset]
+    assert heavy and set(heavy) <= {t["item"] for t in row["top"]}
