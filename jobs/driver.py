@@ -606,19 +606,17 @@ def connect_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     from runtime import runstate
+    from runtime.services import join_ray
 
     state = runstate.read_state(cfg) or {}
-    address = (
-        cfg.ray.address
-        or (state.get("ray") or {}).get("address")
-        or os.environ.get("RAY_ADDRESS", "")
-    )
+    ray_state = state.get("ray") or {}
+    address = cfg.ray.address or ray_state.get("address") or os.environ.get("RAY_ADDRESS", "")
     if not address:
         raise JobsError(
             "no Ray to join: start tierflow with `tierflow up --detach`, set ray.address, or "
             "run under `ray job submit`"
         )
-    ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
+    join_ray(address, cfg.ray.namespace, ray_state.get("auth_mode", ""))
 
 
 def runtime_nats_url(cfg: Config) -> str:

@@ -30,10 +30,12 @@ config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True
 nats_app = typer.Typer(help="Run NATS servers on this machine.", no_args_is_help=True)
 checkpoint_app = typer.Typer(help="LevelDB checkpoints of actors.", no_args_is_help=True)
 logger_app = typer.Typer(help="The MessageLogger's stores.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Analysis jobs in the Spark driver actor.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(nats_app, name="nats")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(logger_app, name="logger")
+app.add_typer(jobs_app, name="jobs")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -403,6 +405,56 @@ def logger_inspect(
             str(r.get("catching_up", "")),
         )
     console.print(table)
+
+
+def _jobs_call(fn_name: str, config: Path | None, *args: Any) -> list[dict[str, Any]]:
+    from jobs import driver
+
+    cfg = _load(config)
+    try:
+        return getattr(driver, fn_name)(cfg, *args)
+    except driver.JobsError as err:
+        err_console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+
+
+def _jobs_table(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows, default=str))
+        return
+    cols = sorted({k for r in rows for k in r}, key=lambda k: (k != "name", k))
+    table = Table(*cols, title="analysis jobs")
+    for r in rows:
+        table.add_row(*(str(r.get(c, "")) for c in cols))
+    console.print(table)
+
+
+@jobs_app.command("list")
+def jobs_list(
+    config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """Known and running jobs with their query numbers."""
+    _jobs_table(_jobs_call("jobs_list", config), as_json)
+
+
+@jobs_app.command("start")
+def jobs_start(
+    name: Annotated[str, typer.Argument(help="a job name, `meetup` (all five), or a spec")],
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Start job(s) in the analysis driver (starting the driver if needed)."""
+    _jobs_table(_jobs_call("jobs_start", config, name), as_json)
+
+
+@jobs_app.command("stop")
+def jobs_stop(
+    name: Annotated[str, typer.Argument(help="a job name or `meetup`")],
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Stop job(s); their checkpoints stay, so a later start resumes them."""
+    _jobs_table(_jobs_call("jobs_stop", config, name), as_json)
 
 
 @checkpoint_app.command("repair")

@@ -176,6 +176,8 @@ class Config(_Strict):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    # Analysis jobs by spec (see jobs/library.py JobSpec); checked by the analysis driver.
+    jobs: list[dict[str, Any]] = []
 
     @property
     def state_path(self) -> Path:

@@ -134,6 +134,26 @@ def start_ray(cfg: Config, **kwargs: Any) -> str:
     return ctx.address_info["gcs_address"]
 
 
+def join_ray(address: str, namespace: str, auth_mode: str = "") -> None:
+    """Join a running Ray as another driver (the CLI joining `tierflow up`'s instance).
+
+    Ray 2.60 turns token auth on for a new local cluster (the token is in
+    ~/.ray/auth_token) but a joining driver only sends it when RAY_AUTH_MODE says so;
+    `up` records the mode it ran with, and we adopt it unless the user set one.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if auth_mode == "token" and "RAY_AUTH_MODE" not in os.environ:
+        # Private, but the only way: Ray reads the mode into a config cached at import,
+        # and this helper sets the variable and refreshes that cache together.
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
+    ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
 def stop_ray() -> None:
     import ray
 
@@ -266,7 +286,11 @@ class Services:
                 "monitor": self.nats_server.monitor_url if self.nats_server else None,
                 "store_dir": str(nats_store_dir(self.cfg)) if self.nats_server else None,
             },
-            "ray": {"address": self.ray_address, "namespace": self.cfg.ray.namespace},
+            "ray": {
+                "address": self.ray_address,
+                "namespace": self.cfg.ray.namespace,
+                "auth_mode": os.environ.get("RAY_AUTH_MODE", ""),
+            },
             "spark": {
                 "master": self.cfg.spark.master,
                 "checkpoint_dir": str(spark_checkpoint_dir(self.cfg)),

@@ -183,3 +183,42 @@ def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     assert runstate.wait_gone(servers, 10) == []
+
+
+def test_jobs_start_list_stop_against_a_detached_runtime(cli_env: dict[str, str]) -> None:
+    """`tierflow jobs` joins the running runtime's Ray, starts the analysis driver on
+    demand, and a real Spark query consumes what the collector accepted."""
+    from runtime.meetup import RsvpGenerator
+    from runtime.waiting import wait_until
+
+    assert run(["up", "--detach"], cli_env).returncode == 0
+    try:
+        listed = run(["jobs", "list", "--json"], cli_env)
+        assert listed.returncode == 0, listed.stderr
+        assert {"name": "meetup_responses", "state": "available"}.items() <= next(
+            r for r in json.loads(listed.stdout) if r["name"] == "meetup_responses"
+        ).items()
+        started = run(["jobs", "start", "meetup_responses", "--json"], cli_env, timeout=300)
+        assert started.returncode == 0, started.stderr
+        state = runstate.read_state(load(environ=cli_env))
+        rsvps = RsvpGenerator(3).take(50)
+        body = "\n".join(json.dumps(r) for r in rsvps).encode()
+        req = urllib.request.Request(
+            state["collector"]["url"] + "/v1/streams/meetup/events",
+            data=body,
+            headers={"Content-Type": "application/x-ndjson"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["accepted"] == 50
+
+        def processed() -> bool:
+            rows = json.loads(run(["jobs", "list", "--json"], cli_env).stdout)
+            row = next(r for r in rows if r["name"] == "meetup_responses")
+            # committed_seq is the next stream sequence the query will read
+            return (row.get("committed_seq") or 0) > 50 and row.get("results", 0) > 0
+
+        wait_until(processed, timeout=240, interval=2, what="the job processed the RSVPs")
+        stopped = run(["jobs", "stop", "meetup_responses", "--json"], cli_env)
+        assert stopped.returncode == 0 and json.loads(stopped.stdout)[0]["stopped"]
+    finally:
+        assert run(["down"], cli_env).returncode == 0
