@@ -70,6 +70,10 @@ def _where(info: dict[str, Any]) -> None:
         console.print(f"  source    {info['replay']['url']}  (synthetic Meetup RSVPs)")
     if info.get("collector", {}).get("url"):
         console.print(f"  collector {info['collector']['url']}/v1/streams/<stream>/events")
+    if info.get("gateway", {}).get("url"):
+        console.print(
+            f"  dashboard {info['gateway']['url']}/   (gateway: /v1/ws, /v1/sse, /v1/poll)"
+        )
     if info.get("streams"):
         console.print(f"  streams   {', '.join(info['streams'])}")
 

@@ -39,6 +39,9 @@ class Runtime:
         self.started_at = time.time()
         self.streams: list[str] = []
         self.tier: Any = None
+        self.gateways: list[str] = []
+        self.gateway_url = ""
+        self.driver: Any = None
 
     async def start(self) -> None:
         from runtime.admin import serve
@@ -47,6 +50,7 @@ class Runtime:
         self.services = await loop.run_in_executor(None, Services.start, self.cfg)
         self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
         self.streams = await ensure_streams(self.nc, self.cfg)
+        await ensure_results_bucket(self.nc)
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
         if self.demo_rate:
             await self._start_demo_source()
@@ -55,10 +59,33 @@ class Runtime:
         self.tier = await loop.run_in_executor(
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
+        await loop.run_in_executor(None, self._start_gateways)
+        if self.demo_rate:
+            await loop.run_in_executor(None, self._start_analysis)
         self.admin_runner, port = await serve(
             self.status, self.cfg.admin.host, self.cfg.admin.port, self.scale
         )
         self.admin_url = f"http://{self.cfg.admin.host}:{port}"
+
+    def _start_gateways(self) -> None:
+        """The data access tier: gateways sharing one port (dashboard at `/`)."""
+        import ray
+
+        from actors.gateway import start_gateways
+
+        self.gateways = start_gateways(self.cfg, self.services.nats_url)
+        ep = ray.get(
+            ray.get_actor(self.gateways[0], namespace=self.cfg.ray.namespace).endpoints.remote(),
+            timeout=60,
+        )
+        self.gateway_url = ep.get("url") or f"http://{ep['host']}:{ep['port']}"
+
+    def _start_analysis(self) -> None:
+        """The Meetup analyses in the Spark driver actor (its first query takes ~10 s)."""
+        from jobs.driver import start_driver
+        from jobs.meetup import meetup_jobs
+
+        self.driver = start_driver(self.cfg, self.services.nats_url, meetup_jobs())
 
     async def _start_demo_source(self) -> None:
         """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by
@@ -80,6 +107,17 @@ class Runtime:
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
             self.admin_runner = None
+        loop = asyncio.get_running_loop()
+        if self.driver is not None:
+            from jobs.driver import stop_driver
+
+            await loop.run_in_executor(None, stop_driver, self.driver)
+            self.driver = None
+        if self.gateways:
+            from actors.gateway import stop_gateways
+
+            await loop.run_in_executor(None, stop_gateways, self.cfg, self.gateways)
+            self.gateways = []
         if self.tier is not None:  # collectors drain first, then bridges, then loggers
             await asyncio.get_running_loop().run_in_executor(None, self.tier.stop)
             self.tier = None
@@ -114,6 +152,7 @@ class Runtime:
             "streams": self.streams,
             "collector": {"url": self.tier.url if self.tier else None},
             "replay": {"url": self.replay.stream_url if self.replay else None},
+            "gateway": {"url": self.gateway_url or None, "replicas": self.gateways},
         }
 
     async def status(self) -> dict[str, Any]:
@@ -190,6 +229,22 @@ class Runtime:
                     }
                 )
         return rows
+
+
+async def ensure_results_bucket(nc: Any, bucket: str = "results") -> None:
+    """The in-memory store tier: latest result per key. Made at start-up so readers
+    (the dashboard's snapshot, `kv:results` subscriptions) find it before the first
+    analysis batch lands."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    js = nc.jetstream()
+    try:
+        await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):  # the same config jobs/sink.py would make
+        await js.create_key_value(
+            KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+        )
 
 
 def start_root_supervisor(cfg: Config) -> Any:

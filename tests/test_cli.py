@@ -104,6 +104,10 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         assert len(replicas) == 2 and all(r["state"] == "running" for r in replicas)
         assert {r["epoch"] for r in replicas} == {1}
 
+        # The data access tier runs too: the dashboard is served at the gateway's root.
+        with urllib.request.urlopen(state["gateway"]["url"] + "/", timeout=30) as resp:
+            assert resp.status == 200 and b"tierflow" in resp.read()
+
         scaled = run(["scale", "collector", "2"], cli_env)
         assert scaled.returncode == 0 and "2 replicas" in scaled.stdout, scaled.stderr
         refused = run(["scale", "logger", "2"], cli_env)
