@@ -157,6 +157,15 @@ class LoggingConfig(_Strict):
 class AuthConfig(_Strict):
     producer_tokens: list[str] = []
     consumer_tokens: list[str] = []
+    # token -> stream patterns it may read (absent: every stream); others get 403
+    consumer_streams: dict[str, list[str]] = {}
+
+
+class GatewayConfig(_Strict):
+    """Static named filters (name -> SQL) and gateway tuning (see actors/gateway.py)."""
+
+    filters: dict[str, str] = {}
+    options: dict[str, Any] = {}
 
 
 class AdminConfig(_Strict):
@@ -176,6 +185,7 @@ class Config(_Strict):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     # Analysis jobs by spec (see jobs/library.py JobSpec); checked by the analysis driver.
     jobs: list[dict[str, Any]] = []
 
@@ -286,6 +296,13 @@ def _check_cross_keys(cfg: Config) -> None:
     for name, stream in cfg.streams.items():
         if stream.logic != LogicConfig():
             compile_logic(name, stream.logic, stream.subjects[0])  # raises ConfigError
+    from runtime.filters import FilterError, compile_filter
+
+    for name, sql in cfg.gateway.filters.items():
+        try:
+            compile_filter(sql)
+        except FilterError as err:
+            raise ConfigError(f"gateway.filters.{name}: {err}") from None
     ports = {
         "roles.collector.port": cfg.roles.collector.port,
         "roles.gateway.port": cfg.roles.gateway.port,

@@ -73,7 +73,13 @@ class Runtime:
 
         from actors.gateway import start_gateways
 
-        self.gateways = start_gateways(self.cfg, self.services.nats_url)
+        self.gateways = start_gateways(
+            self.cfg,
+            self.services.nats_url,
+            named_filters=self.cfg.gateway.filters,
+            token_streams=self.cfg.auth.consumer_streams,
+            options=self.cfg.gateway.options or None,
+        )
         ep = ray.get(
             ray.get_actor(self.gateways[0], namespace=self.cfg.ray.namespace).endpoints.remote(),
             timeout=60,

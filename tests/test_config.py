@@ -133,3 +133,12 @@ def test_stream_logic_is_checked_at_load() -> None:
         validate({"streams": {"clicks": {"logic": {"validate": {"kind": "string-ish"}}}}})
     ok = validate({"streams": {"clicks": {"logic": {"filter": "kind != 'bot'"}}}})
     assert ok.streams["clicks"].logic.filter == "kind != 'bot'"
+
+
+def test_gateway_named_filters_are_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.filters\.yes_only: .*"):
+        validate({"gateway": {"filters": {"yes_only": "SELECT WHERE response = "}}})
+    ok = validate({"gateway": {"filters": {"yes_only": "WHERE response = 'yes'"}}})
+    assert ok.gateway.filters == {"yes_only": "WHERE response = 'yes'"}
+    tokens = validate({"auth": {"consumer_streams": {"t1": ["results"]}}})
+    assert tokens.auth.consumer_streams == {"t1": ["results"]}
