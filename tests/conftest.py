@@ -21,6 +21,15 @@ def session_cfg(session_dir: Path) -> Config:
     return load(environ={}, overrides={"state_dir": str(session_dir / "state")})
 
 
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real embedded nats-server (JetStream, `sync_interval: always`) per test module."""
+    from runtime.nats import NatsServer
+
+    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def spark(session_cfg: Config) -> Iterator[object]:
     from runtime.services import spark_session

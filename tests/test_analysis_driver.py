@@ -50,9 +50,10 @@ from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, key_from_kv
 from jobs.sketches import Distinct
 from runtime.config import Config, load
 from runtime.meetup import RsvpGenerator
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -62,18 +63,6 @@ DL = deadletter_query_name("meetup")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def _with_nc(url: str, fn: Any) -> Any:
-    nc = await connect(url)
-    try:
-        return await fn(nc)
-    finally:
-        await nc.close()
-
-
-def run(url: str, fn: Any) -> Any:
-    return asyncio.run(_with_nc(url, fn))
 
 
 class Publisher:
@@ -104,7 +93,7 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            asyncio.run(_with_nc(self.url, self._main))
+            with_nats(self._main, self.url)
         except BaseException as err:
             self.error = err
 
@@ -139,7 +128,7 @@ def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
             out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
         return out
 
-    return run(url, go)
+    return with_nats(go, url)
 
 
 def stream_headers(url: str, stream: str) -> list[dict[str, str]]:
@@ -159,7 +148,7 @@ def stream_headers(url: str, stream: str) -> list[dict[str, str]]:
         await sub.unsubscribe()
         return out
 
-    return run(url, go)
+    return with_nats(go, url)
 
 
 def java_children(pid: int) -> list[psutil.Process]:
@@ -288,7 +277,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
             "spark": {"master": "local[2]", "conf": {"spark.sql.shuffle.partitions": 2}},
         },
     )
-    run(nats_url, lambda nc: ensure_streams(nc, cfg))
+    with_nats(lambda nc: ensure_streams(nc, cfg), nats_url)
     return cfg
 
 
@@ -373,7 +362,7 @@ def test_malformed_events_are_counted_and_dead_lettered_and_queries_go_on(
             await js.publish("raw.meetup", json.dumps(r).encode(), headers=headers)
         return seqs
 
-    bad_seqs = run(nats_url, go)
+    bad_seqs = with_nats(go, nats_url)
     published.extend(more)
     await_idle(driver)
     st = status(driver)

@@ -17,7 +17,7 @@ import random
 import signal
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -418,12 +418,6 @@ NS = "tf-client"
 TOKEN = "client-token"
 PLAYS = 400
 RESENT = 10  # plays a sloppy producer publishes twice (new Nats-Msg-Id, so stored twice)
-
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,6 @@ from runtime.waiting import await_until
 NS = "tf-collection"
 
 
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
-
-
 def tier_config(state: Path, **over: Any) -> Config:
     base: dict[str, Any] = {
         "state_dir": str(state),

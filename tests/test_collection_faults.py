@@ -30,12 +30,6 @@ OUTAGE_S = 10.0  # the scenario: NATS fully down for 10 s
 
 
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def tier(
     ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CollectionTier]:

@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,12 +52,6 @@ NOT_MOUNTED = (
 
 
 # --------------------------------------------------------------------------- the pipeline
-
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -123,12 +123,6 @@ def test_stream_names_and_start_positions() -> None:
 
 
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     state: Path = tmp_path_factory.mktemp("state")
     streams = {name: {"subjects": [f"raw.{name}"]} for name in STREAMS}

@@ -8,7 +8,6 @@ are compared with a plain-Python recomputation over the same events.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections import Counter, defaultdict
@@ -44,7 +43,8 @@ from jobs.library import (
 )
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, key_from_kv
 from jobs.windows import late_count, sliding_reference
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -185,18 +185,6 @@ def test_custom_functions_are_found_by_module_and_name() -> None:
 # --------------------------------------------------------------------------- Spark + NATS
 
 
-async def _nc_run(url: str, fn: Any) -> Any:
-    nc = await connect(url)
-    try:
-        return await fn(nc)
-    finally:
-        await nc.close()
-
-
-def run(url: str, fn: Any) -> Any:
-    return asyncio.run(_nc_run(url, fn))
-
-
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
@@ -211,7 +199,7 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         await js.publish("raw.lib", b'{"user": ', headers={MSG_ID_HEADER: "broken"})
 
     try:
-        run(server.url, setup)
+        with_nats(setup, server.url)
         yield server.url
     finally:
         server.stop()
@@ -235,7 +223,7 @@ def kv_results(url: str, query: str) -> dict[str | None, dict[str, Any]]:
                 out[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
         return out
 
-    return run(url, go)
+    return with_nats(go, url)
 
 
 def run_job(sp: Any, url: str, spec: JobSpec, ckpt: Path) -> Any:
@@ -361,7 +349,7 @@ def test_late_events_are_dropped_and_counted(sp: Any, nats_url: str, tmp_path: P
             body = json.dumps({"k": "x", "t": T0 + t}).encode()
             await js.publish("raw.late", body, headers={MSG_ID_HEADER: f"l{i}"})
 
-    run(nats_url, publish)
+    with_nats(publish, nats_url)
     spec = decode_spec(
         {
             "name": "lib_late",
@@ -430,6 +418,6 @@ def test_custom_job_and_dead_letters(sp: Any, nats_url: str, tmp_path: Path) -> 
         info = await js.stream_info("deadletter")
         return [await js.get_msg("deadletter", s) for s in range(1, info.state.last_seq + 1)]
 
-    (msg,) = run(nats_url, dead)
+    (msg,) = with_nats(dead, nats_url)
     assert msg.subject == "deadletter.lib" and msg.data == b'{"user": '
     assert msg.headers[SOURCE_SEQ_HEADER] == str(N_EVENTS + 1)

@@ -24,25 +24,14 @@ from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from jobs.sink import MSG_ID_HEADER, key_from_kv
 from jobs.sketches import Distinct
 from runtime.meetup import RsvpGenerator
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
 N_RSVPS = 1500
 _GEN = RsvpGenerator(seed=5)
 RSVPS = [_GEN.next() for _ in range(N_RSVPS)]
-
-
-async def _with_nc(url: str, fn: Any) -> Any:
-    nc = await connect(url)
-    try:
-        return await fn(nc)
-    finally:
-        await nc.close()
-
-
-def run(url: str, fn: Any) -> Any:
-    return asyncio.run(_with_nc(url, fn))
 
 
 def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
@@ -54,7 +43,7 @@ def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
             out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
         return out
 
-    return run(url, go)
+    return with_nats(go, url)
 
 
 def result_ids(url: str) -> list[str]:
@@ -75,7 +64,7 @@ def result_ids(url: str) -> list[str]:
         await sub.unsubscribe()
         return ids
 
-    return run(url, go)
+    return with_nats(go, url)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +89,7 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         await asyncio.gather(*acks)
 
     try:
-        run(server.url, setup)
+        with_nats(setup, server.url)
         yield server.url
     finally:
         server.stop()
