@@ -112,6 +112,7 @@ class Collector(SupervisedActor):
         self.nats_ingest = nats_ingest
         self.max_body_bytes = max_body_bytes
         self.max_events, self.max_event_bytes = max_events, max_event_bytes
+        self.tokens = frozenset(self.cfg.auth.producer_tokens)  # empty: auth off
         self.logic: dict[str, StreamLogic] = {
             s: compile_logic(s, sc.logic, sc.subjects[0]) for s, sc in self.cfg.streams.items()
         }
@@ -127,6 +128,7 @@ class Collector(SupervisedActor):
             "bridge_errors": 0,
             "buffered": 0,
             "handoffs_deferred": 0,
+            "unauthorized": 0,
             "handoffs": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
@@ -168,7 +170,7 @@ class Collector(SupervisedActor):
         self._committer = GroupCommitter(self.logger.append, self._commit_policy)
         self._bridge_slots = asyncio.Semaphore(self._max_bridge_calls)
         self._background: set[asyncio.Task[Any]] = set()
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
         app.router.add_post("/v1/streams/{stream}/events", self.post_events)
         app.router.add_post("/v1/streams/{stream}/fire", self.post_fire)
         app.router.add_get("/v1/streams/{stream}/ws", self.ws_producer)
@@ -301,6 +303,27 @@ class Collector(SupervisedActor):
         if status is None:
             return _error(404, "unknown or expired token")
         return _reply(200, status)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Producers present `Authorization: Bearer <token>` (or `?token=` for browsers'
+        WebSockets) when `auth.producer_tokens` is set; nothing is parsed or logged
+        before that. UDP and NATS ingest are outside this check: NATS authenticates its
+        own clients, and UDP is meant for trusted networks only."""
+        if not self.tokens or request.path == "/healthz":
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        token = header[7:] if header.startswith("Bearer ") else request.query.get("token", "")
+        if not token:
+            self.counters["unauthorized"] += 1
+            return _error(
+                401,
+                "missing bearer token",
+            )
+        if token not in self.tokens:
+            self.counters["unauthorized"] += 1
+            return _error(401, "invalid bearer token")
+        return await handler(request)
 
     async def healthz(self, _: web.Request) -> web.Response:
         return _reply(200, {"ok": True, "name": self.name})

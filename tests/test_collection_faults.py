@@ -248,3 +248,35 @@ async def test_deferred_handoffs_reach_jetstream_through_the_replayer(
         verdict = judge(report.acknowledged, await stream_ids(nc, "deferred"))
         await nc.close()
         assert verdict.ok, str(verdict)
+
+
+async def test_producer_tokens_guard_the_collector(
+    ray_module: Any, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """With auth.producer_tokens set, requests without or with a wrong token get 401 and
+    never reach the stream; the right token is accepted."""
+    import aiohttp
+
+    overrides = {
+        "roles": {"logger": {"k": 0}, "collector": {"port": 0}},
+        "auth": {"producer_tokens": ["p-secret"]},
+        "streams": {"guarded": {"subjects": ["raw.guarded"]}},
+    }
+    async with own_tier(nats_server, tmp_path, "tf-auth", overrides) as t:
+        url = f"{t.url}/v1/streams/guarded/events?wait=queued"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"id": "anon"}) as r:
+                assert r.status == 401 and "missing" in (await r.json())["error"]
+            bad = {"Authorization": "Bearer nope"}
+            async with s.post(url, json={"id": "wrong"}, headers=bad) as r:
+                assert r.status == 401 and "invalid" in (await r.json())["error"]
+            with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+                await s.ws_connect(f"{t.url}/v1/streams/guarded/ws")
+            assert err.value.status == 401
+            good = {"Authorization": "Bearer p-secret"}
+            async with s.post(url, json={"id": "ok"}, headers=good) as r:
+                assert r.status == 200 and (await r.json())["ids"] == ["ok"]
+        nc = await connect(nats_server.url)
+        stored = await stream_ids(nc, "guarded")
+        await nc.close()
+        assert stored == {"ok": 1}  # the refused ones never reached the stream
