@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
 
 CHROMIUM ?= /usr/bin/chromium
@@ -19,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	@touch $(BENCH_STAMP)
 
 # Spark 4 needs Java 17+: fail early, naming the Debian package.
 java: $(STAMP)
@@ -38,7 +43,7 @@ test: $(STAMP) java chromium lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Benchmarks print numbers and assert no speed; files are tests/bench/bench_*.py.
-bench: $(STAMP) java
+bench: $(BENCH_STAMP) java
 	@mkdir -p reports
 	$(PY) -m pytest -q -s -p no:cacheprovider -o python_files='bench_*.py' tests/bench $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "no benchmarks collected"; else exit $$rc; fi

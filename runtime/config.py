@@ -21,6 +21,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from runtime.autoscaling import AutoscalingConfig
+from runtime.autoscaling import validate as validate_autoscaling
+
 ENV_PREFIX = "TIERFLOW_"
 DEFAULT_FILE = "tierflow.toml"
 
@@ -83,6 +86,10 @@ class RoleConfig(_Strict):
     replicas: Positive = 1
     k: NonNeg = 0
     port: Port = 0
+    # `[roles.<role>.autoscaling]`: absent means the role keeps `replicas` until scaled
+    autoscaling: AutoscalingConfig | None = None
+    # pin the role's replicas to nodes with this custom Ray resource (e.g. "analysis")
+    node_resource: str = ""
 
 
 def _role(replicas: int = 1, k: int = 0, port: int = 0) -> Any:
@@ -303,6 +310,13 @@ def _check_cross_keys(cfg: Config) -> None:
             compile_filter(sql)
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
+    for role in ("collector", "logger", "bridge", "gateway"):
+        auto = getattr(cfg.roles, role).autoscaling
+        if auto is not None:
+            try:
+                validate_autoscaling(auto, where=f"roles.{role}.autoscaling")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
     ports = {
         "roles.collector.port": cfg.roles.collector.port,
         "roles.gateway.port": cfg.roles.gateway.port,
