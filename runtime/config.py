@@ -396,7 +396,8 @@ def _toml_key(key: str) -> str:
 
 
 def _toml_table(table: Mapping[str, Any], path: list[str]) -> str:
-    scalars = [(k, v) for k, v in table.items() if not isinstance(v, Mapping)]
+    # TOML has no null: an absent key reads back as the default None
+    scalars = [(k, v) for k, v in table.items() if not isinstance(v, Mapping) and v is not None]
     tables = [(k, v) for k, v in table.items() if isinstance(v, Mapping)]
     lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
     out = ""
