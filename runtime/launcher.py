@@ -8,6 +8,7 @@ run-state file, so `tierflow down` stops exactly those.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -27,9 +28,10 @@ ROOT_SUPERVISOR = "tierflow-root"
 class Runtime:
     """The engines and actors of one `tierflow up`, with the status they report."""
 
-    def __init__(self, cfg: Config, *, demo_rate: float = 0.0) -> None:
+    def __init__(self, cfg: Config, *, demo_rate: float = 0.0, analysis: bool = False) -> None:
         self.cfg = cfg
         self.demo_rate = demo_rate
+        self.analysis = analysis or bool(demo_rate)
         self.replay: Any = None
         self.services: Services | None = None
         self.root: Any = None
@@ -60,7 +62,7 @@ class Runtime:
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
         await loop.run_in_executor(None, self._start_gateways)
-        if self.demo_rate:
+        if self.analysis:
             await loop.run_in_executor(None, self._start_analysis)
         self.admin_runner, port = await serve(
             self.status, self.cfg.admin.host, self.cfg.admin.port, self.scale
@@ -110,6 +112,8 @@ class Runtime:
         self.cfg = msgspec.structs.replace(self.cfg, streams=streams)
 
     async def stop(self) -> None:
+        import ray
+
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
             self.admin_runner = None
@@ -132,7 +136,11 @@ class Runtime:
                 await asyncio.wait_for(self.root.stop.remote(), timeout=10)
             except Exception as err:  # a dying cluster must not block the rest of shutdown
                 log.warning("root supervisor did not stop cleanly: %s", err)
+            with contextlib.suppress(Exception):
+                ray.kill(self.root, no_restart=True)
             self.root = None
+        if self.services is not None:
+            await loop.run_in_executor(None, sweep_named_actors, self.cfg.ray.namespace)
         if self.replay is not None:
             await self.replay.stop()
             self.replay = None
@@ -237,6 +245,28 @@ class Runtime:
         return rows
 
 
+def sweep_named_actors(namespace: str) -> list[str]:
+    """Kill whatever named actor of ours the orderly stop left (a replica restarting at that
+    moment, a stream-ingest standby): on a shared cluster detached actors outlive the job
+    that made them, so stopping must not rely on every earlier step having succeeded."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    killed: list[str] = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != namespace:
+            continue
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+            killed.append(entry["name"])
+        except Exception as err:  # gone in between
+            log.info("sweep %s: %r", entry["name"], err)
+    if killed:
+        log.warning("stopped actors the orderly shutdown left: %s", ", ".join(sorted(killed)))
+    return killed
+
+
 async def ensure_results_bucket(nc: Any, bucket: str = "results") -> None:
     """The in-memory store tier: latest result per key. Made at start-up so readers
     (the dashboard's snapshot, `kv:results` subscriptions) find it before the first
@@ -275,6 +305,7 @@ async def serve_forever(
     on_ready: Callable[[Runtime, asyncio.Event], None] | None = None,
     record_state: bool = True,
     demo_rate: float = 0.0,
+    analysis: bool = False,
 ) -> None:
     """Run until SIGTERM/SIGINT (or `stop` is set); the run-state file exists while it runs."""
     stop = asyncio.Event()
@@ -285,7 +316,7 @@ async def serve_forever(
             loop.add_signal_handler(sig, stop.set)
 
     handle_signals()
-    rt = Runtime(cfg, demo_rate=demo_rate)
+    rt = Runtime(cfg, demo_rate=demo_rate, analysis=analysis)
     try:
         await rt.start()
         # ray.init installs its own SIGTERM handler, which skips our cleanup: take it back.
