@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime import runstate
+from runtime.chaos.cli import app as chaos_app
 from runtime.config import Config, ConfigError, dumps_toml, load
 
 app = typer.Typer(
@@ -36,6 +37,7 @@ app.add_typer(nats_app, name="nats")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(logger_app, name="logger")
 app.add_typer(jobs_app, name="jobs")
+app.add_typer(chaos_app, name="chaos")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -258,7 +260,7 @@ def check() -> None:
 
 @app.command()
 def scale(
-    role: Annotated[str, typer.Argument(help="collector (others to come)")],
+    role: Annotated[str, typer.Argument(help="collector, logger, bridge or gateway")],
     replicas: Annotated[int, typer.Argument(min=1)],
     config: ConfigOpt = None,
 ) -> None:
@@ -293,12 +295,39 @@ def config_show(
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Print the effective config (file + TIERFLOW_* overrides + defaults)."""
+    """Print the effective config (file + TIERFLOW_* overrides + defaults); secrets redacted."""
+    from runtime.config import redact
+
     cfg = _load(config)
     if as_json:
-        print(json.dumps(cfg.to_dict(), indent=2))
+        print(json.dumps(redact(cfg.to_dict()), indent=2))
     else:
-        print(dumps_toml(cfg), end="")
+        print(dumps_toml(cfg, redacted=True), end="")
+
+
+@app.command()
+def certs(
+    config: ConfigOpt = None,
+    out: Annotated[
+        Path | None, typer.Option(help="directory (default: <state_dir>/certs, where [tls] looks)")
+    ] = None,
+    name: Annotated[
+        list[str] | None, typer.Option("--name", help="extra host name or IP for the server")
+    ] = None,
+    client: Annotated[bool, typer.Option(help="also a client certificate (mutual TLS)")] = True,
+) -> None:
+    """Make development certificates: a CA, a server certificate (127.0.0.1, localhost and
+    each --name) and a client certificate. Keys are written 0600; reruns keep the CA."""
+    from runtime.certs import make_dev_certs, server_names
+    from runtime.tls import certs_dir
+
+    made = make_dev_certs(out or certs_dir(_load(config)), name or [], client=client)
+    console.print(f"[green]certificates in {made.dir}[/green]")
+    console.print(f"  CA      {made.ca}  (clients trust this)")
+    console.print(f"  server  {made.cert}  for {', '.join(server_names(made.cert))}")
+    if client:
+        console.print(f"  client  {made.client_cert}")
+    console.print("  enable with \\[tls] enabled = true (or TIERFLOW_TLS__ENABLED=true)")
 
 
 @nats_app.command("up")

@@ -44,6 +44,7 @@ class Runtime:
         self.gateways: list[str] = []
         self.gateway_url = ""
         self.driver: Any = None
+        self._scaling = asyncio.Lock()
 
     async def start(self) -> None:
         from runtime.admin import serve
@@ -152,11 +153,20 @@ class Runtime:
             self.services = None
 
     async def scale(self, role: str, n: int) -> list[str]:
-        """Resize a role while it runs (blocking Ray calls, so off the event loop)."""
-        if self.tier is None:
-            raise ValueError("the collection tier is not running")
+        """Resize a role while it runs (blocking Ray calls, so off the event loop); one
+        resize at a time, so an operator's `tierflow scale` and the autoscaler never
+        interleave their steps."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.tier.scale, role, n)
+        async with self._scaling:
+            if role == "gateway":
+                from actors.gateway import scale_gateways
+
+                if not self.gateways:
+                    raise ValueError("the gateways are not running")
+                return await loop.run_in_executor(None, scale_gateways, self.cfg, self.gateways, n)
+            if self.tier is None:
+                raise ValueError("the collection tier is not running")
+            return await loop.run_in_executor(None, self.tier.scale, role, n)
 
     def describe(self) -> dict[str, Any]:
         assert self.services is not None

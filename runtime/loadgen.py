@@ -60,11 +60,14 @@ async def drive(
     deadline_s: float = 120.0,
     query: str = "",
     on_batch: Callable[[int], None] | None = None,
+    until: asyncio.Event | None = None,
 ) -> LoadReport:
     """POST `events` in NDJSON batches with `concurrency` requests in flight.
 
     `rate` (events/s, 0 = as fast as answered) paces batch starts from a fixed schedule.
     A refused batch is retried with the same ids (short backoff) until `deadline_s`.
+    Once `until` is set no new batch starts (a steady load for as long as something
+    else takes); batches in flight still finish, retries included.
     """
     report = LoadReport()
     batches = [events[i : i + batch] for i in range(0, len(events), batch)]
@@ -79,10 +82,14 @@ async def drive(
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while not queue.empty() and time.monotonic() < stop_at:
+            if until is not None and until.is_set():
+                return
             idx, items = queue.get_nowait()
             if rate:
                 due = start + idx * batch / rate
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
+                if until is not None and until.is_set():
+                    return
             body = b"\n".join(_enc.encode(e) for e in items)
             attempt = 0
             while time.monotonic() < stop_at:

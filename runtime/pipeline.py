@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config import Config
+from runtime.placement import affinity
 from runtime.supervision import ChildSpec, Intensity, Strategy
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,11 @@ class CollectionTier:
     nats_url: str = ""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def spec(self, role: str, i: int) -> ChildSpec:
+    def spec(
+        self, role: str, i: int, node: str | None = None, *, replay: bool | None = None
+    ) -> ChildSpec:
         """The child spec of replica `i` of a role (the whole configuration: Ray reruns
-        `__init__` with exactly these arguments on restart)."""
+        `__init__` with exactly these arguments on restart), softly pinned to `node`."""
         common = {
             "state_dir": str(self.cfg.state_path),
             "config": self.cfg.to_dict(),
@@ -53,7 +56,11 @@ class CollectionTier:
             **self.options.get(role, {}),
         }
         if role == "bridge":
-            kwargs = {"name": f"bridge-{i}", "loggers": self.loggers, "replay": i == 0}
+            kwargs = {
+                "name": f"bridge-{i}",
+                "loggers": self.loggers,
+                "replay": i == 0 if replay is None else replay,
+            }
             start = "actors.bridge:BrokerBridge"
         elif role == "collector":
             kwargs = {
@@ -71,7 +78,7 @@ class CollectionTier:
             id=kwargs["name"],
             start=start,
             kwargs={**common, **kwargs},
-            ray_options={"num_cpus": 0},
+            ray_options={"num_cpus": 0, **affinity(node)},
         )
 
     def wait_serving(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
@@ -87,32 +94,135 @@ class CollectionTier:
         )
 
     def scale(self, role: str, n: int) -> list[str]:
-        """Grow or shrink a role to `n` replicas while data flows.
+        """Grow or shrink a role to `n` replicas while data flows; returns its replicas.
 
-        Scale-down drains: the replica stops taking work (its listening socket closes, so
+        Scale-down drains: a collector stops taking work (its listening socket closes, so
         SO_REUSEPORT sends new connections to the others), finishes what is in hand, hands
-        its logged batches on, then leaves. What it accepted is in the MessageLogger, so
-        nothing acknowledged is lost; a client whose connection closes retries. Only
-        collectors scale this way for now: loggers hold state (k+1 groups), and bridges
-        are named by collectors at construction.
+        its logged batches on, then leaves; a client whose connection closes retries. A
+        logger group leaves only once bridges have put everything it holds into JetStream.
+        Collectors name their logger and bridges at construction (Ray reruns `__init__`
+        with the same arguments), so resizing loggers or bridges rolls the collectors:
+        a new one starts and serves before an old one drains.
         """
-        import ray
-
-        if role != "collector":
-            raise ValueError(f"scaling {role!r} is not supported yet (collectors only)")
         if n < 1:
             raise ValueError("a role needs at least 1 replica")
-        names = self.collectors
-        while len(names) < n:
-            i = _next_index(names, "collector")
-            spec = self.spec(role, i)
-            ray.get(self.supervisor.add_child.remote(spec), timeout=60)
+        if role == "collector":
+            self._scale_collectors(n)
+            return list(self.collectors)
+        if role == "bridge":
+            self._scale_bridges(n)
+            return list(self.bridges)
+        if role == "logger":
+            self._scale_loggers(n)
+            return [g.name for g in self.loggers]
+        raise ValueError(f"role {role!r} does not scale here (collector, bridge, logger)")
+
+    def _add(self, role: str, names: list[str], replay: bool | None = None) -> str:
+        import ray
+
+        from runtime.placement import actor_nodes, alive_nodes, plan
+
+        placed = actor_nodes({name: self.actor(name) for name in names})
+        i = next_index(names, role)
+        spec = self.spec(role, i, plan(1, alive_nodes(), placed.values())[0], replay=replay)
+        ray.get(self.supervisor.add_child.remote(spec), timeout=60)
+        if role == "collector":
             self.wait_serving(spec.id)
-            names.append(spec.id)
-        while len(names) > n:
-            name = names.pop()
-            ray.get(self.supervisor.remove_child.remote(name, drain="shutdown"), timeout=120)
-        return list(names)
+        else:
+            self.wait_bridge(spec.id)
+        names.append(spec.id)
+        return spec.id
+
+    def _remove(self, name: str) -> bool:
+        import ray
+
+        return ray.get(self.supervisor.remove_child.remote(name, drain="shutdown"), timeout=180)
+
+    def _scale_collectors(self, n: int) -> None:
+        while len(self.collectors) < n:
+            self._add("collector", self.collectors)
+        while len(self.collectors) > n:
+            self._remove(self.collectors.pop())
+
+    def _roll_collectors(self) -> None:
+        """Replace every collector by one built from the current loggers and bridges."""
+        old = list(self.collectors)
+        for name in old:
+            self._add("collector", self.collectors)
+            self.collectors.remove(name)
+            self._remove(name)
+
+    def _roll_bridges(self) -> None:
+        """New bridges (the first replays), collectors moved to them, old bridges drained."""
+        old = list(self.bridges)
+        fresh: list[str] = []
+        for j in range(len(old)):
+            fresh.append(self._add("bridge", [*old, *fresh], replay=j == 0))
+        self.bridges = fresh
+        self._roll_collectors()
+        for name in old:
+            self._remove(name)
+
+    def _scale_bridges(self, n: int) -> None:
+        if n > len(self.bridges):
+            while len(self.bridges) < n:
+                self._add("bridge", self.bridges, replay=False)
+            self._roll_collectors()
+        elif n < len(self.bridges):
+            leaving = self.bridges[n:]
+            self.bridges = self.bridges[:n]
+            self._roll_collectors()  # no collector names a leaving bridge any more
+            for name in leaving:
+                self._remove(name)
+
+    def _scale_loggers(self, n: int) -> None:
+        from actors.logger import start_logger_group
+
+        if n > len(self.loggers):
+            while len(self.loggers) < n:
+                i = next_index([g.name for g in self.loggers], "logger")
+                group, client = start_logger_group(
+                    f"logger-{i}",
+                    k=self.cfg.roles.logger.k,
+                    state_dir=str(self.cfg.state_path),
+                    namespace=self.namespace,
+                    max_events=self.cfg.logging.max_pending_events,
+                    max_bytes=self.cfg.logging.max_pending_bytes,
+                )
+                self.logger_groups.append(group)
+                self.loggers.append(client)
+            self._roll_bridges()  # bridges must know a group before collectors write to it
+        elif n < len(self.loggers):
+            leaving = self.loggers[n:]
+            leaving_groups = self.logger_groups[n:]
+            self.loggers, self.logger_groups = self.loggers[:n], self.logger_groups[:n]
+            self._roll_collectors()  # nothing new is written to the leaving groups
+            for client in leaving:
+                _wait_logger_empty(client)  # the bridges still replay what they hold
+            self._roll_bridges()
+            for group in leaving_groups:
+                group.shutdown()
+
+    def wait_bridge(self, name: str, timeout: float = 120.0) -> None:
+        import ray
+
+        from runtime.waiting import wait_until
+
+        wait_until(
+            lambda: ray.get(self.actor(name).ready.remote(), timeout=30) is not None,
+            timeout=timeout,
+            what=f"{name} ready",
+            swallow=True,
+        )
+
+    def placement(self) -> dict[str, dict[str, str | None]]:
+        """role -> {replica: node id} as the replicas report it now."""
+        from runtime.placement import actor_nodes
+
+        return {
+            "collector": actor_nodes({n: self.actor(n) for n in self.collectors}),
+            "bridge": actor_nodes({n: self.actor(n) for n in self.bridges}),
+        }
 
     def actor(self, name: str) -> Any:
         import ray
@@ -147,7 +257,22 @@ class CollectionTier:
         self.logger_groups.clear()
 
 
-def _next_index(names: list[str], role: str) -> int:
+def _wait_logger_empty(client: Any, timeout_s: float = 300.0) -> None:
+    """Block until a logger group holds nothing JetStream lacks (what it held is handed
+    over); raise, keeping the group, if that does not happen in time."""
+    import asyncio
+
+    from runtime.waiting import wait_until
+
+    def empty() -> bool:
+        c = asyncio.run(client.counts())
+        return c["transient"] == 0 and c["failed"] == 0
+
+    wait_until(empty, timeout=timeout_s, interval=0.5, what=f"{client.name} drained", swallow=True)
+
+
+def next_index(names: list[str], role: str) -> int:
+    """The lowest replica number of `role` not in `names` (names are `<role>-<n>`)."""
     used = {int(n.rsplit("-", 1)[1]) for n in names}
     return next(i for i in range(len(used) + 1) if i not in used)
 
@@ -162,11 +287,9 @@ def start_collection_tier(
     collector_options: dict[str, Any] | None = None,
 ) -> CollectionTier:
     """Start loggers, bridges and collectors; returns once every collector serves."""
-    import ray
-
     from actors.logger import start_logger_group
+    from runtime.placement import alive_nodes, plan
     from runtime.ray_supervisor import start_supervisor
-    from runtime.waiting import wait_until
 
     ns = cfg.ray.namespace
     state = str(cfg.state_path)
@@ -196,8 +319,11 @@ def start_collection_tier(
     tier.collector_port = port
     tier.bridges = [f"bridge-{i}" for i in range(cfg.roles.bridge.replicas)]
     tier.collectors = [f"collector-{i}" for i in range(cfg.roles.collector.replicas)]
-    specs = [tier.spec("bridge", i) for i in range(len(tier.bridges))]
-    specs += [tier.spec("collector", i) for i in range(len(tier.collectors))]
+    nodes = alive_nodes()
+    specs = [tier.spec("bridge", i, node) for i, node in enumerate(plan(len(tier.bridges), nodes))]
+    specs += [
+        tier.spec("collector", i, node) for i, node in enumerate(plan(len(tier.collectors), nodes))
+    ]
     tier.supervisor = start_supervisor(
         SUPERVISOR,
         specs,
@@ -208,12 +334,7 @@ def start_collection_tier(
         intensity=Intensity(max_restarts=20, period_s=60.0),
     )
     for name in tier.bridges:  # a bridge is ready once its streams exist
-        wait_until(
-            lambda n=name: ray.get(tier.actor(n).ready.remote(), timeout=30) is not None,
-            timeout=120,
-            what=f"{name} ready",
-            swallow=True,
-        )
+        tier.wait_bridge(name)
     for name in tier.collectors:
         tier.udp_port = tier.wait_serving(name)["udp_port"]
     for stream, sc in cfg.streams.items():

@@ -356,6 +356,12 @@ class RaySupervisor(SupervisedActor):
         del self._saved.escalations[:-_MAX_ESCALATIONS]
         self._save()
 
+    async def child_spec(self, cid: str) -> ChildSpec:
+        """The spec a child runs with (a template for one more like it)."""
+        if cid not in self._specs:
+            raise ValueError(f"{self.name}: no child {cid!r}")
+        return self._specs[cid]
+
     async def add_child(self, spec: ChildSpec) -> str:
         """Start and supervise one more child (scaling up); kept across this actor's restarts."""
         if spec.id in self._specs and spec.id not in self._saved.dropped:

@@ -1,22 +1,24 @@
-"""Scaling a role while data flows: collectors 1 -> 3 -> 1 under load, nothing lost.
+"""Scaling each role while data flows: collectors 1 -> 3 -> 1, loggers and bridges
+1 -> 2 -> 1, gateways 1 -> 2 -> 1, all under a steady load, nothing lost.
 
-Real nats-server, Ray and LevelDB. The producer keeps sending known ids throughout;
-scale-down drains (the replica closes its socket, finishes its requests, hands its
-logged batches on), so a client at most retries and every acknowledged id lands once.
+Real nats-server, Ray and LevelDB. The producer keeps sending known ids from before the
+first step until after the last; scale-down drains (a collector closes its socket,
+finishes its requests, hands its logged batches on; a logger group is emptied into
+JetStream; a gateway closes its clients with 1001 after flushing their cursors), so a
+client at most retries and every acknowledged id lands once.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 import ray
 
 from runtime.config import load
-from runtime.loadgen import drive, known_events
+from runtime.loadgen import LoadReport, drive, known_events
 from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.verify import judge, stream_ids
@@ -40,48 +42,175 @@ def tier(ray_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         t.stop()
 
 
-async def test_collectors_scale_up_and_down_under_load(tier: Any, tmp_path: Path) -> None:
+async def under_load(
+    t: CollectionTier, prefix: str, resize: Callable[[], Awaitable[None]], rate: float = 800
+) -> LoadReport:
+    """A steady load from before `resize` starts until 10 more batches were accepted after
+    it ended; returns what was acknowledged (every batch, no refusal left unretried)."""
+    acked = [0]
+    flowing, stop = asyncio.Event(), asyncio.Event()
+
+    def on_batch(_: int) -> None:
+        acked[0] += 1
+        if acked[0] >= 10:
+            flowing.set()
+
+    load = asyncio.ensure_future(
+        drive(
+            t.url,
+            "meetup",
+            known_events(500_000, prefix),
+            batch=100,
+            concurrency=4,
+            rate=rate,
+            deadline_s=900,
+            on_batch=on_batch,
+            until=stop,
+        )
+    )
+    await asyncio.wait_for(flowing.wait(), 60)  # resize only once the load is accepted
+    await resize()
+    assert not load.done(), "the resizing must happen under load"
+    mark = acked[0]
+    await await_until(lambda: acked[0] >= mark + 10, 60, what="the load accepted afterwards")
+    stop.set()
+    report = await load
+    assert not report.rejected, report.rejected
+    assert len(report.acknowledged) == acked[0] * 100  # every batch started was accepted
+    return report
+
+
+async def assert_all_landed(t: CollectionTier, server: NatsServer, report: LoadReport) -> None:
+    async def drained() -> bool:
+        for logger in t.loggers:
+            c = await logger.counts()
+            if c["transient"] or c["failed"]:
+                return False
+        return True
+
+    await await_until(drained, timeout=120, interval=0.5, what="log drained", swallow=True)
+    nc = await connect(server.url)
+    try:
+        verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
+    finally:
+        await nc.close()
+    assert verdict.ok, str(verdict)
+
+
+async def test_collectors_scale_up_and_down_under_load(tier: Any) -> None:
     t, server = tier
     t: CollectionTier
     loop = asyncio.get_running_loop()
     steps: list[list[str]] = []
 
-    async def scale_during_load() -> None:
+    async def resize() -> None:
         steps.append(await loop.run_in_executor(None, t.scale, "collector", 3))
         pids = {n: (await t.actor(n).heartbeat.remote())["pid"] for n in steps[-1]}
         assert len(set(pids.values())) == 3  # three live processes share the port
         steps.append(await loop.run_in_executor(None, t.scale, "collector", 1))
 
-    flowing = asyncio.Event()
-    load = asyncio.ensure_future(
-        drive(
-            t.url,
-            "meetup",
-            known_events(12_000, "sc"),
-            batch=100,
-            concurrency=4,
-            rate=1500,
-            on_batch=lambda i: flowing.set() if i >= 10 else None,
-        )
-    )
-    await asyncio.wait_for(flowing.wait(), 60)  # scale only once the load is accepted
-    await scale_during_load()
-    assert not load.done()  # the scaling happened under load
-    report = await load
+    report = await under_load(t, "sc", resize)
     assert steps == [["collector-0", "collector-1", "collector-2"], ["collector-0"]]
-    assert len(report.acknowledged) == 12_000  # the load kept being accepted throughout
     sup = await t.supervisor.status.remote()
     assert sup["children"]["collector-1"]["state"] == "dropped"
     assert sup["children"]["collector-0"]["state"] == "running"
     with pytest.raises(ValueError):
         ray.get(t.actor("collector-1").endpoints.remote(), timeout=5)
+    await assert_all_landed(t, server, report)
 
-    async def drained() -> bool:
-        c = await t.loggers[0].counts()
-        return c["transient"] == 0 and c["failed"] == 0
 
-    await await_until(drained, timeout=120, interval=0.5, what="log drained", swallow=True)
+async def test_loggers_and_bridges_scale_under_load(tier: Any) -> None:
+    """Loggers 1 -> 2 -> 1 and bridges 1 -> 2 -> 1: the collectors roll onto each new
+    layout, and a leaving logger group is emptied into JetStream before it stops."""
+    t, server = tier
+    t: CollectionTier
+    loop = asyncio.get_running_loop()
+    layouts: list[tuple[list[str], list[str]]] = []
+
+    async def resize() -> None:
+        for role, n in (("logger", 2), ("bridge", 2), ("bridge", 1), ("logger", 1)):
+            await loop.run_in_executor(None, t.scale, role, n)
+            layouts.append(([g.name for g in t.loggers], list(t.bridges)))
+            # every collector writes to a logger of the layout and names only its bridges
+            for name in t.collectors:
+                spec = await t.supervisor.child_spec.remote(name)
+                assert spec.kwargs["bridges"] == t.bridges
+                assert spec.kwargs["logger"].name in layouts[-1][0]
+
+    report = await under_load(t, "lb", resize)
+    assert [len(lg) for lg, _ in layouts] == [2, 2, 2, 1]
+    assert [len(br) for _, br in layouts] == [1, 2, 1, 1]
+    assert layouts[0][0] == ["logger-0", "logger-1"]
+    await assert_all_landed(t, server, report)
+
+
+async def test_gateways_scale_under_load_without_a_gap_for_clients(tier: Any) -> None:
+    """Gateways 1 -> 2 -> 1 while events flow and clients read the raw stream: clients on
+    the leaving replica are closed with 1001, reconnect to the other and resume by
+    cursor; each sees every stored event exactly once, in order, without a gap."""
+    from actors.gateway import scale_gateways, start_gateways, stop_gateways
+    from runtime.client import TierflowClient
+
+    t, server = tier
+    t: CollectionTier
+    loop = asyncio.get_running_loop()
+    cfg = t.cfg
+    names = await loop.run_in_executor(None, lambda: start_gateways(cfg, server.url, 1, 0))
     nc = await connect(server.url)
-    verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
-    await nc.close()
-    assert verdict.ok, str(verdict)
+    clients: list[TierflowClient] = []
+    readers: list[asyncio.Future[None]] = []
+    try:
+        url = (await t.actor(names[0]).endpoints.remote())["url"]
+        before = (await nc.jetstream().stream_info("meetup")).state.last_seq
+        seen: list[list[int]] = []
+
+        def add_client() -> None:
+            client = TierflowClient(url, give_up_after=60)
+            got: list[int] = []
+
+            async def read() -> None:
+                async for d in client.subscribe("meetup", start=before + 1):
+                    got.append(d.seq)
+
+            clients.append(client)
+            seen.append(got)
+            readers.append(asyncio.ensure_future(read()))
+
+        for _ in range(3):
+            add_client()
+
+        async def resize() -> None:
+            assert await loop.run_in_executor(None, scale_gateways, cfg, names, 2) == names
+            assert names == ["gateway-0", "gateway-1"]
+
+            async def one_on_the_new_replica() -> bool:  # SO_REUSEPORT spreads connections
+                if (await t.actor("gateway-1").stats.remote())["open"]["ws"] > 0:
+                    return True
+                add_client()
+                return False
+
+            await await_until(one_on_the_new_replica, 60, 0.3, what="a client on gateway-1")
+            assert await loop.run_in_executor(None, scale_gateways, cfg, names, 1) == names
+            assert names == ["gateway-0"]
+
+        report = await under_load(t, "gw", resize, rate=600)
+        await assert_all_landed(t, server, report)
+        last = (await nc.jetstream().stream_info("meetup")).state.last_seq
+        want = list(range(before + 1, last + 1))  # only this load wrote since `before`
+
+        async def all_read() -> bool:
+            return all(len(got) >= len(want) for got in seen)
+
+        await await_until(all_read, timeout=120, interval=0.3, what="every client caught up")
+        for got, client in zip(seen, clients, strict=True):  # each once, in order, no gap
+            assert got[: len(want)] == want
+            assert client.stats.dropped == 0 and client.stats.aged_out == 0
+        assert sum(c.stats.reconnects for c in clients) >= 1  # someone really moved
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        for client in clients:
+            await client.close()
+        await nc.close()
+        await loop.run_in_executor(None, stop_gateways, cfg, names)
