@@ -52,6 +52,7 @@ from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
 from runtime.services import connect_nats
+from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class Collector(SupervisedActor):
             "host": self.host,
             "port": self.port,
             "udp_port": self.udp_port,
-            "url": f"http://{self.host}:{self.port}",
+            "url": f"{http_scheme(self.cfg)}://{self.host}:{self.port}",
         }
 
     def stats(self) -> dict[str, Any]:
@@ -178,7 +179,8 @@ class Collector(SupervisedActor):
         app.router.add_get("/healthz", self.healthz)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_port=True)
+        ssl = server_ssl_context(self.cfg)  # None: plain HTTP (the default)
+        site = web.TCPSite(runner, self.host, self.port, reuse_port=True, ssl_context=ssl)
         await site.start()
         self.port = runner.addresses[0][1]
         udp = await self._start_udp()
@@ -484,7 +486,9 @@ class Collector(SupervisedActor):
         streams = [s for s, sc in self.cfg.streams.items() if sc.source.url]
         if not streams:
             return []
-        nc = await connect_nats(self.cfg, self.nats_url, name=f"collector-{self.name}-buffer")
+        nc = await connect_nats(
+            self.cfg, self.nats_url, name=f"collector-{self.name}-buffer", role="collector"
+        )
         await ensure_buffer_stream(nc, streams)
         out = []
         for stream in streams:
@@ -507,7 +511,9 @@ class Collector(SupervisedActor):
     async def _start_nats_ingest(self) -> Any:
         if not self.nats_ingest:
             return None
-        nc = await connect_nats(self.cfg, self.nats_url, name=f"collector-{self.name}")
+        nc = await connect_nats(
+            self.cfg, self.nats_url, name=f"collector-{self.name}", role="collector"
+        )
         await nc.subscribe("ingest.*", queue="collectors", cb=self._nats_message)
         return nc
 

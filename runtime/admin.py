@@ -7,6 +7,7 @@ says otherwise, because it reveals the topology.
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -98,12 +99,19 @@ def make_app(status_fn: StatusFn, scale_fn: ScaleFn | None = None) -> web.Applic
 
 
 async def serve(
-    status_fn: StatusFn, host: str, port: int, scale_fn: ScaleFn | None = None
+    status_fn: StatusFn,
+    host: str,
+    port: int,
+    scale_fn: ScaleFn | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Start the admin app; returns the runner (to clean up) and the bound port."""
+    """Start the admin app; returns the runner (to clean up) and the bound port.
+
+    `ssl_context` (runtime.tls.server_ssl_context) serves HTTPS only; None is plain HTTP.
+    """
     runner = web.AppRunner(make_app(status_fn, scale_fn), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0][1]
     return runner, bound

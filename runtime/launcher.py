@@ -23,6 +23,7 @@ from runtime.services import Services, connect_nats, ensure_streams
 log = logging.getLogger(__name__)
 
 ROOT_SUPERVISOR = "tierflow-root"
+ROLES = ("collector", "logger", "bridge", "gateway")
 
 
 class Runtime:
@@ -65,10 +66,16 @@ class Runtime:
         await loop.run_in_executor(None, self._start_gateways)
         if self.analysis:
             await loop.run_in_executor(None, self._start_analysis)
+        from runtime.tls import http_scheme, server_ssl_context
+
         self.admin_runner, port = await serve(
-            self.status, self.cfg.admin.host, self.cfg.admin.port, self.scale
+            self.status,
+            self.cfg.admin.host,
+            self.cfg.admin.port,
+            self.scale,
+            ssl_context=server_ssl_context(self.cfg),
         )
-        self.admin_url = f"http://{self.cfg.admin.host}:{port}"
+        self.admin_url = f"{http_scheme(self.cfg)}://{self.cfg.admin.host}:{port}"
 
     def _start_gateways(self) -> None:
         """The data access tier: gateways sharing one port (dashboard at `/`)."""
@@ -156,6 +163,8 @@ class Runtime:
         """Resize a role while it runs (blocking Ray calls, so off the event loop); one
         resize at a time, so an operator's `tierflow scale` and the autoscaler never
         interleave their steps."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
         loop = asyncio.get_running_loop()
         async with self._scaling:
             if role == "gateway":

@@ -32,6 +32,7 @@ from nats.aio.client import Client
 from runtime.waiting import poll
 
 CONFIG_NAME = "nats.conf"
+JS_KEY_ENV = "TIERFLOW_JS_KEY"  # the at-rest key reaches the server by environment only
 LOG_NAME = "nats-server.log"
 READY_LINE = "Server is ready"
 _LOG_TAIL_CHARS = 4000
@@ -82,6 +83,22 @@ def _conf_str(value: str) -> str:
     return json.dumps(value)
 
 
+def _users_block(users: list[dict[str, Any]], user: str | None, password: str | None) -> list[str]:
+    """`authorization { users = [...] }` with per-user permissions (JSON is valid nats.conf;
+    strings stay quoted, so `$JS.API.>` is a subject, not a variable)."""
+    entries = list(users)
+    if user is not None:  # the single configured user keeps full rights next to the roles
+        entries.append({"user": user, "password": password or ""})
+    lines = ["authorization {", "  users = ["]
+    for u in entries:
+        body: dict[str, Any] = {"user": u["user"], "password": u.get("password", "")}
+        if u.get("permissions"):
+            body["permissions"] = u["permissions"]
+        lines.append(f"    {json.dumps(body)}")
+    lines += ["  ]", "}"]
+    return lines
+
+
 def _http_json(url: str, timeout: float = 1.0) -> tuple[int, Any]:
     """GET `url`; (status, parsed JSON or None). Never raises for HTTP or connection errors."""
     try:
@@ -113,6 +130,14 @@ class NatsServer:
     password: str | None = field(default=None, repr=False)
     max_payload: int | None = None
     max_file_store: int | None = None
+    # per-user credentials and permissions: [{"user", "password", "permissions"}]
+    users: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_verify: bool = False
+    encryption_key: str | None = field(default=None, repr=False)
+    encryption_cipher: str = "chachapoly"
     _proc: subprocess.Popen[bytes] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -177,7 +202,19 @@ class NatsServer:
         lines.append(f"http: {_conf_str(f'{self.host}:{self.monitor_port}')}")
         if self.max_payload is not None:
             lines.append(f"max_payload: {int(self.max_payload)}")
-        if self.user is not None or self.password is not None:
+        if self.tls_cert:
+            lines.append("tls {")
+            lines.append(f"  cert_file: {_conf_str(str(Path(self.tls_cert).resolve()))}")
+            lines.append(f"  key_file: {_conf_str(str(Path(self.tls_key or '').resolve()))}")
+            if self.tls_ca:
+                lines.append(f"  ca_file: {_conf_str(str(Path(self.tls_ca).resolve()))}")
+            if self.tls_verify:
+                lines.append("  verify: true")
+            lines.append("  timeout: 2")
+            lines.append("}")
+        if self.users:
+            lines.extend(_users_block(self.users, self.user, self.password))
+        elif self.user is not None or self.password is not None:
             lines.append("authorization {")
             lines.append(f"  user: {_conf_str(self.user or '')}")
             lines.append(f"  password: {_conf_str(self.password or '')}")
@@ -187,6 +224,9 @@ class NatsServer:
         lines.append(f"  sync_interval: {_conf_str(self.sync_interval)}")
         if self.max_file_store is not None:
             lines.append(f"  max_file_store: {int(self.max_file_store)}")
+        if self.encryption_key:
+            lines.append(f"  cipher: {_conf_str(self.encryption_cipher)}")
+            lines.append(f"  key: ${JS_KEY_ENV}")
         lines.append("}")
         if self.cluster_name:
             lines.append("cluster {")
@@ -241,6 +281,9 @@ class NatsServer:
         self.config_path.write_text(self.config_text())
         self.config_path.chmod(0o600)  # may hold the password
         binary = nats_server_binary()
+        env = {k: v for k, v in os.environ.items() if k != JS_KEY_ENV}
+        if self.encryption_key:
+            env[JS_KEY_ENV] = self.encryption_key
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -250,6 +293,7 @@ class NatsServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=str(self.store_dir),
+                env=env,
             )
 
     def _check_alive(self) -> None:

@@ -219,9 +219,17 @@ class CollectionTier:
         """role -> {replica: node id} as the replicas report it now."""
         from runtime.placement import actor_nodes
 
+        loggers: dict[str, str | None] = {}
+        for group in self.logger_groups:
+            try:
+                nodes = group.nodes(timeout=10)
+            except Exception:  # a replica restarting: it holds no place for now
+                nodes = [None] * (self.cfg.roles.logger.k + 1)
+            loggers.update({f"{group.role}/{i}": n for i, n in enumerate(nodes)})
         return {
             "collector": actor_nodes({n: self.actor(n) for n in self.collectors}),
             "bridge": actor_nodes({n: self.actor(n) for n in self.bridges}),
+            "logger": loggers,
         }
 
     def actor(self, name: str) -> Any:

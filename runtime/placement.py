@@ -1,11 +1,13 @@
 """Where the next replica of a role goes: the alive node holding the fewest of its replicas.
 
 Pure policy, apart from Ray: `spread_node` decides from counts, `plan` lays out a whole role
-at start, and `affinity` turns a choice into Ray options. The affinity is *soft*: if the
-node is gone when Ray (re)starts the actor, Ray places it elsewhere, so a node loss costs
-a restart, never a replica that cannot be scheduled. Loggers do not use this; their k+1
-copies need a hard guarantee and get a STRICT_SPREAD placement group
-(`runtime/replication.py`).
+at start, `affinity` records a choice in a child's Ray options as a hint, and the
+supervisor turns the hint into a hard node affinity when it creates the actor
+(`resolve`). Hard, because Ray's soft affinity was seen to put three replicas on one node
+of three; and a hint, because a hard affinity to a node that died makes the actor
+unschedulable: the supervisor then re-plans onto a live node (`resolve` again), so a node
+loss costs a restart, never a replica that cannot run. Loggers do not use this; their
+k+1 copies get a STRICT_SPREAD placement group (`runtime/replication.py`).
 """
 
 from __future__ import annotations
@@ -37,13 +39,29 @@ def plan(
     return out
 
 
+NODE_HINT = "tierflow_node"
+
+
 def affinity(node: str | None) -> dict[str, Any]:
-    """Ray options pinning an actor to `node`, softly; empty for no preference."""
+    """The placement hint for a child's `ray_options`; empty for no preference."""
+    return {NODE_HINT: node} if node else {}
+
+
+def resolve(hint: str | None, alive: Sequence[str], siblings: Iterable[str | None]) -> str | None:
+    """The node to create a replica on: its hinted node while alive, else the live node
+    with the fewest `siblings` (the hints of the role's other replicas)."""
+    if hint and hint in alive:
+        return hint
+    return plan(1, alive, siblings)[0] if hint else None
+
+
+def strategy(node: str | None) -> dict[str, Any]:
+    """Ray options pinning an actor to `node` (hard); empty for no preference."""
     if not node:
         return {}
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
 
 def alive_nodes() -> list[str]:

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -53,8 +54,14 @@ from typing import Any
 
 import msgspec
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    RayActorError,
+)
 
+from runtime import placement
 from runtime.checkpoint import CheckpointLockedError, CheckpointStore
 from runtime.supervision import (
     Backoff,
@@ -281,6 +288,7 @@ class RaySupervisor(SupervisedActor):
             self._specs.setdefault(cid, ray.cloudpickle.loads(blob))
         self._namespace = namespace or ray.get_runtime_context().namespace
         self._children = {cid: _Child() for cid in self._specs}
+        self._lost_nodes: set[str] = set()  # pinned-to nodes Ray found gone (ids never return)
         now = time.time()
         for cid, inc in self._saved.incarnations.items():
             if cid in self._children:
@@ -453,6 +461,12 @@ class RaySupervisor(SupervisedActor):
         if isinstance(answer, ActorDiedError):
             child.handle = None
             self._on_exit(cid, exit_from_death(answer), now, dead=True)
+        elif isinstance(answer, ActorUnschedulableError):  # its pinned node is gone
+            hint = (self._specs[cid].ray_options or {}).get(placement.NODE_HINT)
+            if hint:
+                self._lost_nodes.add(hint)
+            child.handle = None
+            self._on_exit(cid, Exit.ABNORMAL, now, dead=True)
         elif isinstance(answer, ActorUnavailableError):
             return  # Ray is restarting it; the next answer carries the new incarnation
         elif isinstance(answer, BaseException):
@@ -576,9 +590,31 @@ class RaySupervisor(SupervisedActor):
         target = load_start(spec.start)
         actor_cls = target if isinstance(target, ray.actor.ActorClass) else ray.remote(target)
         opts = supervised_options(cid, self._namespace, **dict(spec.ray_options or {}))
+        if opts.get(placement.NODE_HINT):
+            opts.update(placement.strategy(self._place(cid, opts.pop(placement.NODE_HINT))))
         if spec.restart is Restart.TEMPORARY:
             opts.update(max_restarts=0, max_task_retries=0)
         return actor_cls.options(**opts).remote(*spec.args, **dict(spec.kwargs))
+
+    def _place(self, cid: str, hint: str) -> str | None:
+        """The child's hinted node while it lives; else a live node with the fewest of its
+        siblings (same start target), remembered as its new hint for later restarts."""
+        spec = self._specs[cid]
+        siblings = [
+            (s.ray_options or {}).get(placement.NODE_HINT)
+            for other, s in self._specs.items()
+            if other != cid and s.start == spec.start and other not in self._saved.dropped
+        ]
+        alive = [n for n in placement.alive_nodes() if n not in self._lost_nodes]
+        node = placement.resolve(hint, alive, siblings)
+        if node != hint:
+            log.warning("%s: node %s of %s is gone; placing it on %s", self.name, hint, cid, node)
+            opts = {**(spec.ray_options or {}), placement.NODE_HINT: node}
+            self._specs[cid] = dataclasses.replace(spec, ray_options=opts)
+            if cid in self._saved.added:
+                self._saved.added[cid] = ray.cloudpickle.dumps(self._specs[cid])
+                self._save()
+        return node
 
     def _kill(self, cid: str, *, no_restart: bool, now: float | None = None) -> None:
         child = self._children[cid]

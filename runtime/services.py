@@ -43,9 +43,17 @@ def nats_store_dir(cfg: Config) -> Path:
 
 
 def start_nats(cfg: Config) -> NatsServer | None:
-    """Start the embedded server unless `nats.url` points at an external one."""
+    """Start the embedded server unless `nats.url` points at an external one.
+
+    `[tls]`, `nats.role_users` and `nats.encryption_key` shape its nats.conf (see
+    docs/security.md); none of them is on by default.
+    """
     if cfg.nats.url:
         return None
+    from runtime.nats_roles import server_users
+    from runtime.tls import tls_files
+
+    tls = tls_files(cfg)
     server = NatsServer(
         store_dir=nats_store_dir(cfg),
         port=cfg.nats.port,
@@ -53,20 +61,36 @@ def start_nats(cfg: Config) -> NatsServer | None:
         sync_interval=cfg.nats.sync_interval,
         user=cfg.nats.user or None,
         password=cfg.nats.password or None,
+        users=server_users(cfg) if cfg.nats.role_users else [],
+        tls_cert=str(tls.cert) if tls else None,
+        tls_key=str(tls.key) if tls else None,
+        tls_ca=str(tls.ca) if tls else None,
+        tls_verify=bool(tls and tls.verify_clients),
+        encryption_key=cfg.nats.encryption_key or None,
+        encryption_cipher=cfg.nats.encryption_cipher,
     )
     return server.start()
 
 
-async def connect_nats(cfg: Config, url: str | None = None, name: str = "tierflow") -> Any:
-    """A nats-py client for the configured (or given) URL, with the configured credentials."""
+async def connect_nats(
+    cfg: Config, url: str | None = None, name: str = "tierflow", role: str = "admin"
+) -> Any:
+    """A nats-py client for the configured (or given) URL, as `role` (its NATS user when
+    `nats.role_users` or `[nats.users.<role>]` say so), over TLS when `[tls]` is on."""
+    from runtime.nats_roles import credentials
+    from runtime.tls import client_ssl_context
+
+    who = credentials(cfg, role)
+    ctx = client_ssl_context(cfg)
     return await connect(
         url or cfg.nats.url,
-        user=cfg.nats.user or None,
-        password=cfg.nats.password or None,
-        token=cfg.nats.token or None,
-        creds=cfg.nats.creds or None,
+        user=who.user or None,
+        password=who.password or None,
+        token=who.token or None,
+        creds=who.creds or None,
         tls_ca=cfg.nats.tls_ca or None,
         name=name,
+        **({"tls": ctx} if ctx is not None else {}),
     )
 
 

@@ -110,8 +110,10 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
 
         scaled = run(["scale", "collector", "2"], cli_env)
         assert scaled.returncode == 0 and "2 replicas" in scaled.stdout, scaled.stderr
-        refused = run(["scale", "logger", "2"], cli_env)
-        assert refused.returncode == 1 and "not supported" in refused.stderr
+        scaled = run(["scale", "gateway", "2"], cli_env)
+        assert scaled.returncode == 0 and "gateway-0, gateway-1" in scaled.stdout, scaled.stderr
+        refused = run(["scale", "spark", "2"], cli_env)
+        assert refused.returncode == 1 and "spark" in refused.stderr
 
         with urllib.request.urlopen(state["admin"]["url"] + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()

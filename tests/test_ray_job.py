@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,7 @@ def head() -> Iterator[Head]:
         left = h.stop()
         assert not left, f"processes of the Ray head outlived SIGKILL: {left}"
         assert not _head_processes(h.temp_dir)
+        shutil.rmtree(h.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -285,9 +287,11 @@ def _listening(port: int) -> bool:
 
 def test_head_processes_are_found_by_temp_dir_only() -> None:
     """The pid finder must not match other processes: a fresh temp dir names none."""
-    assert _head_processes(tempfile.mkdtemp(prefix="tfj-none-", dir="/tmp")) == []
-    # and finds a process whose command line names it
-    tmp = tempfile.mkdtemp(prefix="tfj", dir="/tmp")
+    none = tempfile.mkdtemp(prefix="tfj-none-", dir="/tmp")
+    assert _head_processes(none) == []
+    os.rmdir(none)
+    # and finds a process whose command line names it (no directory needed)
+    tmp = f"/tmp/tfj-{uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tmp])
     try:
         assert [p.pid for p in _head_processes(tmp)] == [proc.pid]

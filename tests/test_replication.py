@@ -234,6 +234,7 @@ def cluster() -> Iterator[Cluster]:
 def local_ray() -> Iterator[None]:
     _fresh_driver()
     ray.init(
+        address="local",
         namespace=NAMESPACE,
         include_dashboard=False,
         num_cpus=2,

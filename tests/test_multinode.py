@@ -1,0 +1,164 @@
+"""The collection and access tiers on a 3-node Ray cluster (`ray.cluster_utils.Cluster`,
+three raylets on this machine): each role's replicas on distinct nodes, and a node removed
+under load at k=1 costs nothing acknowledged.
+
+Real raylets, a real nats-server and LevelDB. Removing a node kills every process on it
+(a collector, a bridge, a gateway and a logger replica among them); Ray restarts the
+actors elsewhere, the logger's placement group re-places the lost bundle and the bridge's
+healing pass catches the new replica up, so the group is back at k+1 copies on distinct
+nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from runtime.config import load
+from runtime.loadgen import drive, known_events
+from runtime.nats import NatsServer, connect
+from runtime.pipeline import CollectionTier, start_collection_tier
+from runtime.verify import judge, stream_ids
+from runtime.waiting import await_until, wait_until
+
+pytestmark = pytest.mark.slow
+NAMESPACE = "tf-multinode"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if ray.is_initialized():  # one Ray connection per process
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[CollectionTier, NatsServer, list[str]]]:
+    from actors.gateway import start_gateways, stop_gateways
+
+    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
+        cfg = load(
+            environ={},
+            overrides={
+                "state_dir": str(tmp_path_factory.mktemp("state")),
+                "ray": {"namespace": NAMESPACE},
+                "roles": {
+                    "logger": {"k": 1},
+                    "collector": {"replicas": 3, "port": 0},
+                    "bridge": {"replicas": 2},
+                },
+                "streams": {"meetup": {"subjects": ["raw.meetup"]}},
+            },
+        )
+        tier = start_collection_tier(cfg, nats_url=server.url)
+        gateways = start_gateways(cfg, server.url, 2, 0)
+        try:
+            yield tier, server, gateways
+        finally:
+            stop_gateways(cfg, gateways)
+            tier.stop()
+
+
+def gateway_nodes(names: list[str]) -> dict[str, str | None]:
+    from runtime.placement import actor_nodes
+
+    return actor_nodes({n: ray.get_actor(n, namespace=NAMESPACE) for n in names})
+
+
+def test_each_roles_replicas_land_on_distinct_nodes(pipeline: Any) -> None:
+    tier, _, gateways = pipeline
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(alive) == 3
+    placed = {**tier.placement(), "gateway": gateway_nodes(gateways)}
+    for role, where in placed.items():
+        nodes = list(where.values())
+        assert None not in nodes, (role, where)
+        assert set(nodes) <= alive
+        assert len(set(nodes)) == len(nodes), f"{role} replicas share a node: {where}"
+    assert len(placed["collector"]) == 3 and len(placed["logger"]) == 2
+
+
+async def test_removing_a_node_under_load_loses_nothing_acknowledged_at_k1(
+    cluster: Cluster, pipeline: Any, tmp_path: Path
+) -> None:
+    tier, server, _ = pipeline
+    tier: CollectionTier
+    loop = asyncio.get_running_loop()
+    placed = await loop.run_in_executor(None, tier.placement)
+    # the worker node holding a logger replica (the head cannot be removed)
+    logger_nodes = set(placed["logger"].values())
+    victim = next(n for n in cluster.worker_nodes if n.node_id in logger_nodes)
+    doomed = {r: [a for a, node in w.items() if node == victim.node_id] for r, w in placed.items()}
+    assert doomed["logger"] and doomed["collector"], doomed
+
+    acked = [0]
+    flowing, stop = asyncio.Event(), asyncio.Event()
+
+    def on_batch(_: int) -> None:
+        acked[0] += 1
+        if acked[0] >= 10:
+            flowing.set()
+
+    load = asyncio.ensure_future(
+        drive(
+            tier.url,
+            "meetup",
+            known_events(500_000, "node"),
+            batch=100,
+            concurrency=4,
+            rate=600,
+            deadline_s=600,
+            on_batch=on_batch,
+            until=stop,
+        )
+    )
+    await asyncio.wait_for(flowing.wait(), 60)
+    await loop.run_in_executor(None, cluster.remove_node, victim)
+    mark = acked[0]
+    # the load keeps being accepted: the collectors left serve, the logger group is back
+    await await_until(lambda: acked[0] >= mark + 20, 240, 0.5, what="acks after the loss")
+    stop.set()
+    report = await load
+    assert not report.rejected, report.rejected
+    assert len(report.acknowledged) == acked[0] * 100
+
+    def k_plus_one_again() -> bool:  # the lost replica re-placed on the third node
+        nodes = tier.logger_groups[0].nodes(timeout=10)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return None not in nodes and len(set(nodes)) == 2 and set(nodes) <= alive
+
+    await loop.run_in_executor(
+        None, lambda: wait_until(k_plus_one_again, 180, 1.0, "logger back at k+1", swallow=True)
+    )
+
+    async def drained() -> bool:
+        c = await tier.loggers[0].counts()
+        return c["transient"] == 0 and c["failed"] == 0
+
+    await await_until(drained, timeout=180, interval=0.5, what="log drained", swallow=True)
+    nc = await connect(server.url)
+    try:
+        verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
+    finally:
+        await nc.close()
+    assert verdict.ok, str(verdict)
+    # every collector is serving again (Ray restarted the lost one on a live node)
+    for name in tier.collectors:
+        await loop.run_in_executor(None, tier.wait_serving, name, 180)

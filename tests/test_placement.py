@@ -1,0 +1,43 @@
+"""Placement policy (pure): spread a role's replicas over nodes, re-plan off a dead node."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.placement import NODE_HINT, affinity, plan, resolve, spread_node, strategy
+
+
+def test_spread_picks_the_node_with_fewest_replicas_first_on_ties() -> None:
+    assert spread_node({}, ["a", "b", "c"]) == "a"
+    assert spread_node({"a": 1}, ["a", "b", "c"]) == "b"
+    assert spread_node({"a": 1, "b": 1}, ["a", "b", "c"]) == "c"
+    assert spread_node({"a": 2, "b": 1, "c": 1}, ["a", "b", "c"]) == "b"
+    assert spread_node({"gone": 0}, ["a", "b"]) == "a"  # counts of dead nodes do not matter
+
+
+@pytest.mark.parametrize("alive", [[], ["only"]])
+def test_no_choice_without_two_nodes(alive: list[str]) -> None:
+    assert spread_node({}, alive) is None
+    assert plan(3, alive) == [None, None, None]
+
+
+def test_plan_lays_a_role_out_round_the_nodes_around_what_runs() -> None:
+    assert plan(3, ["a", "b", "c"]) == ["a", "b", "c"]
+    assert plan(4, ["a", "b"]) == ["a", "b", "a", "b"]
+    assert plan(2, ["a", "b", "c"], placed=["a", "a", None]) == ["b", "c"]
+
+
+def test_resolve_keeps_a_live_hint_and_re_plans_a_dead_one() -> None:
+    alive = ["a", "b", "c"]
+    assert resolve("b", alive, ["a", "c"]) == "b"
+    assert resolve("dead", alive, ["a", "b"]) == "c"  # the node without a sibling
+    assert resolve("dead", alive, ["a", "dead"]) == "b"
+    assert resolve("dead", ["a"], ["a"]) is None  # one node left: anywhere
+    assert resolve(None, alive, ["a"]) is None  # no hint, no preference
+
+
+def test_hint_and_strategy() -> None:
+    assert affinity(None) == {} and strategy(None) == {}
+    assert affinity("n1") == {NODE_HINT: "n1"}
+    s = strategy("n1")["scheduling_strategy"]
+    assert s.node_id == "n1" and s.soft is False
