@@ -101,6 +101,8 @@ class Collector(SupervisedActor):
         max_bridge_calls: int = 4,
         max_handoff_events: int = 50_000,
         start_timeout_s: float = 30.0,
+        idle_timeout_s: float = 15.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(state_dir, name=name)
         self.cfg: Config = validate(config)
@@ -112,6 +114,9 @@ class Collector(SupervisedActor):
         self.host, self.port, self.udp_port = host, port, udp_port
         self.nats_ingest = nats_ingest
         self.max_body_bytes = max_body_bytes
+        # a connection idle (or still sending its request head) this long is closed;
+        # a body not received this long after its head is a 408
+        self.idle_timeout_s, self.body_timeout_s = idle_timeout_s, body_timeout_s
         self.max_events, self.max_event_bytes = max_events, max_event_bytes
         self.tokens = frozenset(self.cfg.auth.producer_tokens)  # empty: auth off
         self.logic: dict[str, StreamLogic] = {
@@ -156,11 +161,18 @@ class Collector(SupervisedActor):
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "mode": self.mode, "in_flight": self._in_flight()}
+        return {
+            **self.counters,
+            "mode": self.mode,
+            "in_flight": self._in_flight(),
+            "requests_in_flight": self._requests_in_flight,
+        }
 
     def shutdown(self) -> bool:
         """Stop taking work and finish what is in hand (drain), then stop serving."""
         return self._dataplane.stop()
+
+    _requests_in_flight = 0
 
     def _in_flight(self) -> int:
         return self._committer.pending_events if hasattr(self, "_committer") else 0
@@ -171,13 +183,18 @@ class Collector(SupervisedActor):
         self._committer = GroupCommitter(self.logger.append, self._commit_policy)
         self._bridge_slots = asyncio.Semaphore(self._max_bridge_calls)
         self._background: set[asyncio.Task[Any]] = set()
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[self._count_requests, self._authenticate],
+        )
         app.router.add_post("/v1/streams/{stream}/events", self.post_events)
         app.router.add_post("/v1/streams/{stream}/fire", self.post_fire)
         app.router.add_get("/v1/streams/{stream}/ws", self.ws_producer)
         app.router.add_get("/v1/acks/{token}", self.get_ack)
         app.router.add_get("/healthz", self.healthz)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout_s
+        )
         await runner.setup()
         ssl = server_ssl_context(self.cfg)  # None: plain HTTP (the default)
         site = web.TCPSite(runner, self.host, self.port, reuse_port=True, ssl_context=ssl)
@@ -307,6 +324,15 @@ class Collector(SupervisedActor):
         return _reply(200, status)
 
     @web.middleware
+    async def _count_requests(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """HTTP requests in hand: the collector's load figure for autoscaling."""
+        self._requests_in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self._requests_in_flight -= 1
+
+    @web.middleware
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Producers present `Authorization: Bearer <token>` (or `?token=` for browsers'
         WebSockets) when `auth.producer_tokens` is set; nothing is parsed or logged
@@ -334,10 +360,16 @@ class Collector(SupervisedActor):
         """Parse and identify; every refusal is a BadInput with a status and a reason."""
         if stream not in self.cfg.streams:
             raise BadInput(404, f"unknown stream {stream!r}")
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:  # before it arrives
+            raise BadInput(413, f"body of {declared} bytes over {self.max_body_bytes} bytes")
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BadInput(413, f"body over {self.max_body_bytes} bytes") from None
+        except TimeoutError:
+            raise BadInput(408, f"body not received within {self.body_timeout_s:g} s") from None
         items = parse_body(
             request.headers.get("Content-Type"),
             body,

@@ -50,8 +50,50 @@ class StatusMetrics:
             registry=self.registry,
         )
 
+        self.role_replicas = Gauge(
+            "tierflow_role_replicas", "Replicas of a role", ["role"], registry=self.registry
+        )
+        self.role_load = Gauge(
+            "tierflow_role_load",
+            "A role's load: collector requests in flight, logger pending entries, bridge "
+            "publishes awaiting ack, gateway clients",
+            ["role"],
+            registry=self.registry,
+        )
+        self.role_rate = Gauge(
+            "tierflow_role_rate",
+            "Per-second rate of a role's counter since the previous status",
+            ["role", "counter"],
+            registry=self.registry,
+        )
+        self.replica_load = Gauge(
+            "tierflow_replica_load",
+            "One replica's load",
+            ["role", "replica"],
+            registry=self.registry,
+        )
+        self.query_lag = Gauge(
+            "tierflow_analysis_lag_events",
+            "Events in the stream the query has not committed",
+            ["query"],
+            registry=self.registry,
+        )
+
     def update(self, status: dict[str, Any]) -> None:
         self.up.set(1)
+        from runtime.roles import LOAD_FIELD
+
+        for role, view in status.get("roles", {}).items():
+            self.role_replicas.labels(role).set(len(view.get("replicas", [])))
+            self.role_load.labels(role).set(view.get("load", 0))
+            for counter, rate in (view.get("rates") or {}).items():
+                self.role_rate.labels(role, counter).set(rate)
+            for r in view.get("replicas", []):
+                if "error" not in r:
+                    self.replica_load.labels(role, r["name"]).set(r.get(LOAD_FIELD[role]) or 0)
+        for q in (status.get("analysis") or {}).get("queries", []):
+            if q.get("lag") is not None:
+                self.query_lag.labels(q["name"]).set(q["lag"])
         self.uptime.set(status.get("uptime_s", 0))
         for name, svc in status.get("services", {}).items():
             self.service_healthy.labels(name).set(1 if svc.get("healthy") else 0)

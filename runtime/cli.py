@@ -241,8 +241,45 @@ def _print_status(snap: dict[str, Any]) -> None:
             str(child.get("node_id", ""))[:12],
         )
     console.print(children)
+    _print_roles(snap)
     if snap.get("escalated"):
         console.print(f"[red]escalated:[/red] {snap['escalated']}")
+
+
+def _print_roles(snap: dict[str, Any]) -> None:
+    """Each role's replicas per node, load and rates; the autoscaler's view; query lag."""
+    from runtime.roles import LOAD_FIELD
+
+    roles = snap.get("roles") or {}
+    auto = snap.get("autoscaling") or {}
+    if roles:
+        table = Table(
+            "role", "replicas", "per node", "load", "rates /s", "autoscaling", title="roles"
+        )
+        for role, view in roles.items():
+            rows = view.get("replicas", [])
+            per_node: dict[str, int] = {}
+            for r in rows:
+                key = str(r.get("node") or "?")[:8]
+                per_node[key] = per_node.get(key, 0) + 1
+            down = sum(1 for r in rows if "error" in r)
+            a = auto.get(role) or {}
+            table.add_row(
+                role,
+                f"{len(rows)}" + (f" ([red]{down} not answering[/red])" if down else ""),
+                " ".join(f"{n}:{c}" for n, c in sorted(per_node.items())),
+                f"{view.get('load', 0):g} {LOAD_FIELD[role].replace('_', ' ')}",
+                " ".join(f"{k} {v:g}" for k, v in (view.get("rates") or {}).items()),
+                f"-> {a['desired']} ({a['reason']})" if a else "",
+            )
+        console.print(table)
+    queries = (snap.get("analysis") or {}).get("queries") or []
+    if queries:
+        table = Table("query", "state", "committed seq", "lag (events)", title="analysis")
+        for q in queries:
+            cells = (q.get("state"), q.get("committed_seq"), q.get("lag"))
+            table.add_row(q["name"], *(str(c) for c in cells))
+        console.print(table)
 
 
 @app.command()

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,12 @@ class Runtime:
         self.gateway_url = ""
         self.driver: Any = None
         self._scaling = asyncio.Lock()
+        self.roles: Any = None  # runtime.roles.RoleView
+        self.autoscaler: Any = None  # runtime.autoscaling.Controller
+        self._auto_stop = threading.Event()
+        self._auto_thread: threading.Thread | None = None
+        self._snap: tuple[float, dict[str, list[dict[str, Any]]]] = (0.0, {})
+        self._rates: dict[str, dict[str, float]] = {}
 
     async def start(self) -> None:
         from runtime.admin import serve
@@ -64,8 +71,12 @@ class Runtime:
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
         await loop.run_in_executor(None, self._start_gateways)
+        from runtime.roles import RoleView
+
+        self.roles = RoleView(self.cfg.ray.namespace, self.tier, self.gateways)
         if self.analysis:
             await loop.run_in_executor(None, self._start_analysis)
+        self._start_autoscaler(loop)
         from runtime.tls import http_scheme, server_ssl_context
 
         self.admin_runner, port = await serve(
@@ -96,6 +107,50 @@ class Runtime:
         )
         self.gateway_url = ep.get("url") or f"http://{ep['host']}:{ep['port']}"
 
+    def _start_autoscaler(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The controller loop of every role with a `[roles.<role>.autoscaling]` table, on
+        its own thread: it reads the roles' load (Ray calls) and resizes through `scale`,
+        the same path as `tierflow scale`, one resize at a time."""
+        from runtime.autoscaling import Controller, Sample
+
+        policies = {r: getattr(self.cfg.roles, r).autoscaling for r in ROLES}
+        policies = {r: p for r, p in policies.items() if p is not None}
+        if not policies:
+            return
+
+        def metrics(role: str) -> list[Sample]:
+            from runtime.roles import load
+
+            return [Sample(time.monotonic(), load(role, self._snapshot(max_age_s=0.5)[role]))]
+
+        def resize(role: str, n: int) -> None:
+            asyncio.run_coroutine_threadsafe(self.scale(role, n), loop).result(timeout=900)
+
+        self.autoscaler = Controller(policies, metrics, self.roles.replicas, resize)
+        tick = max(0.5, min(2.0, min(p.look_back_s for p in policies.values()) / 4))
+        self._auto_thread = threading.Thread(
+            target=self.autoscaler.run,
+            args=(self._auto_stop, tick),
+            name="tierflow-autoscaler",
+            daemon=True,
+        )
+        self._auto_thread.start()
+
+    def _snapshot(self, max_age_s: float = 0.0) -> dict[str, list[dict[str, Any]]]:
+        """The roles' figures, re-read unless the last read is younger than `max_age_s`;
+        rates are computed between consecutive reads."""
+        from runtime.roles import rates
+
+        t, snap = self._snap
+        now = time.monotonic()
+        if snap and now - t < max_age_s:
+            return snap
+        fresh = self.roles.snapshot()
+        if snap:
+            self._rates = rates(snap, fresh, now - t)
+        self._snap = (now, fresh)
+        return fresh
+
     def _start_analysis(self) -> None:
         """The Meetup analyses in the Spark driver actor (its first query takes ~10 s)."""
         from jobs.driver import start_driver
@@ -122,6 +177,10 @@ class Runtime:
     async def stop(self) -> None:
         import ray
 
+        self._auto_stop.set()
+        if self._auto_thread is not None:  # a resize in progress finishes first
+            await asyncio.get_running_loop().run_in_executor(None, self._auto_thread.join, 900)
+            self._auto_thread = None
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
             self.admin_runner = None
@@ -237,7 +296,54 @@ class Runtime:
                 out["supervisor_error"] = repr(err)
         if self.tier is not None:
             out["loggers"] = await self._logger_status()
+        if self.roles is not None:
+            out["roles"] = await self._roles_status()
+        if self.autoscaler is not None:
+            out["autoscaling"] = {
+                role: {
+                    "desired": d.desired,
+                    "reason": d.reason,
+                    "error": self.autoscaler.errors.get(role),
+                }
+                for role, d in self.autoscaler.last.items()
+            }
+        if self.driver is not None:
+            out["analysis"] = await self._analysis_status()
         return out
+
+    async def _roles_status(self) -> dict[str, Any]:
+        from runtime.roles import load
+
+        snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
+        return {
+            role: {
+                "replicas": rows,
+                "load": load(role, rows),
+                "rates": self._rates.get(role, {}),
+                "nodes": sorted({r["node"] for r in rows if r.get("node")}),
+            }
+            for role, rows in snap.items()
+        }
+
+    async def _analysis_status(self) -> dict[str, Any]:
+        """The driver's queries with their lag: events in the stream not yet committed."""
+        from runtime.roles import scalars
+
+        try:
+            st = await asyncio.wait_for(self.driver.status.remote(), timeout=10)
+        except Exception as err:
+            return {"state": "unreachable", "error": repr(err)}
+        js = self.nc.jetstream()
+        queries = []
+        for name, q in (st.get("queries") or {}).items():
+            lag = None
+            try:
+                last = (await js.stream_info(q["stream"])).state.last_seq
+                lag = max(0, last - int(q.get("committed_seq") or 0))
+            except Exception:  # the stream is not there yet
+                pass
+            queries.append({"name": name, **scalars(q), "lag": lag})
+        return {"state": st.get("state"), "queries": queries}
 
     async def _logger_status(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
