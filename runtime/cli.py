@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -316,16 +317,60 @@ def scale(
         data=json.dumps({"role": role, "replicas": replicas}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    try:
-        with (
-            console.status(f"scaling {role} to {replicas}..."),
-            urllib.request.urlopen(req, timeout=900, context=client_ssl_context(cfg)) as resp,
-        ):
-            body = json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        err_console.print(f"[red]{json.loads(err.read()).get('error', err)}[/red]")
-        raise typer.Exit(1) from None
+    result: dict[str, Any] = {}
+
+    def post() -> None:
+        try:
+            with urllib.request.urlopen(req, timeout=900, context=client_ssl_context(cfg)) as r:
+                result["body"] = json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            result["error"] = json.loads(err.read()).get("error", str(err))
+        except OSError as err:
+            result["error"] = str(err)
+
+    worker = threading.Thread(target=post, name="tierflow-scale", daemon=True)
+    worker.start()
+    _show_scaling(cfg, state, role, replicas, worker)
+    if "error" in result:
+        err_console.print(f"[red]{result['error']}[/red]")
+        raise typer.Exit(1)
+    body = result["body"]
     console.print(f"{role}: {len(body['replicas'])} replicas ({', '.join(body['replicas'])})")
+
+
+def _show_scaling(
+    cfg: Config, state: dict[str, Any], role: str, target: int, worker: threading.Thread
+) -> None:
+    """Progress bars while a resize runs (it may take minutes: each new replica must serve,
+    each leaving one drains): replicas moved so far and, for loggers, the log entries
+    still to hand over to JetStream. Read from /status every half second."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    def role_figures() -> tuple[int, float] | None:
+        try:
+            view = (_fetch_status(cfg, state, timeout=5).get("roles") or {}).get(role) or {}
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return len(view.get("replicas", [])), float(view.get("load") or 0)
+
+    first = role_figures()
+    start = first[0] if first else target
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        moved = progress.add_task(f"{role} {start} -> {target}", total=max(1, abs(target - start)))
+        pending = None
+        if role == "logger" and first and first[1]:
+            pending = progress.add_task("log entries to hand over", total=first[1])
+        for _ in range(3600):  # bounded: the POST itself times out after 900 s
+            worker.join(0.5)
+            now = role_figures()
+            if now is not None:
+                progress.update(moved, completed=min(abs(now[0] - start), abs(target - start)))
+                if pending is not None:
+                    progress.update(pending, completed=max(0.0, first[1] - now[1]))
+            if not worker.is_alive():
+                progress.update(moved, completed=max(1, abs(target - start)))
+                break
 
 
 # --------------------------------------------------------------------------- config / nats
