@@ -537,8 +537,15 @@ def driver_kwargs(
 
 
 def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
-    """Ray options: detached, named, restarted forever, threaded, no CPU reserved."""
-    return supervised_options(name, cfg.ray.namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
+    """Ray options: detached, named, restarted forever, threaded, no CPU reserved; on a
+    node with `spark.driver_resource` when configured (a token amount of it, so several
+    drivers may share the node)."""
+    extra: dict[str, Any] = {}
+    if cfg.spark.driver_resource:
+        extra["resources"] = {cfg.spark.driver_resource: 0.001}
+    return supervised_options(
+        name, cfg.ray.namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY, **extra
+    )
 
 
 def start_driver(

@@ -99,7 +99,12 @@ class RayConfig(_Strict):
 
 
 class SparkConfig(_Strict):
+    """`driver_resource` places the analysis driver (which hosts the Spark driver) on a
+    node that advertises that custom Ray resource, e.g. `ray start --resources
+    '{"analysis": 1}'` on the node next to the Spark master; empty: any node."""
+
     master: str = "local[*]"
+    driver_resource: str = ""
     checkpoint_dir: str = ""
     log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = "WARN"
     conf: dict[str, str | int | float | bool] = {}
@@ -118,8 +123,6 @@ class RoleConfig(_Strict):
     port: Port = 0
     # `[roles.<role>.autoscaling]`: absent means the role keeps `replicas` until scaled
     autoscaling: AutoscalingConfig | None = None
-    # pin the role's replicas to nodes with this custom Ray resource (e.g. "analysis")
-    node_resource: str = ""
 
 
 def _role(replicas: int = 1, k: int = 0, port: int = 0) -> Any:

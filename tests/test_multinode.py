@@ -37,8 +37,8 @@ def cluster() -> Iterator[Cluster]:
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        for _ in range(2):
-            c.add_node(num_cpus=1)
+        c.add_node(num_cpus=1)
+        c.add_node(num_cpus=1, resources={"analysis": 1})  # where the Spark driver goes
         c.wait_for_nodes()
         ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
         yield c
@@ -93,6 +93,34 @@ def test_each_roles_replicas_land_on_distinct_nodes(pipeline: Any) -> None:
         assert set(nodes) <= alive
         assert len(set(nodes)) == len(nodes), f"{role} replicas share a node: {where}"
     assert len(placed["collector"]) == 3 and len(placed["logger"]) == 2
+
+
+def test_the_analysis_driver_goes_where_configured(cluster: Cluster) -> None:
+    """`spark.driver_resource` names a node resource; the driver's Ray options put it
+    there (checked with a light stand-in actor under the same options, not Spark)."""
+    from jobs.driver import driver_options
+
+    cfg = load(environ={}, overrides={"ray": {"namespace": NAMESPACE}})
+    assert "resources" not in driver_options(cfg)
+    cfg = load(
+        environ={},
+        overrides={"ray": {"namespace": NAMESPACE}, "spark": {"driver_resource": "analysis"}},
+    )
+
+    @ray.remote
+    class StandIn:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    target = next(n["NodeID"] for n in ray.nodes() if "analysis" in n["Resources"])
+    handles = [
+        StandIn.options(**driver_options(cfg, name=f"stand-in-{i}")).remote() for i in range(3)
+    ]
+    try:
+        assert {ray.get(h.node.remote(), timeout=60) for h in handles} == {target}
+    finally:
+        for h in handles:
+            ray.kill(h, no_restart=True)
 
 
 async def test_removing_a_node_under_load_loses_nothing_acknowledged_at_k1(
