@@ -97,7 +97,9 @@ class BrokerBridge(SupervisedActor):
 
     async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
         """Connect, make sure the streams exist, run the replayer until stopped."""
-        self._nc = await connect_nats(self.cfg, self.nats_url, name=f"bridge-{self.name}")
+        self._nc = await connect_nats(
+            self.cfg, self.nats_url, name=f"bridge-{self.name}", role="bridge"
+        )
         await ensure_streams(self._nc, self.cfg)
         self._pub = JetStreamPublisher(self._nc, self.max_in_flight, self.ack_timeout_s)
         await self._pub.start()

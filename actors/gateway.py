@@ -74,7 +74,7 @@ from runtime.filters import Filter, FilterError, compile_filter, compile_named
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
 from runtime.services import connect_nats
-from runtime.tls import server_ssl_context
+from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class GatewayOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     sse_keepalive_s: float = 15.0
     close_timeout_s: float = 5.0
     abort_after_s: float = 30.0  # a closed slow client that never reads is cut after this
+    idle_timeout_s: float = 15.0  # a connection idle, or still sending its request head
     socket_sndbuf: int = 0  # SO_SNDBUF per client socket; 0 = the OS default
     topn_stream: str = "results"
     topn_subject: str = "results.meetup_topn"
@@ -393,7 +394,8 @@ class Gateway(SupervisedActor):
     # ------------------------------------------------------------------ control plane
 
     def endpoints(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "url": f"http://{self.host}:{self.port}"}
+        url = f"{http_scheme(self.cfg)}://{self.host}:{self.port}"
+        return {"host": self.host, "port": self.port, "url": url}
 
     def stats(self) -> dict[str, Any]:
         return self._dataplane.call(self._stats()).result(10)
@@ -464,7 +466,13 @@ class Gateway(SupervisedActor):
         app.router.add_delete("/v1/webhooks/{id}", self.webhook_delete)
         app.router.add_get("/v1/stats", self.http_stats)
         _mount_dashboard(app)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=5,
+            keepalive_timeout=opts.idle_timeout_s,
+        )
         await runner.setup()
         site = web.TCPSite(
             runner, self.host, self.port, reuse_port=True, ssl_context=server_ssl_context(self.cfg)

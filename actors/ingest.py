@@ -500,6 +500,13 @@ class _WhereCompiler:
         self.key = key
 
     def compile(self) -> Callable[[Data], bool]:
+        """The condition as a predicate; every failure is a ConfigError naming the key."""
+        try:
+            return self._compile()
+        except RecursionError:  # the parser's limit: ~55+ nested parentheses
+            raise ConfigError(f"{self.key}: the condition is nested too deeply") from None
+
+    def _compile(self) -> Callable[[Data], bool]:
         try:
             tree = sqlglot.parse_one(self.clause)
         except ParseError as err:
@@ -614,15 +621,19 @@ class _WhereCompiler:
         text = str(node.this)
         if node.is_string:
             return text
-        return int(text) if _NUMBER.match(text) else float(text)
+        if _NUMBER.match(text):
+            return int(text)
+        try:
+            return float(text)
+        except ValueError:  # sqlglot reads `0E` as a number
+            raise self.unsupported(node, f"{text!r} is not a number") from None
 
     def path(self, node: exp.Expression) -> list[str]:
         if isinstance(node, exp.Dot):
             if not isinstance(node.expression, exp.Identifier):
                 raise self.unsupported(node)
             return [*self.path(node.this), node.expression.name]
-        assert isinstance(node, exp.Column)
-        parts = node.parts
+        parts = node.parts if isinstance(node, exp.Column) else None  # `''.a`: Dot on a literal
         if not parts or any(not isinstance(p, exp.Identifier) for p in parts):
             raise self.unsupported(node, "expected a field name")
         return [p.name for p in parts]

@@ -60,10 +60,11 @@ from nats.js.kv import KeyValue
 
 from actors.events import new_event_id
 from actors.sources import Frame, StreamSource, source_from_url
+from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
-from runtime.nats import connect
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, jittered
 from runtime.ray_supervisor import DEFAULT_NAMESPACE, SupervisedActor, supervised_options
+from runtime.services import connect_nats
 from runtime.supervision import Backoff, backoff_delay
 
 __all__ = [
@@ -626,6 +627,8 @@ class StreamIngest(SupervisedActor):
         stream: the stream's name (subject token).
         url, kind: the source (see `actors.sources.source_from_url`).
         nats_url: NATS server(s).
+        config: the tierflow config (`Config.to_dict()`): NATS credentials (role `ingest`)
+            and TLS; None connects with the defaults (no credentials, no TLS).
         state_dir: root of the actor's checkpoint store (SupervisedActor).
         source_id: prefix of the frames' dedup ids; the same for every replica (default the
             stream name), so replicas re-reading a position produce the same id.
@@ -647,6 +650,7 @@ class StreamIngest(SupervisedActor):
         *,
         nats_url: str,
         state_dir: str,
+        config: dict[str, Any] | None = None,
         source_id: str | None = None,
         positioned: bool | None = None,
         lease_ttl_s: int = 3,
@@ -661,6 +665,7 @@ class StreamIngest(SupervisedActor):
         self.url = url
         self.kind = kind
         self.nats_url = nats_url
+        self.cfg: Config = validate(config or {})
         self.source_id = source_id or stream
         self._positioned = positioned
         self._ttl_s = lease_ttl_s
@@ -743,7 +748,9 @@ class StreamIngest(SupervisedActor):
                 await asyncio.wait_for(stop.wait(), delay)
 
     async def _serve(self, stop: asyncio.Event) -> None:
-        self._nc = await connect(self.nats_url, name=f"tierflow-ingest-{self.name}")
+        self._nc = await connect_nats(
+            self.cfg, self.nats_url, name=f"tierflow-ingest-{self.name}", role="ingest"
+        )
         await ensure_buffer_stream(self._nc, [self.stream])
         kv = await ensure_lease_bucket(self._nc.jetstream())
         lease = IngestLease(self._nc, kv, self.stream, self.holder, ttl_s=self._ttl_s)

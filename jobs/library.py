@@ -864,14 +864,20 @@ class NatsTarget:
 
     @classmethod
     def from_config(cls, cfg: Config, url: str = "") -> NatsTarget:
-        n = cfg.nats
+        """As the `analysis` role (its NATS user when configured); with `[tls]` on, trusting
+        `tls.ca` as `connect_nats` does."""
+        from runtime.nats_roles import credentials
+        from runtime.tls import tls_files
+
+        who = credentials(cfg, "analysis")
+        files = tls_files(cfg)
         return cls(
-            url=url or n.url,
-            user=n.user or None,
-            password=n.password or None,
-            token=n.token or None,
-            creds=n.creds or None,
-            tls_ca=n.tls_ca or None,
+            url=url or cfg.nats.url,
+            user=who.user or None,
+            password=who.password or None,
+            token=who.token or None,
+            creds=who.creds or None,
+            tls_ca=str(files.ca) if files is not None else cfg.nats.tls_ca or None,
         )
 
     def source_options(self) -> dict[str, str]:

@@ -316,12 +316,15 @@ def compile_filter(sql: str) -> Filter:
         raise FilterError(f"filter is {len(sql)} characters; at most {MAX_FILTER_CHARS}")
     if not sql.strip():
         return MATCH_ALL
-    tree, where_start = _parse(sql)
-    project, select_all, subject_in_select = _compile_projection(sql, tree)
-    where, subject_in_where, match_all = _where_all, False, True
-    if where_start is not None:
-        where, subject_in_where = _compile_condition(sql, where_start)
-        match_all = False
+    try:
+        tree, where_start = _parse(sql)
+        project, select_all, subject_in_select = _compile_projection(sql, tree)
+        where, subject_in_where, match_all = _where_all, False, True
+        if where_start is not None:
+            where, subject_in_where = _compile_condition(sql, where_start)
+            match_all = False
+    except RecursionError:  # ~55+ nested parentheses or ~150 NOTs: the parser's limit
+        raise FilterError("filter is nested too deeply") from None
     return Filter(
         text=sql,
         where=where,

@@ -357,6 +357,7 @@ def start_collection_tier(
                 nats_url=nats_url,
                 state_dir=state,
                 namespace=ns,
+                config=cfg.to_dict(),
             )
             tier.ingest += [f"ingest-{stream}-{i}" for i in range(sc.source.k + 1)]
     return tier

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import os
 import struct
@@ -29,10 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.collector import Collector
-from actors.gateway import GatewayOptions, start_gateways, stop_gateways
-from actors.ingest import BadInput, parse_body
-from runtime.config import Config, load
+from actors.gateway import start_gateways, stop_gateways
+from actors.ingest import BadInput, compile_where, parse_body
+from runtime.config import Config, ConfigError, load
 from runtime.filters import MAX_FILTER_CHARS, FilterError, compile_filter
 from runtime.nats import NatsServer, connect, free_port
 from runtime.pipeline import CollectionTier, start_collection_tier
@@ -42,11 +40,10 @@ from runtime.waiting import await_until
 NS = "tf-bad-input"
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# The proposed fix for slowloris (see test_slowloris_connections_are_dropped): an idle /
-# header timeout on both servers. Used when the actors accept it.
+# Short server timeouts so the tests see them act: a connection idle or still sending its
+# request head is dropped (slowloris), a body that does not arrive is a 408.
 IDLE_TIMEOUT_S = 2.0
-COLLECTOR_IDLE = "idle_timeout_s" in inspect.signature(Collector.__init__).parameters
-GATEWAY_IDLE = "idle_timeout_s" in {f.name for f in msgspec.structs.fields(GatewayOptions)}
+BODY_TIMEOUT_S = 2.0
 
 # --------------------------------------------------------------------------- fuzz: bodies
 
@@ -190,8 +187,7 @@ _SQL_TOKENS = [
     "'", '"', "?", ":p", "@v", "$1", "[1]", "{a}", "CAST(a AS INT)", "count(*)", "DISTINCT",
     "\n", "\t", "é", "\x00",
 ]  # fmt: skip
-# At most 30 tokens: nesting deeper than ~55 parentheses is a known RecursionError
-# (test_deeply_nested_filter_is_a_filter_error), kept out of the general property.
+# At most 30 tokens: deep nesting has its own test (test_deeply_nested_filter_is_a_filter_error).
 SQL_SOUP = st.lists(st.sampled_from(_SQL_TOKENS), max_size=30).map(" ".join)
 FILTER_TEXT = st.one_of(SQL_SOUP, st.text(max_size=200))
 
@@ -270,21 +266,35 @@ def test_fuzz_valid_filters_evaluate_on_any_event(
             msgspec.json.encode(out)  # what the gateway sends must encode
 
 
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("''.A<0", "expected a field name"), ("0E<0", "'0E' is not a number"), ("a < -1e", "1e")],
+)
+def test_fuzz_findings_are_filter_errors(text: str, reason: str) -> None:
+    """Found by hypothesis: a field path on a literal, a number sqlglot reads as `0E`."""
+    with pytest.raises(FilterError, match=reason):
+        compile_filter.__wrapped__(text)
+
+
 def test_oversized_filter_is_a_filter_error() -> None:
     with pytest.raises(FilterError, match="at most"):
         compile_filter("a = 1 OR " * (MAX_FILTER_CHARS // 9 + 1) + "a = 2")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/filters.py compile_filter lets RecursionError escape for ~55+ nested "
-    "parentheses or ~150 NOTs (sqlglot recursion); the gateway answers 500 / closes 1011. "
-    "Fix: catch RecursionError in compile_filter -> FilterError('nested too deeply')",
+@pytest.mark.parametrize(
+    "text",
+    [
+        "(" * 80 + "a = 1" + ")" * 80,
+        "NOT " * 300 + "a = 1",
+        "SELECT a WHERE " + "(" * 80 + "a = 1" + ")" * 80,
+    ],
 )
-@pytest.mark.parametrize("text", ["(" * 80 + "a = 1" + ")" * 80, "NOT " * 300 + "a = 1"])
 def test_deeply_nested_filter_is_a_filter_error(text: str) -> None:
+    """sqlglot recurses per nesting level: past Python's limit it is the client's error."""
     with pytest.raises(FilterError, match="nested too deeply"):
         compile_filter.__wrapped__(text)
+    with pytest.raises(ConfigError, match="nested too deeply"):  # stream logic `where`
+        compile_where(text.removeprefix("SELECT a WHERE "), key="streams.s.logic.where")
 
 
 # --------------------------------------------------------------------------- the servers
@@ -322,12 +332,12 @@ def stack(
     ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     cfg = _config(tmp_path_factory.mktemp("state"))
-    collector_options = {"idle_timeout_s": IDLE_TIMEOUT_S} if COLLECTOR_IDLE else None
+    collector_options = {"idle_timeout_s": IDLE_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S}
     tier = start_collection_tier(
         cfg, nats_url=nats_server.url, udp_port=0, collector_options=collector_options
     )
     port = free_port()
-    options = {"idle_timeout_s": IDLE_TIMEOUT_S} if GATEWAY_IDLE else {}
+    options = {"idle_timeout_s": IDLE_TIMEOUT_S}
     names = start_gateways(cfg, nats_server.url, replicas=1, port=port, options=options)
     try:
         yield Stack(tier, port, nats_server)
@@ -535,15 +545,10 @@ async def test_slowloris_does_not_starve_normal_requests(stack: Stack, server: s
     await assert_exactly_once(stack)
 
 
-@pytest.mark.xfail(
-    not (COLLECTOR_IDLE and GATEWAY_IDLE),
-    strict=True,
-    reason="no header/idle timeout: aiohttp's keepalive_timeout (default 3630 s) is the only "
-    "bound on a connection that never finishes its request head; fix: pass "
-    "keepalive_timeout=idle_timeout_s to web.AppRunner in Collector._serve and Gateway._serve",
-)
 @pytest.mark.parametrize("server", ["collector", "gateway"])
 async def test_slowloris_connections_are_dropped(stack: Stack, server: str) -> None:
+    """aiohttp has no header timeout: `idle_timeout_s` (its keepalive_timeout) bounds a
+    connection that never finishes its request head (aiohttp's default is 3630 s)."""
     slow = [SlowClient(_port(stack, server), interval_s=0.2) for _ in range(4)]
     for c in slow:
         c.start()
@@ -608,12 +613,6 @@ async def test_oversized_bodies_are_413(stack: Stack) -> None:
     await assert_exactly_once(stack)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Collector._receive awaits request.read() without checking Content-Length against "
-    "max_body_bytes and without a time limit: a request declaring 64 MB and sending 1 byte "
-    "holds a handler open forever (fix: 413 up front, and a body read timeout)",
-)
 async def test_declared_oversized_body_is_413_before_it_arrives(stack: Stack) -> None:
     declared = _post("/v1/streams/meetup/events", b"{").replace(
         b"Content-Length: 1", b"Content-Length: %d" % (64 << 20)
@@ -621,6 +620,24 @@ async def test_declared_oversized_body_is_413_before_it_arrives(stack: Stack) ->
     answer = await raw_request(stack.collector_port, declared, timeout=5)
     assert answer.status == 413, answer
     await healthy(stack.collector_port)
+
+
+@pytest.mark.parametrize("route", ["events", "fire"])
+async def test_body_that_never_arrives_is_408(stack: Stack, route: str) -> None:
+    """A head declaring 100 bytes, then 1 byte and silence: refused after body_timeout_s,
+    not held for ever; nothing is stored."""
+    eid = f"slow-body-{next(_ids)}"
+    body = _enc({"id": eid, "pad": "x" * 60})
+    declared = _post(f"/v1/streams/meetup/{route}", body)[: -len(body) + 1]
+    answer = await raw_request(stack.collector_port, declared, timeout=BODY_TIMEOUT_S + 15)
+    assert answer.status == 408, answer
+    assert answer.json()["error"] == f"body not received within {BODY_TIMEOUT_S:g} s"
+    await healthy(stack.collector_port)
+    nc = await connect(stack.nats.url)
+    try:
+        assert not (await stream_ids(nc, "meetup"))[eid]
+    finally:
+        await nc.close()
 
 
 INVALID_UTF8 = [
@@ -855,11 +872,6 @@ async def test_gateway_ws_bad_messages_get_an_error_frame_and_close(stack: Stack
 NESTED = "(" * 80 + "a = 1" + ")" * 80
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a filter nested ~55+ deep raises RecursionError in compile_filter: the gateway "
-    "answers 500 (HTTP) / closes 1011 (WebSocket) instead of 400 / 4400",
-)
 async def test_gateway_deeply_nested_filter_is_a_client_error(stack: Stack) -> None:
     url = f"http://127.0.0.1:{stack.gateway_port}/v1/poll/meetup"
     async with aiohttp.ClientSession() as s, s.get(url, params={"filter": NESTED}) as r:

@@ -14,7 +14,7 @@ import os
 import socket
 import ssl
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,13 @@ from typer.testing import CliRunner
 
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import Config, ConfigError, load
+from runtime.loop_thread import LoopThread
 from runtime.nats import NatsServer, connect
 from runtime.nats_roles import credentials, role_permissions, secrets_path
+from runtime.replay import ReplayServer
 from runtime.services import connect_nats, ensure_streams, start_nats
 from runtime.tls import client_ssl_context, server_ssl_context
+from runtime.verify import stream_ids
 from runtime.waiting import await_until, wait_until
 
 NS = "tf-security"
@@ -43,6 +46,7 @@ STREAMS = {
     "results": {"subjects": ["results.>"]},
     "deadletter": {"subjects": ["deadletter.>"]},
 }
+SOURCED_EVENTS = 60  # what the replay server sends to the stream-pattern stream `sourced`
 
 
 def secured_config(state: Path, **over: Any) -> Config:
@@ -60,11 +64,31 @@ def secured_config(state: Path, **over: Any) -> Config:
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Config, NatsServer]]:
+def replay() -> Iterator[ReplayServer]:
+    """A stream-pattern source, on its own loop so it serves between tests too."""
+    server = ReplayServer(11, rate=200.0, count=SOURCED_EVENTS)
+
+    async def serve(stop: asyncio.Event, ready: Callable[[], None]) -> None:
+        await server.start()
+        ready()
+        await stop.wait()
+        await server.stop()
+
+    thread = LoopThread("security-replay")
+    thread.start(serve)
+    yield server
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def secured(
+    tmp_path_factory: pytest.TempPathFactory, replay: ReplayServer
+) -> Iterator[tuple[Config, NatsServer]]:
     """An embedded server as `tierflow up` starts it with every security option on."""
     state = tmp_path_factory.mktemp("secured")
     make_dev_certs(state / "certs")
-    cfg = secured_config(state)
+    source = {"url": replay.stream_url, "kind": "ws", "k": 0}
+    cfg = secured_config(state, streams={**STREAMS, "sourced": {"source": source}})
     server = start_nats(cfg)
     assert server is not None
     try:
@@ -340,6 +364,32 @@ async def test_wrong_or_missing_nats_credentials_are_refused(
     assert stat.S_IMODE(server.config_path.stat().st_mode) == 0o600
 
 
+async def test_analysis_jobs_write_results_as_their_role_over_tls(
+    secured: tuple[Config, NatsServer], admin_js: Any
+) -> None:
+    from jobs.library import NatsTarget
+
+    cfg, server = secured
+    target = NatsTarget.from_config(cfg, server.url)
+    assert target.user == "tierflow-analysis" and target.password
+    assert target.tls_ca == str(cfg.state_path / "certs" / "ca.pem")
+    assert target.source_options()["tlsCa"] == target.tls_ca
+    sink = target.sink("sec_q")
+    nc = await sink.connect()
+    try:
+        report = await sink.apublish_results(nc, [{"key": "k1", "n": 1}], 0)
+        assert report.published == 1 and report.kv_puts == 1
+        status, connz = server.monitor("connz?auth=true&limit=1024")
+        mine = [c for c in connz["connections"] if c.get("name") == "result-sink-sec_q"]
+        assert status == 200 and mine[0]["authorized_user"] == "tierflow-analysis"
+        assert mine[0]["tls_version"].startswith("1.")
+    finally:
+        await nc.close()
+    # the defaults: shared (empty) credentials, no CA
+    plain = NatsTarget.from_config(load(environ={}), "nats://127.0.0.1:4222")
+    assert (plain.user, plain.password, plain.tls_ca) == (None, None, None)
+
+
 def test_permission_names_match_the_modules_that_use_them() -> None:
     from actors import stream_ingest, webhooks
     from runtime import cursors, nats_roles
@@ -465,7 +515,7 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
     )
     loop = asyncio.get_running_loop()
     try:
-        await loop.run_in_executor(
+        endpoints = await loop.run_in_executor(
             None,
             lambda: wait_until(
                 lambda: ray.get(handle.endpoints.remote(), timeout=30),
@@ -474,6 +524,7 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
                 swallow=True,
             ),
         )
+        assert endpoints["url"] == f"https://{endpoints['host']}:{port}"
         ctx = client_ssl_context(cfg)
         poll = f"https://127.0.0.1:{port}/v1/poll/guarded?after={seq - 1}&timeout=0"
         async with aiohttp.ClientSession() as s:
@@ -491,6 +542,45 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
                     await r.read()
     finally:
         await loop.run_in_executor(None, lambda: ray.kill(handle, no_restart=True))
+
+
+async def test_pipeline_publishes_as_bridge_and_ingests_with_credentials(
+    secured: tuple[Config, NatsServer], admin_js: Any, tier: Any
+) -> None:
+    """The stream pattern with role users and TLS: the ingest node reads the source and
+    writes the buffer as `ingest`, the collectors read it as `collector`, and the bridge
+    publishes to the stream as `bridge`; every event the source sent arrives once."""
+    cfg, server = secured
+    nc = await connect_nats(cfg, server.url, name="sec-verify", role="admin")
+    try:
+
+        async def arrived() -> bool:
+            return sum((await stream_ids(nc, "sourced")).values()) >= SOURCED_EVENTS
+
+        await await_until(arrived, 120, 0.2, what="the source's events", swallow=True)
+        ids = await stream_ids(nc, "sourced")
+    finally:
+        await nc.close()
+    assert sorted(int(i.rsplit(":", 1)[1]) for i in ids) == list(range(SOURCED_EVENTS))
+    assert set(ids.values()) == {1}
+
+    status, connz = server.monitor("connz?auth=true&limit=1024")
+    assert status == 200
+    conns = connz["connections"]
+
+    def by_prefix(prefix: str) -> list[dict[str, Any]]:
+        return [c for c in conns if c.get("name", "").startswith(prefix)]
+
+    bridges, ingest = by_prefix("bridge-"), by_prefix("tierflow-ingest-")
+    collectors = by_prefix("collector-")
+    assert bridges and ingest and collectors, [c.get("name") for c in conns]
+    for role, mine in (("bridge", bridges), ("ingest", ingest), ("collector", collectors)):
+        want = credentials(cfg, role).user
+        assert want == f"tierflow-{role}"
+        assert {c["authorized_user"] for c in mine} == {want}, role
+        assert all(c["tls_version"].startswith("1.") for c in mine), role
+    # `raw.sourced` only admin and bridge may publish, and the bridge's client sent them
+    assert sum(c["in_msgs"] for c in bridges) >= SOURCED_EVENTS
 
 
 def test_no_secret_in_any_log_of_the_secured_run(
