@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,76 @@ def with_nats(fn: Any, url: str) -> Any:
             await nc.close()
 
     return asyncio.run(main())
+
+
+async def under_load(
+    t: Any,
+    prefix: str,
+    resize: Callable[[], Awaitable[None]],
+    rate: float = 800,
+    *,
+    after: int = 10,
+    after_timeout_s: float = 60.0,
+) -> Any:
+    """A steady load of known ids on collection tier `t` from before `resize` starts until
+    `after` more batches were accepted after it ended; returns the `LoadReport` (every
+    batch started was acknowledged, no refusal left unretried)."""
+    from runtime.loadgen import drive, known_events
+    from runtime.waiting import await_until
+
+    acked = [0]
+    flowing, stop = asyncio.Event(), asyncio.Event()
+
+    def on_batch(_: int) -> None:
+        acked[0] += 1
+        if acked[0] >= 10:
+            flowing.set()
+
+    load = asyncio.ensure_future(
+        drive(
+            t.url,
+            "meetup",
+            known_events(500_000, prefix),
+            batch=100,
+            concurrency=4,
+            rate=rate,
+            deadline_s=900,
+            on_batch=on_batch,
+            until=stop,
+        )
+    )
+    await asyncio.wait_for(flowing.wait(), 60)  # resize only once the load is accepted
+    await resize()
+    assert not load.done(), "the resizing must happen under load"
+    mark = acked[0]
+    await await_until(
+        lambda: acked[0] >= mark + after, after_timeout_s, what="the load accepted afterwards"
+    )
+    stop.set()
+    report = await load
+    assert not report.rejected, report.rejected
+    assert len(report.acknowledged) == acked[0] * 100  # every batch started was accepted
+    return report
+
+
+async def assert_all_landed(t: Any, server: Any, report: Any) -> None:
+    """Once the loggers hold nothing JetStream lacks, every acknowledged id is in the
+    `meetup` stream exactly once."""
+    from runtime.nats import connect
+    from runtime.verify import judge, stream_ids
+    from runtime.waiting import await_until
+
+    async def drained() -> bool:
+        for logger in t.loggers:
+            c = await logger.counts()
+            if c["transient"] or c["failed"]:
+                return False
+        return True
+
+    await await_until(drained, timeout=120, interval=0.5, what="log drained", swallow=True)
+    nc = await connect(server.url)
+    try:
+        verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
+    finally:
+        await nc.close()
+    assert verdict.ok, str(verdict)

@@ -21,11 +21,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from runtime.config import load
-from runtime.loadgen import drive, known_events
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsServer
 from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
-from runtime.waiting import await_until, wait_until
+from runtime.waiting import wait_until
+from tests.support import assert_all_landed, under_load
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "tf-multinode"
@@ -136,36 +135,11 @@ async def test_removing_a_node_under_load_loses_nothing_acknowledged_at_k1(
     doomed = {r: [a for a, node in w.items() if node == victim.node_id] for r, w in placed.items()}
     assert doomed["logger"] and doomed["collector"], doomed
 
-    acked = [0]
-    flowing, stop = asyncio.Event(), asyncio.Event()
+    async def lose_the_node() -> None:
+        await loop.run_in_executor(None, cluster.remove_node, victim)
 
-    def on_batch(_: int) -> None:
-        acked[0] += 1
-        if acked[0] >= 10:
-            flowing.set()
-
-    load = asyncio.ensure_future(
-        drive(
-            tier.url,
-            "meetup",
-            known_events(500_000, "node"),
-            batch=100,
-            concurrency=4,
-            rate=600,
-            deadline_s=600,
-            on_batch=on_batch,
-            until=stop,
-        )
-    )
-    await asyncio.wait_for(flowing.wait(), 60)
-    await loop.run_in_executor(None, cluster.remove_node, victim)
-    mark = acked[0]
     # the load keeps being accepted: the collectors left serve, the logger group is back
-    await await_until(lambda: acked[0] >= mark + 20, 240, 0.5, what="acks after the loss")
-    stop.set()
-    report = await load
-    assert not report.rejected, report.rejected
-    assert len(report.acknowledged) == acked[0] * 100
+    report = await under_load(tier, "node", lose_the_node, 600, after=20, after_timeout_s=240)
 
     def k_plus_one_again() -> bool:  # the lost replica re-placed on the third node
         nodes = tier.logger_groups[0].nodes(timeout=10)
@@ -176,17 +150,7 @@ async def test_removing_a_node_under_load_loses_nothing_acknowledged_at_k1(
         None, lambda: wait_until(k_plus_one_again, 180, 1.0, "logger back at k+1", swallow=True)
     )
 
-    async def drained() -> bool:
-        c = await tier.loggers[0].counts()
-        return c["transient"] == 0 and c["failed"] == 0
-
-    await await_until(drained, timeout=180, interval=0.5, what="log drained", swallow=True)
-    nc = await connect(server.url)
-    try:
-        verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
-    finally:
-        await nc.close()
-    assert verdict.ok, str(verdict)
+    await assert_all_landed(tier, server, report)
     # every collector is serving again (Ray restarted the lost one on a live node)
     for name in tier.collectors:
         await loop.run_in_executor(None, tier.wait_serving, name, 180)

@@ -11,18 +11,17 @@ client at most retries and every acknowledged id lands once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
 
 from runtime.config import load
-from runtime.loadgen import LoadReport, drive, known_events
 from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
+from tests.support import assert_all_landed, under_load
 
 
 @pytest.fixture(scope="module")
@@ -40,61 +39,6 @@ def tier(ray_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         t = start_collection_tier(cfg, nats_url=server.url)
         yield t, server
         t.stop()
-
-
-async def under_load(
-    t: CollectionTier, prefix: str, resize: Callable[[], Awaitable[None]], rate: float = 800
-) -> LoadReport:
-    """A steady load from before `resize` starts until 10 more batches were accepted after
-    it ended; returns what was acknowledged (every batch, no refusal left unretried)."""
-    acked = [0]
-    flowing, stop = asyncio.Event(), asyncio.Event()
-
-    def on_batch(_: int) -> None:
-        acked[0] += 1
-        if acked[0] >= 10:
-            flowing.set()
-
-    load = asyncio.ensure_future(
-        drive(
-            t.url,
-            "meetup",
-            known_events(500_000, prefix),
-            batch=100,
-            concurrency=4,
-            rate=rate,
-            deadline_s=900,
-            on_batch=on_batch,
-            until=stop,
-        )
-    )
-    await asyncio.wait_for(flowing.wait(), 60)  # resize only once the load is accepted
-    await resize()
-    assert not load.done(), "the resizing must happen under load"
-    mark = acked[0]
-    await await_until(lambda: acked[0] >= mark + 10, 60, what="the load accepted afterwards")
-    stop.set()
-    report = await load
-    assert not report.rejected, report.rejected
-    assert len(report.acknowledged) == acked[0] * 100  # every batch started was accepted
-    return report
-
-
-async def assert_all_landed(t: CollectionTier, server: NatsServer, report: LoadReport) -> None:
-    async def drained() -> bool:
-        for logger in t.loggers:
-            c = await logger.counts()
-            if c["transient"] or c["failed"]:
-                return False
-        return True
-
-    await await_until(drained, timeout=120, interval=0.5, what="log drained", swallow=True)
-    nc = await connect(server.url)
-    try:
-        verdict = judge(report.acknowledged, await stream_ids(nc, "meetup"))
-    finally:
-        await nc.close()
-    assert verdict.ok, str(verdict)
 
 
 async def test_collectors_scale_up_and_down_under_load(tier: Any) -> None:
