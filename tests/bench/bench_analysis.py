@@ -7,6 +7,8 @@ reading the JetStream stream through the ``jetstream`` source, once reading the 
 from JSON-lines files (Spark's file source), in micro-batches of equal size. A small
 warm-up query per source first pays the Python workers' start-up, so neither measured run
 does. Micro-batch latency (p50/p99) is each batch's ``triggerExecution`` from query progress.
+A profile pass (py-spy on this process and its Spark Python workers, reading JetStream)
+follows, not measured.
 
 Run alone:
 `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_analysis.py`
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from jobs.jetstream import register
 from jobs.library import JobSpec, NatsTarget, start_job
@@ -30,8 +33,11 @@ from runtime.config import load
 from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer, connect
 from runtime.services import spark_session
+from tests.bench.common import Profiler, print_profile, write_report
 
-EVENTS = int(os.environ.get("TIERFLOW_BENCH_EVENTS", "50000"))
+EVENTS = int(os.environ.get("TIERFLOW_BENCH_ANALYSIS_EVENTS", "40000"))
+PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
+PROFILE_S = 8.0
 BATCH = int(os.environ.get("TIERFLOW_BENCH_BATCH", "5000"))
 WARM = 2000
 
@@ -83,6 +89,7 @@ def measure(query: Any, started: float, events: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(900)
 def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     gen = RsvpGenerator(seed=1)
     rsvps = [gen.next() for _ in range(EVENTS)]
@@ -95,7 +102,13 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     warm.mkdir()
     (warm / "part.json").write_bytes(b"\n".join(bodies[:WARM]))
 
-    cfg = load(environ={}, overrides={"state_dir": str(tmp_path / "state")})
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "spark": {"conf": {"spark.ui.showConsoleProgress": False}},  # no progress bars
+        },
+    )
     cfg = msgspec.structs.replace(cfg, spark=msgspec.structs.replace(cfg.spark, master="local[2]"))
     spark = spark_session(cfg, app_name="tierflow-bench-analysis")
     register(spark)
@@ -126,6 +139,15 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         run("bench_warm_jetstream", WARM, stream="warm")
         from_js = run("bench_topn_jetstream")
         from_files = run("bench_topn_files", source=files_source(files))
+        profiles: dict[str, Any] = {}
+        if PROFILE:
+            spy = Profiler(
+                {"spark (driver + python workers)": os.getpid()},
+                PROFILE_S,
+                subprocesses=["spark (driver + python workers)"],
+            )
+            run("bench_topn_profile")
+            profiles = spy.results()
 
         async def top_of(query: str) -> list[dict[str, Any]]:
             nc = await connect(server.url)
@@ -157,18 +179,16 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         "events/s: wall clock from query start to its end; proc ev/s: events over the sum of "
         "batch durations; p50/p99: triggerExecution per micro-batch"
     )
-    out = Path("reports")
-    out.mkdir(exist_ok=True)
-    (out / "bench_analysis.json").write_text(
-        json.dumps(
-            {
-                "events": EVENTS,
-                "batch": BATCH,
-                "master": master,
-                "cores": os.cpu_count(),
-                "jetstream": from_js,
-                "files": from_files,
-            },
-            indent=2,
-        )
+    if profiles:
+        print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
+    write_report(
+        "analysis",
+        {
+            "events": EVENTS,
+            "batch": BATCH,
+            "master": master,
+            "jetstream": from_js,
+            "files": from_files,
+            "profiles": profiles,
+        },
     )

@@ -1,11 +1,15 @@
-"""Gateway benchmark: delivery latency to 1,000 concurrent WebSocket, then SSE, clients.
+"""Gateway fan-out: delivery latency to 1, 100 and 1,000 concurrent WebSocket clients (and
+1,000 SSE clients); the figure is p99 against the 1-client p99 of the same run.
 
-Prints numbers, asserts no speed (`make bench`). One gateway replica (a real Ray actor) on a
+Prints numbers, asserts no speed (`make bench`); asserts every client got every event.
+One gateway replica (a real Ray actor) on a
 real nats-server; a publisher writes events carrying their publish time at a fixed rate to
 one stream; every client subscribes from "new" and records, per event, the time from
 publish to its own receipt (one machine, so one clock). That is the whole path: JetStream
 append and ack, the gateway's one consumer, the fan-out, the socket, and the client's
-parsing, all on the same 2 cores, so the clients' own CPU is part of the figure.
+parsing, all on the same 2 cores, so the clients' own CPU is part of the figure. A profile
+pass (py-spy on the gateway and on the clients' process) at 1,000 WebSocket clients
+follows, not measured.
 
 Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_gateway.py`
 """
@@ -13,7 +17,6 @@ Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/ben
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 import ray
 
 from actors.gateway import Gateway
@@ -29,10 +33,15 @@ from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
 from runtime.services import ensure_streams
 from runtime.waiting import await_until
+from tests.bench.common import Profiler, print_profile, write_report
 
-CLIENTS = int(os.environ.get("TIERFLOW_BENCH_GW_CLIENTS", "1000"))
+CLIENTS = tuple(
+    int(c) for c in os.environ.get("TIERFLOW_BENCH_GW_CLIENTS", "1,100,1000").split(",")
+)
 RATE = float(os.environ.get("TIERFLOW_BENCH_GW_RATE", "10"))  # events/s published
-SECONDS = float(os.environ.get("TIERFLOW_BENCH_GW_SECONDS", "15"))
+SECONDS = float(os.environ.get("TIERFLOW_BENCH_GW_SECONDS", "10"))
+PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
+PROFILE_S = 8.0
 NS = "bench-gateway"
 
 
@@ -96,22 +105,24 @@ async def sse_client(url: str, stats: Stats, n: int, stop: asyncio.Event, s: Any
     stats.per_client.append(got)
 
 
-async def phase(kind: str, gw_url: str, nats_url: str) -> dict[str, Any]:
+async def phase(
+    kind: str, clients: int, gw_url: str, nats_url: str, seconds: float = SECONDS
+) -> dict[str, Any]:
     stats = Stats()
-    n = int(RATE * SECONDS)
+    n = int(RATE * seconds)
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=0)
     headers = {"Authorization": "Bearer bench"}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as s:
         if kind == "ws":
             url = f"{gw_url}/v1/ws"
-            tasks = [asyncio.create_task(ws_client(url, stats, n, stop, s)) for _ in range(CLIENTS)]
+            tasks = [asyncio.create_task(ws_client(url, stats, n, stop, s)) for _ in range(clients)]
         else:
             url = f"{gw_url}/v1/sse/bench?from=new"
             tasks = [
-                asyncio.create_task(sse_client(url, stats, n, stop, s)) for _ in range(CLIENTS)
+                asyncio.create_task(sse_client(url, stats, n, stop, s)) for _ in range(clients)
             ]
-        await await_until(lambda: stats.ready >= CLIENTS, timeout=120, what="clients ready")
+        await await_until(lambda: stats.ready >= clients, timeout=120, what="clients ready")
         nc = await connect(nats_url)
         js = nc.jetstream()
         t0 = time.perf_counter()
@@ -129,11 +140,11 @@ async def phase(kind: str, gw_url: str, nats_url: str) -> dict[str, Any]:
 
     return {
         "protocol": kind,
-        "clients": CLIENTS,
+        "clients": clients,
         "rate": RATE,
         "events": n,
         "deliveries": len(lat),
-        "expected": n * CLIENTS,
+        "expected": n * clients,
         "complete_clients": sum(1 for g in stats.per_client if g >= n),
         "p50_ms": q(0.5),
         "p99_ms": q(0.99),
@@ -141,9 +152,8 @@ async def phase(kind: str, gw_url: str, nats_url: str) -> dict[str, Any]:
     }
 
 
-def test_gateway_delivery_latency(tmp_path: Path) -> None:
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+@pytest.mark.timeout(900)
+def test_gateway_fan_out(bench_ray: Any, tmp_path: Path) -> None:
     cfg = load(
         environ={},
         overrides={
@@ -153,6 +163,7 @@ def test_gateway_delivery_latency(tmp_path: Path) -> None:
             "streams": {"bench": {"subjects": ["raw.bench"]}},
         },
     )
+    profiles: dict[str, Any] = {}
     with NatsServer(store_dir=tmp_path / "nats").start() as server:
 
         async def streams() -> None:
@@ -176,31 +187,41 @@ def test_gateway_delivery_latency(tmp_path: Path) -> None:
         try:
             ray.get(gw.endpoints.remote(), timeout=60)
             url = f"http://127.0.0.1:{port}"
-            rows = [asyncio.run(phase(kind, url, server.url)) for kind in ("ws", "sse")]
+            rows = [asyncio.run(phase("ws", n, url, server.url)) for n in CLIENTS]
+            rows.append(asyncio.run(phase("sse", max(CLIENTS), url, server.url)))
+            if PROFILE:
+                pid = ray.get(gw.heartbeat.remote(), timeout=30)["pid"]
+                spy = Profiler({"gateway": pid, "clients": os.getpid()}, PROFILE_S)
+                asyncio.run(phase("ws", max(CLIENTS), url, server.url, seconds=PROFILE_S))
+                profiles = spy.results()
             stats = ray.get(gw.stats.remote(), timeout=30)
         finally:
             ray.get(gw.shutdown.remote(), timeout=60)
             ray.kill(gw, no_restart=True)
+    for r in rows:
+        assert r["complete_clients"] == r["clients"], r
+    one = next(r for r in rows if r["protocol"] == "ws" and r["clients"] == min(CLIENTS))
     print(
-        f"\ngateway delivery latency, {CLIENTS} clients per protocol, {RATE:g} events/s for "
-        f"{SECONDS:g} s, one replica, {os.cpu_count()} cores (clients on the same cores)"
+        f"\ngateway fan-out, {RATE:g} events/s for {SECONDS:g} s per point, one replica, "
+        f"{os.cpu_count()} cores (clients on the same cores)"
     )
     print(
-        f"{'protocol':<10}{'deliveries':>12}{'expected':>10}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+        f"{'protocol':<10}{'clients':>8}{'deliveries':>12}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'max ms':>9}{'1-client p99 / p99':>20}"
     )
     for r in rows:
+        r["vs_one"] = one["p99_ms"] / r["p99_ms"]
         print(
-            f"{r['protocol']:<10}{r['deliveries']:>12,}{r['expected']:>10,}{r['p50_ms']:>9.1f}"
-            f"{r['p99_ms']:>9.1f}{r['max_ms']:>9.1f}"
+            f"{r['protocol']:<10}{r['clients']:>8,}{r['deliveries']:>12,}{r['p50_ms']:>9.1f}"
+            f"{r['p99_ms']:>9.1f}{r['max_ms']:>9.1f}{r['vs_one']:>20.2f}"
         )
     print(
         f"gateway: events_sent {stats['events_sent']:,}, lag warnings {stats['lag_warnings']}, "
         f"dropped {stats['dropped']}, cut off {stats['slow_disconnects']}"
     )
-    out = Path("reports")
-    out.mkdir(exist_ok=True)
-    (out / "bench_gateway.json").write_text(
-        json.dumps(
-            {"cores": os.cpu_count(), "phases": rows, "gateway": stats}, indent=2, default=str
-        )
+    if profiles:
+        print_profile(f"gateway at {max(CLIENTS):,} WebSocket clients, {PROFILE_S:g} s", profiles)
+    write_report(
+        "gateway",
+        {"rate": RATE, "seconds": SECONDS, "phases": rows, "gateway": stats, "profiles": profiles},
     )

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script from anywhere
@@ -156,6 +156,16 @@ async def main() -> str:
     table = render(rows)
     print(f"\n{EVENTS} events of {PAYLOAD} B per run; ratio = publish_batch / publish_async")
     print(table)
+    from tests.bench.common import write_report
+
+    write_report(
+        "publish",
+        {
+            "events": EVENTS,
+            "payload": PAYLOAD,
+            "rows": [{**asdict(r), "rate": r.rate} for r in rows],
+        },
+    )
     return table
 
 

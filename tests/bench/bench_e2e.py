@@ -1,0 +1,218 @@
+"""End to end: from an accepted event to the updated top-N on a gateway WebSocket.
+
+Prints numbers, asserts no speed (`make bench`). The whole Meetup pipeline as shipped (HML,
+logger k=1, one collector, bridge and gateway, JetStream `sync_interval: always`, the
+`meetup_topn` Spark query on local[2] with a 0.5 s trigger) on the session's Ray. Synthetic
+RSVPs are POSTed by the known-id producer at a fixed rate (1k, 5k, 10k events/s, a few
+seconds each); two WebSocket clients of the gateway watch:
+
+- top-N: the `results` stream filtered to `results.meetup_topn`; each update carries the
+  number of events it counts. An accepted batch counts as shown once an update counting at
+  least every event accepted up to that batch arrives after it;
+- raw (the ceiling): the `meetup` stream itself, i.e. collector -> logger -> bridge ->
+  JetStream -> gateway -> client, per event.
+
+Latency is from the producer receiving the 2xx to the client receiving the frame (one
+machine, one clock). Each phase waits until both clients saw everything before the next.
+A profile pass (py-spy on the Spark driver with its Python workers, the gateway and the
+collection tier) follows, not measured.
+
+Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_e2e.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.loadgen import drive
+from runtime.meetup import RsvpGenerator
+from runtime.waiting import await_until
+from tests.bench.common import Profiler, print_profile, summary, write_report
+from tests.bench.pipeline import TOPN_SUBJECT, Pipeline, Watcher, pipeline
+
+RATES = tuple(
+    int(r) for r in os.environ.get("TIERFLOW_BENCH_E2E_RATES", "1000,5000,10000").split(",")
+)
+SECONDS = float(os.environ.get("TIERFLOW_BENCH_E2E_SECONDS", "6"))
+PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
+PROFILE_S = 8.0
+BATCH, CONCURRENCY = 100, 16
+WARM = 1000
+
+
+class Rsvps:
+    """RSVPs numbered `n` across the whole run (the raw watcher reports `n`)."""
+
+    def __init__(self) -> None:
+        self.gen = RsvpGenerator(seed=8)
+        self.next_n = 0
+
+    def take(self, count: int) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(count):
+            out.append({**self.gen.next(), "n": self.next_n, "id": f"e2e-{self.next_n}"})
+            self.next_n += 1
+        return out
+
+
+def topn_latencies(
+    accepted: list[tuple[float, int]],
+    sizes: dict[int, int],
+    frames: list[tuple[float, int]],
+    base: int,
+) -> list[float]:
+    """Per accepted batch (in answer order): ms until the first top-N update after it that
+    counts every event accepted so far."""
+    out: list[float] = []
+    j, cum = 0, base
+    for t, idx in sorted(accepted):
+        cum += sizes[idx]
+        while j < len(frames) and (frames[j][0] < t or frames[j][1] < cum):
+            j += 1
+        if j == len(frames):
+            break
+        out.append((frames[j][0] - t) * 1000)
+    return out
+
+
+async def phase(
+    p: Pipeline, rsvps: Rsvps, rate: float, seconds: float, topn: Watcher, raw: Watcher
+) -> dict[str, Any]:
+    events = rsvps.take(int(rate * seconds))
+    first_n = events[0]["n"]
+    base = topn.last
+    accepted: list[tuple[float, int]] = []
+    sizes = {
+        i: len(events[i * BATCH : (i + 1) * BATCH])
+        for i in range((len(events) + BATCH - 1) // BATCH)
+    }
+    t0 = time.monotonic()
+    report = await drive(
+        p.tier.url,
+        "meetup",
+        events,
+        batch=BATCH,
+        concurrency=CONCURRENCY,
+        rate=rate,
+        deadline_s=seconds + 120,
+        on_batch=lambda idx: accepted.append((time.monotonic(), idx)),
+    )
+    assert len(report.acknowledged) == len(events), "the benchmark lost events"
+    total = base + len(events)
+    last_n = events[-1]["n"]
+    await await_until(
+        lambda: topn.last >= total, timeout=600, interval=0.05, what="top-N caught up"
+    )
+    topn_done = time.monotonic()
+    await await_until(
+        lambda: sum(1 for _, n in raw.seen if first_n <= n <= last_n) >= len(events),
+        timeout=120,
+        interval=0.1,
+        what="raw subscriber caught up",
+    )
+    accept_at = {idx: t for t, idx in accepted}
+    raw_ms = [
+        (t - accept_at[(n - first_n) // BATCH]) * 1000
+        for t, n in raw.seen
+        if first_n <= n <= last_n
+    ]
+    frames = [f for f in topn.seen if f[0] >= t0]
+    top_ms = topn_latencies(accepted, sizes, frames, base)
+    assert len(top_ms) == len(accepted)
+    return {
+        "rate": rate,
+        "seconds": seconds,
+        "events": len(events),
+        "accepted_rate": report.rate,
+        "shown_rate": len(events) / (topn_done - t0),
+        "topn": summary(top_ms),
+        "raw": summary(raw_ms),
+        "updates": len(frames),
+    }
+
+
+async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rsvps = Rsvps()
+    topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
+    raw = Watcher(p.gateway_url, "meetup", kind="raw").start()
+    try:
+        await asyncio.wait_for(asyncio.gather(topn.ready.wait(), raw.ready.wait()), 60)
+        warm = await drive(p.tier.url, "meetup", rsvps.take(WARM), batch=BATCH, rate=500)
+        assert len(warm.acknowledged) == WARM
+        await await_until(lambda: topn.last >= WARM, timeout=300, what="the first top-N")
+        rows = [await phase(p, rsvps, rate, SECONDS, topn, raw) for rate in RATES]
+        profiles: dict[str, Any] = {}
+        if PROFILE:
+            loop = asyncio.get_running_loop()
+            pids = await loop.run_in_executor(None, pids_of, p)
+            spy = Profiler(pids, PROFILE_S, subprocesses=["spark-driver"])
+            events = rsvps.take(int(RATES[len(RATES) // 2] * PROFILE_S))
+            await drive(
+                p.tier.url,
+                "meetup",
+                events,
+                batch=BATCH,
+                concurrency=CONCURRENCY,
+                rate=RATES[len(RATES) // 2],
+                deadline_s=PROFILE_S,
+            )
+            profiles = await loop.run_in_executor(None, spy.results)
+        return rows, profiles
+    finally:
+        await topn.stop()
+        await raw.stop()
+
+
+def pids_of(p: Pipeline) -> dict[str, int]:
+    group = p.tier.logger_groups[0]
+    return {
+        "spark-driver": p.pid(p.driver),
+        "gateway": p.pid(p.actor(p.gateways[0])),
+        "collector": p.pid(p.actor(p.tier.collectors[0])),
+        "bridge": p.pid(p.actor(p.tier.bridges[0])),
+        "logger-primary": p.pid(group.replicas[group.primary]),
+        "producer+watchers": os.getpid(),
+    }
+
+
+@pytest.mark.timeout(1200)
+def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
+    with pipeline(tmp_path, "bench-e2e") as p:
+        rows, profiles = asyncio.run(measure(p))
+    print(
+        f"\nend to end, HML k=1, Spark local[2] trigger 0.5 s, batches of {BATCH}, "
+        f"{SECONDS:g} s per rate, {os.cpu_count()} cores"
+    )
+    print(
+        f"{'offered/s':>10}{'accepted/s':>11}{'shown/s':>9}{'top-N p50':>11}{'p99 ms':>9}"
+        f"{'raw p50':>9}{'p99 ms':>8}{'raw/top p99':>13}"
+    )
+    for r in rows:
+        t, w = r["topn"], r["raw"]
+        print(
+            f"{r['rate']:>10,.0f}{r['accepted_rate']:>11,.0f}{r['shown_rate']:>9,.0f}"
+            f"{t['p50_ms']:>11,.0f}{t['p99_ms']:>9,.0f}{w['p50_ms']:>9,.0f}{w['p99_ms']:>8,.0f}"
+            f"{w['p99_ms'] / t['p99_ms']:>13.2f}"
+        )
+    print("shown/s: events over the time until the top-N counted them all")
+    if profiles:
+        print_profile(f"e2e at {RATES[len(RATES) // 2]:,} events/s, {PROFILE_S:g} s", profiles)
+    write_report(
+        "e2e",
+        {
+            "batch": BATCH,
+            "concurrency": CONCURRENCY,
+            "seconds": SECONDS,
+            "logging": "hml",
+            "k": 1,
+            "trigger_s": 0.5,
+            "rates": rows,
+            "profiles": profiles,
+        },
+    )

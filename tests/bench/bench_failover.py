@@ -1,0 +1,311 @@
+"""Failover: time from a SIGKILL to the next successful acknowledgement, per role.
+
+Prints numbers, asserts no speed (`make bench`); asserts that every probe acknowledged
+is in JetStream exactly once at the end. The whole pipeline (tests/bench/pipeline.py: HML,
+logger k=1, one collector, bridge and gateway, the top-N Spark query) under a steady
+probe load: a new one-event POST every 20 ms, each in its own request, so a stalled
+request never hides the recovery. Two probe streams run side by side: plain (answered
+once logged on both logger replicas) and, every 100 ms, `?wait=queued` (answered once
+JetStream acked).
+
+Per role, one SIGKILL of its process (Ray restarts it; the supervisors see it); the figure
+is the time from the kill to the first 2xx of a probe sent after the kill. For the gateway
+it is the time to the first event delivered to a `runtime.client.TierflowClient` (its own
+reconnect and resume), for Spark the time to the first top-N update counting new events.
+The floor, measured in the same run: Ray restarting a bare actor (`max_restarts=-1`) to
+its first answered call.
+
+Run alone:
+`.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_failover.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from runtime.client import TierflowClient
+from runtime.nats import connect
+from runtime.verify import judge, stream_ids
+from runtime.waiting import await_until
+from tests.bench.common import write_report
+from tests.bench.pipeline import TOPN_SUBJECT, Pipeline, Watcher, pipeline
+
+INTERVAL_S = 0.02
+QUEUED_INTERVAL_S = 0.1  # `wait=queued` answers take longer: fewer, so none queue up
+SETTLE_S = 2.0  # probes answered normally this long before each kill
+RECOVERY_S = 60.0
+
+
+class Prober:
+    """A new one-event POST every `interval_s`; keeps (sent, answered, ok, id) per probe."""
+
+    def __init__(
+        self, url: str, tag: str, query: str = "", interval_s: float = 0.02, cap: int = 300
+    ) -> None:
+        self.interval_s, self.cap = interval_s, cap
+        self.url = f"{url}/v1/streams/meetup/events" + (f"?{query}" if query else "")
+        self.tag = tag
+        self.results: list[tuple[float, float, bool, str]] = []
+        self.pending: set[asyncio.Task[None]] = set()
+        self.statuses: dict[int | str, int] = {}  # answers and errors, counted
+        self.task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    def start(self) -> Prober:
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.task is not None:
+            await self.task
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
+            i = 0
+            while not self._stop.is_set():
+                if len(self.pending) < self.cap:
+                    task = asyncio.create_task(self._one(s, f"{self.tag}-{i}"))
+                    self.pending.add(task)
+                    task.add_done_callback(self.pending.discard)
+                    i += 1
+                await asyncio.sleep(self.interval_s)
+            await asyncio.gather(*self.pending, return_exceptions=True)
+
+    async def _one(self, s: aiohttp.ClientSession, eid: str) -> None:
+        t0 = time.monotonic()
+        body = b'{"id": "%s", "probe": true}' % eid.encode()
+        try:
+            async with s.post(
+                self.url, data=body, headers={"Content-Type": "application/json"}
+            ) as r:
+                await r.read()
+                ok = r.status == 200
+                self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+        except (TimeoutError, aiohttp.ClientError) as err:
+            ok = False
+            self.statuses[type(err).__name__] = self.statuses.get(type(err).__name__, 0) + 1
+        self.results.append((t0, time.monotonic(), ok, eid))
+
+    def recovered_after(self, kill: float) -> float | None:
+        """Seconds from `kill` to the first 2xx of a probe sent after it."""
+        done = [end for sent, end, ok, _ in self.results if ok and sent >= kill]
+        return min(done) - kill if done else None
+
+    def healthy_since(self, t: float) -> bool:
+        return any(ok and sent >= t for sent, _, ok, _ in self.results)
+
+    @property
+    def acknowledged(self) -> set[str]:
+        return {eid for _, _, ok, eid in self.results if ok}
+
+
+class Reader:
+    """A TierflowClient on the raw stream (fast reconnects): when did deliveries arrive."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[float] = []
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> Reader:
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        async with TierflowClient(self.url, backoff_base=0.02, backoff_cap=0.1) as c:
+            async for _ in c.subscribe("meetup", start="new"):
+                self.seen.append(time.monotonic())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+    def first_after(self, kill: float) -> float | None:
+        later = [t for t in self.seen if t > kill]
+        return later[0] - kill if later else None
+
+
+def ray_floor() -> float:
+    """Seconds for Ray to restart a bare actor after SIGKILL and answer a call."""
+    import ray
+
+    @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
+    class Bare:
+        def pid(self) -> int:
+            return os.getpid()
+
+    bare = Bare.remote()
+    pid = ray.get(bare.pid.remote(), timeout=60)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    deadline = t0 + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if ray.get(bare.pid.remote(), timeout=10) != pid:
+                break
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    ray.kill(bare, no_restart=True)
+    return took
+
+
+async def kill_and_time(
+    name: str, pid_of: Callable[[], int], probes: list[Prober], reader: Reader
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    t = time.monotonic()
+    healthy = True
+    try:  # bounded: after RECOVERY_S the kill goes ahead, and the row says it was not healthy
+        await await_until(
+            lambda: all(p.healthy_since(t) for p in probes),
+            timeout=RECOVERY_S,
+            what=f"healthy before {name}",
+        )
+    except AssertionError:
+        healthy = False
+    await asyncio.sleep(SETTLE_S)
+    pid = await loop.run_in_executor(None, pid_of)
+    kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    # bounded: a path not recovered by RECOVERY_S is reported as such (None), not waited for
+    with contextlib.suppress(AssertionError):
+        await await_until(
+            lambda: (
+                all(p.recovered_after(kill) is not None for p in probes)
+                and reader.first_after(kill) is not None
+            ),
+            timeout=RECOVERY_S,
+            interval=0.05,
+            what=f"recovery after killing {name}",
+        )
+    ack, queued = (p.recovered_after(kill) for p in probes)
+    return {
+        "role": name,
+        "pid": pid,
+        "ack_s": ack,
+        "queued_s": queued,
+        "delivered_s": reader.first_after(kill),
+        "healthy_before": healthy,
+    }
+
+
+async def spark_recovery(p: Pipeline) -> dict[str, Any]:
+    """A fresh top-N watcher (the gateway was killed before: a plain one does not reconnect)."""
+    topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
+    try:
+        return await _spark_recovery(p, topn)
+    finally:
+        await topn.stop()
+
+
+async def _spark_recovery(p: Pipeline, topn: Watcher) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    await await_until(lambda: topn.seen, timeout=300, what="a first top-N update")
+    pid = await loop.run_in_executor(None, p.pid, p.driver)
+    before = topn.last
+    kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        return p.pid(p.driver) != pid
+
+    await await_until(
+        lambda: loop.run_in_executor(None, restarted), timeout=180, swallow=True, what="restart"
+    )
+    back = time.monotonic() - kill
+    await await_until(
+        lambda: any(t > kill and n > before for t, n in topn.seen),
+        timeout=300,
+        what="a top-N update after the driver's restart",
+    )
+    first = next(t for t, n in topn.seen if t > kill and n > before)
+    return {"role": "spark driver", "pid": pid, "restarted_s": back, "topn_s": first - kill}
+
+
+async def scenario(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    tier = p.tier
+    probes = [
+        Prober(tier.url, "ack").start(),
+        Prober(tier.url, "queued", "wait=queued", QUEUED_INTERVAL_S, cap=50).start(),
+    ]
+    reader = Reader(p.gateway_url).start()
+    group = tier.logger_groups[0]
+    roles: list[tuple[str, Callable[[], int]]] = [
+        ("collector", lambda: p.pid(p.actor(tier.collectors[0]))),
+        ("logger primary", lambda: p.pid(group.replicas[group.primary])),
+        ("logger backup", lambda: p.pid(group.replicas[1 - group.primary])),
+        ("bridge", lambda: p.pid(p.actor(tier.bridges[0]))),
+        ("gateway", lambda: p.pid(p.actor(p.gateways[0]))),
+    ]
+    try:
+        rows = [await kill_and_time(name, pid_of, probes, reader) for name, pid_of in roles]
+        spark = await spark_recovery(p)
+    finally:
+        for probe in probes:
+            await probe.stop()
+        await reader.stop()
+    acked = set().union(*(probe.acknowledged for probe in probes))
+
+    async def drained() -> bool:
+        c = await tier.loggers[0].counts()
+        return c["transient"] == 0 and c["failed"] == 0
+
+    await await_until(drained, timeout=120, interval=0.2, swallow=True, what="log drained")
+    nc = await connect(p.server.url)
+    try:
+        verdict = judge(acked, await stream_ids(nc, "meetup"))
+    finally:
+        await nc.close()
+    assert verdict.ok, str(verdict)
+    answers = {probe.tag: {str(k): v for k, v in probe.statuses.items()} for probe in probes}
+    return rows, {**spark, "probes_acknowledged": len(acked), "probe_answers": answers}
+
+
+def secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+@pytest.mark.timeout(900)
+def test_failover_per_role(bench_ray: Any, tmp_path: Path) -> None:
+    floor = ray_floor()
+    with pipeline(tmp_path, "bench-failover") as p:
+        rows, spark = asyncio.run(scenario(p))
+    print(
+        f"\nfailover after SIGKILL, HML k=1, probes every {INTERVAL_S * 1000:g} ms, "
+        f"{os.cpu_count()} cores; Ray's own restart of a bare actor: {floor:.2f} s"
+    )
+    print(f"{'role':<16}{'ack s':>8}{'queued s':>10}{'delivered s':>13}{'ack / floor':>13}")
+    for r in rows:
+        cells = [secs(r["ack_s"]), secs(r["queued_s"]), secs(r["delivered_s"])]
+        ratio = f"{r['ack_s'] / floor:.1f}" if r["ack_s"] is not None else "-"
+        print(f"{r['role']:<16}{cells[0]:>8}{cells[1]:>10}{cells[2]:>13}{ratio:>13}")
+    print(f"-: not within {RECOVERY_S:g} s")
+    for r in rows:
+        if not r["healthy_before"]:
+            print(f"{r['role']}: probes were not all answering before the kill (see above)")
+    answers = spark["probe_answers"]
+    print(f"probe answers: {answers}")
+    print(
+        f"spark driver: restarted in {spark['restarted_s']:.1f} s, first top-N update counting "
+        f"new events {spark['topn_s']:.1f} s after the kill; {spark['probes_acknowledged']} "
+        "probes acknowledged, all in JetStream once"
+    )
+    write_report(
+        "failover",
+        {"interval_s": INTERVAL_S, "ray_floor_s": floor, "roles": rows, "spark": spark},
+    )

@@ -1,0 +1,158 @@
+"""The whole Meetup pipeline for the benchmarks that need all of it (e2e, failover):
+collection tier, one gateway, the analysis driver running the top-N query, on one
+nats-server and the session's Ray. Started and stopped as a unit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runtime.config import Config, load
+from runtime.nats import NatsServer, connect
+from runtime.pipeline import CollectionTier, start_collection_tier
+
+TOPN_SUBJECT = "results.meetup_topn"
+
+
+@dataclass
+class Pipeline:
+    cfg: Config
+    server: NatsServer
+    tier: CollectionTier
+    gateways: list[str]
+    gateway_url: str
+    driver: Any
+
+    def actor(self, name: str) -> Any:
+        import ray
+
+        return ray.get_actor(name, namespace=self.cfg.ray.namespace)
+
+    def pid(self, handle: Any) -> int:
+        import ray
+
+        return int(ray.get(handle.heartbeat.remote(), timeout=30)["pid"])
+
+
+@contextlib.contextmanager
+def pipeline(
+    state: Path,
+    namespace: str,
+    *,
+    trigger_s: float = 0.5,
+    overrides: dict[str, Any] | None = None,
+) -> Iterator[Pipeline]:
+    """HML with k=1 (the defaults), one collector, bridge and gateway, the top-N job."""
+    import ray
+
+    from actors.gateway import start_gateways, stop_gateways
+    from jobs.driver import start_driver, stop_driver, wait_running
+    from jobs.meetup import meetup_jobs
+    from runtime.services import ensure_streams
+
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(state / "state"),
+            "ray": {"namespace": namespace},
+            "roles": {"collector": {"port": 0}, "gateway": {"port": 0}},
+            "spark": {"master": "local[2]"},
+            **(overrides or {}),
+        },
+    )
+    with NatsServer(store_dir=state / "nats").start() as server:
+
+        async def streams() -> None:
+            nc = await connect(server.url)
+            await ensure_streams(nc, cfg)
+            await nc.close()
+
+        asyncio.run(streams())
+        tier = start_collection_tier(cfg, nats_url=server.url)
+        gateways: list[str] = []
+        driver = None
+        try:
+            gateways = start_gateways(cfg, server.url, replicas=1, port=0)
+            ends = ray.get(
+                ray.get_actor(gateways[0], namespace=namespace).endpoints.remote(), timeout=30
+            )
+            topn = meetup_jobs(trigger_s=trigger_s)[0]
+            driver = start_driver(cfg, server.url, jobs=[topn])
+            status = wait_running(driver, 180)
+            assert status.get("state") == "running", status
+            yield Pipeline(cfg, server, tier, gateways, ends["url"], driver)
+        finally:
+            if driver is not None:
+                stop_driver(driver)
+            if gateways:
+                stop_gateways(cfg, gateways)
+            tier.stop()
+
+
+class _Data(msgspec.Struct):
+    events: int = 0
+    n: int = -1
+
+
+class _Frame(msgspec.Struct):
+    op: str
+    seq: int = 0
+    data: _Data | None = None
+
+
+_frame = msgspec.json.Decoder(_Frame)
+
+
+@dataclass
+class Watcher:
+    """A gateway WebSocket subscriber that timestamps what it receives: the top-N counts
+    (`events` of each top-N update) or the raw events' `n` field."""
+
+    url: str
+    stream: str
+    filter: str = ""
+    kind: str = "topn"  # or "raw"
+
+    def __post_init__(self) -> None:
+        self.seen: list[tuple[float, int]] = []  # (monotonic time, events or n)
+        self.ready = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def last(self) -> int:
+        return self.seen[-1][1] if self.seen else 0
+
+    def start(self) -> Watcher:
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        sub: dict[str, Any] = {"op": "subscribe", "id": "w", "stream": self.stream, "from": "new"}
+        if self.filter:
+            sub["filter"] = self.filter
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"{self.url}/v1/ws") as ws:
+            await ws.send_str(msgspec.json.encode(sub).decode())
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                f = _frame.decode(msg.data)
+                if f.op == "subscribed":
+                    self.ready.set()
+                elif f.op == "event" and f.data is not None:
+                    value = f.data.events if self.kind == "topn" else f.data.n
+                    self.seen.append((time.monotonic(), value))

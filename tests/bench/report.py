@@ -1,0 +1,456 @@
+"""Merge the benchmarks' JSON into reports/bench.json, draw the plots, write the table.
+
+`python -m tests.bench.report` (run by `make bench` after the benchmarks) reads
+reports/bench_*.json, writes reports/bench.json, reports/bench.md and reports/*.png, and
+prints the table. With `--publish` it also copies the plots to docs/bench/ and puts the
+table into docs/benchmarks.md between its `bench-table` markers (the notes around them are
+written by hand and kept).
+
+Every figure is shown as a ratio against its ceiling measured in the same run; absolute
+values carry the machine's label. A ratio under 0.5 is flagged; the profile taken for it
+(py-spy) is summarised under the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.bench.common import REPORTS
+
+NAMES = ("ingest", "e2e", "analysis", "gateway", "failover", "scaling", "publish")
+DOCS = Path("docs")
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+FLAG = 0.5
+
+
+def load_reports(directory: Path = REPORTS) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in NAMES:
+        path = directory / f"bench_{name}.json"
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def fmt(value: Any, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratio(value: float | None, ceiling: float | None) -> float | None:
+    if value is None or not ceiling:
+        return None
+    return value / ceiling
+
+
+def cell(r: float | None) -> str:
+    """A ratio, flagged when it is under half its ceiling."""
+    if r is None:
+        return "-"
+    return f"**{r:.2f}** (!)" if r < FLAG else f"{r:.2f}"
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def label(m: Mapping[str, Any]) -> str:
+    load = m.get("load_avg") or []
+    return (
+        f"{m.get('cores')} cores, {m.get('memory_gb')} GB, {m.get('cpu') or 'unknown CPU'}, "
+        f"load average {'/'.join(str(x) for x in load)} at the start of the bench"
+    )
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def ingest_section(d: dict[str, Any]) -> list[str]:
+    c = d["ceiling"]
+    rows = []
+    for r in [c, *d["modes"], d["serve"]]:
+        rows.append(
+            [
+                r["path"],
+                fmt(r["rate"]),
+                fmt(r["queued_rate"]),
+                fmt(r["p50_ms"], ".1f"),
+                fmt(r["p99_ms"], ".1f"),
+                cell(ratio(r["rate"], c["rate"])),
+                cell(ratio(r["queued_rate"], c["rate"])),
+            ]
+        )
+    runs = ", ".join(fmt(x["rate"]) for x in c.get("runs", []))
+    out = [
+        f"### 1. Ingest ({d['events']:,} events of ~500 B, NDJSON batches of {d['batch']}, "
+        f"{d['concurrency']} requests in flight; JetStream `sync_interval: always`)",
+        "",
+        *table(
+            [
+                "path",
+                "accepted/s",
+                "queued/s",
+                "ack p50 ms",
+                "ack p99 ms",
+                "accepted / ceiling",
+                "queued / ceiling",
+            ],
+            rows,
+        ),
+        "",
+        f"Ceiling: nats-py `publish_async`, every ack awaited, measured before and after the "
+        f"rest ({runs}/s); the mean is the ceiling.",
+    ]
+    for k, red in sorted(d["hml_vs_rbml"].items()):
+        out.append(
+            f"HML vs RBML at k={k}: p50 ack latency {red['p50']:+.0%}, p99 {red['p99']:+.0%}, "
+            f"accepted/s {red['rate']:+.0%} (overhead reduction; the book cites 43%)."
+        )
+    return out
+
+
+def e2e_section(d: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in d["rates"]:
+        t, w = r["topn"], r["raw"]
+        rows.append(
+            [
+                fmt(r["rate"]),
+                fmt(r["accepted_rate"]),
+                fmt(r["shown_rate"]),
+                fmt(t["p50_ms"]),
+                fmt(t["p99_ms"]),
+                fmt(w["p50_ms"]),
+                fmt(w["p99_ms"]),
+                cell(ratio(w["p99_ms"], t["p99_ms"])),
+            ]
+        )
+    return [
+        f"### 2. End to end: accepted event -> updated top-N on a gateway WebSocket "
+        f"(HML k={d['k']}, Spark trigger {d['trigger_s']:g} s, {d['seconds']:g} s per rate)",
+        "",
+        *table(
+            [
+                "offered/s",
+                "accepted/s",
+                "counted in top-N/s",
+                "top-N p50 ms",
+                "top-N p99 ms",
+                "raw p50 ms",
+                "raw p99 ms",
+                "raw p99 / top-N p99",
+            ],
+            rows,
+        ),
+        "",
+        "Raw: collector -> logger -> bridge -> JetStream -> gateway -> a WebSocket subscriber of "
+        "the raw stream (the ceiling of the top-N path, which adds Spark).",
+    ]
+
+
+def analysis_section(d: dict[str, Any]) -> list[str]:
+    files = d["files"]
+    rows = [
+        [
+            src,
+            fmt(d[src]["events_per_s"]),
+            fmt(d[src]["processing_events_per_s"]),
+            fmt(d[src]["p50_ms"]),
+            fmt(d[src]["p99_ms"]),
+            cell(ratio(d[src]["events_per_s"], files["events_per_s"])),
+        ]
+        for src in ("jetstream", "files")
+    ]
+    return [
+        f"### 3. Analysis: Meetup top-N, {d['events']:,} RSVPs, micro-batches of {d['batch']:,}, "
+        f"Spark {d['master']}",
+        "",
+        *table(
+            ["source", "events/s", "events/s in batches", "batch p50 ms", "p99 ms", "vs files"],
+            rows,
+        ),
+    ]
+
+
+def gateway_section(d: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            r["protocol"],
+            fmt(r["clients"]),
+            fmt(r["deliveries"]),
+            fmt(r["p50_ms"], ".1f"),
+            fmt(r["p99_ms"], ".1f"),
+            cell(r.get("vs_one")),
+        ]
+        for r in d["phases"]
+    ]
+    return [
+        f"### 4. Gateway fan-out ({d['rate']:g} events/s for {d['seconds']:g} s per point, one "
+        "replica, clients on the same cores)",
+        "",
+        *table(
+            ["protocol", "clients", "deliveries", "p50 ms", "p99 ms", "1-client p99 / p99"], rows
+        ),
+    ]
+
+
+def failover_section(d: dict[str, Any]) -> list[str]:
+    floor = d["ray_floor_s"]
+    rows = [
+        [
+            r["role"],
+            fmt(r["ack_s"], ".2f"),
+            fmt(r["queued_s"], ".2f"),
+            fmt(r["delivered_s"], ".2f"),
+            cell(ratio(floor, r["ack_s"])),
+        ]
+        for r in d["roles"]
+    ]
+    s = d["spark"]
+    return [
+        "### 5. Failover: SIGKILL to the next successful acknowledgement (HML k=1)",
+        "",
+        *table(
+            [
+                "role killed",
+                "next ack s",
+                "next `wait=queued` ack s",
+                "next delivery to a client s",
+                "Ray restart floor / ack",
+            ],
+            rows,
+        ),
+        "",
+        f"Floor: Ray restarting a bare actor after SIGKILL, {floor:.2f} s. Spark driver: "
+        f"restarted in {s['restarted_s']:.1f} s; first top-N update counting new events "
+        f"{s['topn_s']:.1f} s after the kill. {s['probes_acknowledged']:,} probes acknowledged, "
+        "every one in JetStream exactly once.",
+    ]
+
+
+def scaling_section(d: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            fmt(r["replicas"]),
+            fmt(r["rate"]),
+            fmt(r["p50_ms"], ".1f"),
+            fmt(r["p99_ms"], ".1f"),
+            cell(r["vs_linear"]),
+        ]
+        for r in d["points"]
+    ]
+    return [
+        f"### 6. Scaling: accepted events/s against collector replicas (HML k=0, "
+        f"{d['events']:,} events per point)",
+        "",
+        *table(["collectors", "accepted/s", "p50 ms", "p99 ms", "vs n x 1 replica"], rows),
+    ]
+
+
+SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "ingest": ingest_section,
+    "e2e": e2e_section,
+    "analysis": analysis_section,
+    "gateway": gateway_section,
+    "failover": failover_section,
+    "scaling": scaling_section,
+}
+
+
+def profile_lines(reports: Mapping[str, dict[str, Any]], top: int = 3) -> list[str]:
+    out = []
+    for name, d in reports.items():
+        profiles = d.get("profiles") or {}
+        groups = (
+            profiles.values()
+            if all(
+                isinstance(v, dict) and "busy" not in v and "error" not in v
+                for v in profiles.values()
+            )
+            else [profiles]
+        )
+        for group in groups:
+            for proc, p in group.items():
+                if "error" in p:
+                    out.append(f"- {name} / {proc}: no profile ({p['error']})")
+                    continue
+                hot = "; ".join(f"`{f}` {s:.0%}" for f, s in p["tierflow"][:top])
+                leaf = "; ".join(f"`{f}` {s:.0%}" for f, s in p["leaf"][:top])
+                out.append(f"- {name} / {proc}: {p['busy']} cores busy; {hot}; leaves: {leaf}")
+    return out
+
+
+def markdown(reports: Mapping[str, dict[str, Any]]) -> str:
+    first = next(iter(reports.values()))
+    runs = sorted({d.get("run", "") for d in reports.values()})
+    lines = [
+        f"Machine: {label(first['machine'])}. Run {', '.join(runs)}; "
+        f"reproduce with `make bench`. Ratios are against the ceiling measured in the same "
+        f"run; **(!)** marks a figure under half its ceiling (see the profiles below).",
+        "",
+    ]
+    for name, section in SECTIONS.items():
+        if name in reports:
+            lines += section(reports[name]) + [""]
+        else:
+            lines += [f"### {name}: not run", ""]
+    prof = profile_lines(reports)
+    if prof:
+        lines += ["#### Profiles (py-spy, CPU share by tierflow frame and by leaf)", "", *prof, ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plots(reports: Mapping[str, dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(reports.values()))
+    m = first["machine"]
+    tag = f"{m.get('cores')} cores, {m.get('memory_gb')} GB"
+    made: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out / f"bench_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    if "ingest" in reports:
+        d = reports["ingest"]
+        rows = [d["ceiling"], *d["modes"], d["serve"]]
+        names = [
+            r["path"].replace("collector ", "").replace(" (ceiling)", "\n(ceiling)") for r in rows
+        ]
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["rate"] for r in rows], 0.4, label="accepted/s")
+        ax.bar([i + 0.2 for i in x], [r["queued_rate"] for r in rows], 0.4, label="queued/s")
+        ax.axhline(d["ceiling"]["rate"], color="k", ls="--", lw=1, label="JetStream ceiling")
+        ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("events/s")
+        ax.set_title(f"Ingest per logging mode vs JetStream ceiling ({tag})")
+        ax.legend()
+        save(fig, "ingest")
+    if "e2e" in reports:
+        d = reports["e2e"]
+        rates = [r["rate"] for r in d["rates"]]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, style in (("topn", "-o"), ("raw", "--s")):
+            ax.plot(rates, [r[key]["p50_ms"] for r in d["rates"]], style, label=f"{key} p50")
+            ax.plot(rates, [r[key]["p99_ms"] for r in d["rates"]], style, label=f"{key} p99")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered events/s")
+        ax.set_ylabel("ms from accepted to seen")
+        ax.set_title(f"End to end: top-N vs raw path ({tag})")
+        ax.legend()
+        save(fig, "e2e")
+    if "analysis" in reports:
+        d = reports["analysis"]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.bar(["JetStream", "files"], [d[s]["events_per_s"] for s in ("jetstream", "files")])
+        ax.set_ylabel("events/s")
+        ax.set_title(f"Top-N query by source ({tag})")
+        save(fig, "analysis")
+    if "gateway" in reports:
+        d = reports["gateway"]
+        ws = [r for r in d["phases"] if r["protocol"] == "ws"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["clients"] for r in ws], [r["p99_ms"] for r in ws], "-o", label="p99")
+        ax.plot([r["clients"] for r in ws], [r["p50_ms"] for r in ws], "--s", label="p50")
+        ax.set_xscale("log")
+        ax.set_xlabel("WebSocket clients")
+        ax.set_ylabel("delivery ms")
+        ax.set_title(f"Gateway fan-out ({tag})")
+        ax.legend()
+        save(fig, "fanout")
+    if "failover" in reports:
+        d = reports["failover"]
+        roles = d["roles"]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        x = range(len(roles))
+        for off, key, lab in (
+            (-0.25, "ack_s", "ack"),
+            (0, "queued_s", "queued ack"),
+            (0.25, "delivered_s", "delivery"),
+        ):
+            ax.bar([i + off for i in x], [r[key] or 0 for r in roles], 0.25, label=lab)
+        ax.axhline(d["ray_floor_s"], color="k", ls="--", lw=1, label="Ray restart floor")
+        ax.set_xticks(list(x), [r["role"] for r in roles])
+        ax.set_ylabel("s after SIGKILL")
+        ax.set_title(
+            f"Failover per role; Spark top-N back after {d['spark']['topn_s']:.1f} s ({tag})"
+        )
+        ax.legend()
+        save(fig, "failover")
+    if "scaling" in reports:
+        d = reports["scaling"]
+        pts = d["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ns = [p["replicas"] for p in pts]
+        ax.plot(ns, [p["rate"] for p in pts], "-o", label="measured")
+        ax.plot(ns, [pts[0]["rate"] * n for n in ns], "--", label="n x 1 replica")
+        ax.set_xlabel("collector replicas")
+        ax.set_ylabel("accepted events/s")
+        ax.set_title(f"Scaling collectors ({tag})")
+        ax.legend()
+        save(fig, "scaling")
+    return made
+
+
+def publish(md: str, pngs: Sequence[Path]) -> None:
+    """Copy the plots to docs/bench/ and the table into docs/benchmarks.md's markers."""
+    target = DOCS / "bench"
+    target.mkdir(parents=True, exist_ok=True)
+    for p in pngs:
+        shutil.copy(p, target / p.name)
+    doc = DOCS / "benchmarks.md"
+    text = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    if START not in text or END not in text:
+        raise SystemExit(f"{doc}: no {START} ... {END} markers to put the table between")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{START}\n{md}\n{END}{tail}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.report", description=__doc__)
+    parser.add_argument("--publish", action="store_true", help="update docs/ as well")
+    args = parser.parse_args(argv)
+    reports = load_reports()
+    if not reports:
+        print(f"no benchmark reports in {REPORTS}/ (run make bench)")
+        return 1
+    md = markdown(reports)
+    merged = {
+        "generated_at": time.time(),
+        "runs": sorted({d.get("run", "") for d in reports.values()}),
+        "machine": next(iter(reports.values()))["machine"],
+        "benches": reports,
+    }
+    (REPORTS / "bench.json").write_text(json.dumps(merged, indent=2, default=str))
+    (REPORTS / "bench.md").write_text(md + "\n")
+    pngs = plots(reports, REPORTS)
+    print(md)
+    print(f"wrote {REPORTS}/bench.json, {REPORTS}/bench.md and {len(pngs)} plots")
+    if args.publish:
+        publish(md, pngs)
+        print(f"updated {DOCS}/benchmarks.md and {DOCS}/bench/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
