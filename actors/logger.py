@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import plyvel
 import pykka
 
 from actors.events import Event, decode_batch, decode_event, encode_batch, encode_event
@@ -172,6 +173,9 @@ EXPORTED = (NS_TRANSIENT, NS_FAILED, NS_TOKENS)  # transient first: see export()
 COUNTS_KEY = b"counts"
 FENCE_KEY = b"fence"
 CATCHING_UP_KEY = b"catching_up"
+# Chaos hook (runtime.chaos): while the file `<store dir>.fault` exists, every write of that
+# store fails as a LevelDB IO error does ("full" in the file: a full disk), writing nothing.
+FAULT_SUFFIX = ".fault"
 
 _BE64 = struct.Struct(">Q")
 _MAX64 = (1 << 64) - 1
@@ -420,6 +424,18 @@ class LogStore:
     def closed(self) -> bool:
         return self._store.closed
 
+    def _check_fault(self) -> None:
+        """Raise what a failed LevelDB write raises (CheckpointError from plyvel.IOError)
+        while an injected fault file exists; the writer then crashes and restarts as for a
+        real IO error, and the replica answers an error, never an acknowledgement."""
+        try:
+            kind = self.path.with_name(self.path.name + FAULT_SUFFIX).read_text()
+        except FileNotFoundError:
+            return
+        detail = "No space left on device" if "full" in kind else "Input/output error"
+        cause = plyvel.IOError(f"IO error: {detail} (injected)")
+        raise CheckpointError(f"checkpoint store {self.path}: {cause}") from cause
+
     @contextlib.contextmanager
     def _txn(self) -> Iterator[_Txn]:
         tx = _Txn(self)
@@ -427,6 +443,7 @@ class LogStore:
         tx.finish()
         if not tx.ops:
             return
+        self._check_fault()
         with self._store.write_batch() as b:
             for is_put, ns, key, value in tx.ops:
                 if is_put:
@@ -541,6 +558,7 @@ class LogStore:
         """Replica metadata (fence, flags), in one synced batch."""
         if COUNTS_KEY in items:
             raise ValueError("meta key 'counts' belongs to the store")
+        self._check_fault()
         with self._store.write_batch() as b:
             for key, value in items.items():
                 b.put(self._ns[NS_META], key, value)
