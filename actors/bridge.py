@@ -18,6 +18,7 @@ acknowledged, so a dead replica loses nothing; only replicas started with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -59,8 +60,10 @@ class BrokerBridge(SupervisedActor):
         replay_every_s: float = 0.5,
         stale_after_s: float | None = None,
         replay_batch: int = 4096,
+        reconnect_deadline_s: float = 20.0,
     ) -> None:
         super().__init__(state_dir, name=name)
+        self.reconnect_deadline_s = reconnect_deadline_s
         self.cfg: Config = validate(config)
         self.nats_url = nats_url
         self.replay = replay
@@ -84,6 +87,7 @@ class BrokerBridge(SupervisedActor):
             "replayed": 0,
             "deadlettered": 0,
             "dropped": 0,
+            "reconnects": 0,
         }
         self._pub: JetStreamPublisher | None = None
         self._nc: Any = None
@@ -104,14 +108,58 @@ class BrokerBridge(SupervisedActor):
         self._pub = JetStreamPublisher(self._nc, self.max_in_flight, self.ack_timeout_s)
         await self._pub.start()
         replayer = asyncio.ensure_future(self._replay_loop()) if self.replay else None
+        watchdog = asyncio.ensure_future(self._watch_connection())
         ready()
         try:
             await stop.wait()
         finally:
+            watchdog.cancel()
             if replayer is not None:
                 replayer.cancel()
             await self._pub.close()
             await self._nc.close()
+
+    async def _watch_connection(self) -> None:
+        """Replace a NATS connection that stays down past `reconnect_deadline_s`.
+
+        Seen under the chaos proxy's connection resets: nats-py's client stopped trying to
+        reconnect and sat "not connected" for good, while the log filled with entries it
+        could not publish (nothing lost, nothing moving). A fresh client is the cure; a
+        server that is really down only costs a failed attempt per deadline until it is
+        back. Publishes in flight on the old client fail and the replayer resends them.
+        """
+        loop = asyncio.get_running_loop()
+        down_since: float | None = None
+        while True:  # bounded by cancellation when the bridge stops
+            await asyncio.sleep(1.0)
+            if self._nc.is_connected:
+                down_since = None
+                continue
+            down_since = down_since if down_since is not None else loop.time()
+            if loop.time() - down_since < self.reconnect_deadline_s:
+                continue
+            log.error(
+                "%s: NATS not connected for %.0f s; replacing the client",
+                self.name,
+                loop.time() - down_since,
+            )
+            self.counters["reconnects"] += 1
+            try:
+                await self._replace_connection()
+                down_since = None
+            except Exception as err:  # still unreachable: try again after another deadline
+                log.warning("%s: new NATS connection failed: %r", self.name, err)
+                down_since = loop.time()
+
+    async def _replace_connection(self) -> None:
+        nc = await connect_nats(self.cfg, self.nats_url, name=f"bridge-{self.name}", role="bridge")
+        pub = JetStreamPublisher(nc, self.max_in_flight, self.ack_timeout_s)
+        await pub.start()
+        old_nc, old_pub = self._nc, self._pub
+        self._nc, self._pub = nc, pub
+        for closing in (old_pub.close(), old_nc.close()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(closing, 5.0)
 
     async def ready(self) -> list[str]:
         """The logger groups this bridge completes (it serves once constructed)."""
