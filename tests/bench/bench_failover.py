@@ -15,6 +15,14 @@ reconnect and resume), for Spark the time to the first top-N update counting new
 The floor, measured in the same run: Ray restarting a bare actor (`max_restarts=-1`) to
 its first answered call.
 
+A profile pass (`TIERFLOW_BENCH_PROFILE=0` skips it), after the measured kills so py-spy's
+own CPU is not in their figures: the collector and the logger primary are killed once more
+(and a bare actor, for the floor) with py-spy recording the raylet and every worker it
+starts (`--subprocesses --idle`, timestamped), so the restarted process is sampled from its
+interpreter's start; `common.startup_phases` splits its wall-clock time from birth to the
+end of `__init__` into phases. What remains of the next acknowledgement after that is the
+first calls of the new process (or, for a logger, the retried write).
+
 Run alone:
 `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_failover.py`
 """
@@ -31,19 +39,29 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from runtime.client import TierflowClient
 from runtime.nats import connect
 from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
-from tests.bench.common import write_report
+from tests.bench.common import (
+    BirthProfiler,
+    birth_s,
+    restart_lines,
+    startup_phases,
+    write_report,
+)
 from tests.bench.pipeline import TOPN_SUBJECT, Pipeline, Watcher, pipeline
 
 INTERVAL_S = 0.02
 QUEUED_INTERVAL_S = 0.1  # `wait=queued` answers take longer: fewer, so none queue up
 SETTLE_S = 2.0  # probes answered normally this long before each kill
 RECOVERY_S = 60.0
+PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
+PROFILE_S = 8.0  # py-spy's window: attach, the kill, and the whole restart
+ATTACH_S = 1.5  # py-spy attached to every running worker before the kill
 
 
 class Prober:
@@ -140,8 +158,9 @@ class Reader:
         return later[0] - kill if later else None
 
 
-def ray_floor() -> float:
-    """Seconds for Ray to restart a bare actor after SIGKILL and answer a call."""
+def ray_floor() -> tuple[float, float]:
+    """Seconds for Ray to restart a bare actor after SIGKILL and answer a call, and when
+    the process that answers was born relative to the kill (< 0: an idle worker reused)."""
     import ray
 
     @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
@@ -150,18 +169,70 @@ def ray_floor() -> float:
             return os.getpid()
 
     bare = Bare.remote()
-    pid = ray.get(bare.pid.remote(), timeout=60)
+    try:
+        took, _, born = _restart(bare)
+        return took, born
+    finally:
+        ray.kill(bare, no_restart=True)
+
+
+def profile_floor() -> dict[str, Any]:
+    """The floor's restart under py-spy: a bare actor whose `__init__` lingers 100 ms, so
+    its end is sampled (it takes no arguments, like the measured one)."""
+    import ray
+
+    @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
+    class Lingering:
+        def __init__(self) -> None:
+            time.sleep(0.1)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    actor = Lingering.remote()
+    try:
+        pid = ray.get(actor.pid.remote(), timeout=60)
+        spy = BirthProfiler(psutil.Process(pid).ppid(), PROFILE_S)
+        time.sleep(ATTACH_S)
+        took, new, born = _restart(actor)
+        return restart_profile(spy, new, "Lingering.__init__", took, born)
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+def _restart(actor: Any) -> tuple[float, int, float]:
+    """SIGKILL `actor`; (seconds to its first answer, new pid, its birth after the kill)."""
+    import ray
+
+    pid = ray.get(actor.pid.remote(), timeout=60)
     t0 = time.monotonic()
+    boot = time.clock_gettime(time.CLOCK_BOOTTIME)
     os.kill(pid, signal.SIGKILL)
     deadline = t0 + 120
+    new = pid
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            if ray.get(bare.pid.remote(), timeout=10) != pid:
+            new = ray.get(actor.pid.remote(), timeout=10)
+            if new != pid:
                 break
         time.sleep(0.01)
     took = time.monotonic() - t0
-    ray.kill(bare, no_restart=True)
-    return took
+    return took, new, birth_s(new) - boot if new != pid else float("nan")
+
+
+def restart_profile(
+    spy: BirthProfiler, pid: int, init: str, ack_s: float | None, born_s: float
+) -> dict[str, Any]:
+    """Where the restart of `pid` went: born after the kill, start-up phases (from py-spy),
+    and what is left until the next acknowledgement."""
+    events = spy.trace()
+    if isinstance(events, str):
+        return {"error": events}
+    out = {"pid": pid, "ack_s": ack_s, "born_s": round(born_s, 3)}
+    out.update(startup_phases(events, pid, init, reused=born_s < 0))
+    if ack_s is not None and "span_s" in out and born_s >= 0:  # else no common clock
+        out["after_init_s"] = round(ack_s - born_s - out["span_s"], 3)
+    return out
 
 
 async def kill_and_time(
@@ -204,6 +275,36 @@ async def kill_and_time(
     }
 
 
+async def profile_restart(
+    name: str, pid_of: Callable[[], int], init: str, probes: list[Prober]
+) -> dict[str, Any]:
+    """Kill `name` once more, under py-spy from the raylet down (see the module doc)."""
+    loop = asyncio.get_running_loop()
+    t = time.monotonic()
+    with contextlib.suppress(AssertionError):  # bounded; the profile says what it saw
+        await await_until(
+            lambda: all(p.healthy_since(t) for p in probes), timeout=RECOVERY_S, what="healthy"
+        )
+    await asyncio.sleep(SETTLE_S)
+    pid = await loop.run_in_executor(None, pid_of)
+    spy = BirthProfiler(psutil.Process(pid).ppid(), PROFILE_S)
+    await asyncio.sleep(ATTACH_S)
+    kill = time.monotonic()
+    boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(AssertionError):
+        await await_until(
+            lambda: probes[0].recovered_after(kill) is not None,
+            timeout=RECOVERY_S,
+            interval=0.05,
+            what=f"recovery after killing {name}",
+        )
+    new = await loop.run_in_executor(None, pid_of)
+    born = birth_s(new) - boot
+    ack = probes[0].recovered_after(kill)
+    return await loop.run_in_executor(None, restart_profile, spy, new, init, ack, born)
+
+
 async def spark_recovery(p: Pipeline) -> dict[str, Any]:
     """A fresh top-N watcher (the gateway was killed before: a plain one does not reconnect)."""
     topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
@@ -237,7 +338,9 @@ async def _spark_recovery(p: Pipeline, topn: Watcher) -> dict[str, Any]:
     return {"role": "spark driver", "pid": pid, "restarted_s": back, "topn_s": first - kill}
 
 
-async def scenario(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def scenario(
+    p: Pipeline,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     tier = p.tier
     probes = [
         Prober(tier.url, "ack").start(),
@@ -252,9 +355,17 @@ async def scenario(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         ("bridge", lambda: p.pid(p.actor(tier.bridges[0]))),
         ("gateway", lambda: p.pid(p.actor(p.gateways[0]))),
     ]
+    profiles: dict[str, Any] = {}
     try:
         rows = [await kill_and_time(name, pid_of, probes, reader) for name, pid_of in roles]
         spark = await spark_recovery(p)
+        if PROFILE:
+            loop = asyncio.get_running_loop()
+            profiles["bare actor (floor)"] = await loop.run_in_executor(None, profile_floor)
+            inits = {"collector": "Collector.__init__", "logger primary": "LoggerReplica.__init__"}
+            for name, pid_of in roles:
+                if name in inits:
+                    profiles[name] = await profile_restart(name, pid_of, inits[name], probes)
     finally:
         for probe in probes:
             await probe.stop()
@@ -273,7 +384,8 @@ async def scenario(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         await nc.close()
     assert verdict.ok, str(verdict)
     answers = {probe.tag: {str(k): v for k, v in probe.statuses.items()} for probe in probes}
-    return rows, {**spark, "probes_acknowledged": len(acked), "probe_answers": answers}
+    spark = {**spark, "probes_acknowledged": len(acked), "probe_answers": answers}
+    return rows, spark, profiles
 
 
 def secs(value: float | None) -> str:
@@ -282,12 +394,13 @@ def secs(value: float | None) -> str:
 
 @pytest.mark.timeout(900)
 def test_failover_per_role(bench_ray: Any, tmp_path: Path) -> None:
-    floor = ray_floor()
+    floor, floor_born = ray_floor()
     with pipeline(tmp_path, "bench-failover") as p:
-        rows, spark = asyncio.run(scenario(p))
+        rows, spark, profiles = asyncio.run(scenario(p))
     print(
         f"\nfailover after SIGKILL, HML k=1, probes every {INTERVAL_S * 1000:g} ms, "
-        f"{os.cpu_count()} cores; Ray's own restart of a bare actor: {floor:.2f} s"
+        f"{os.cpu_count()} cores; Ray's own restart of a bare actor: {floor:.2f} s "
+        f"(its new process born {floor_born:+.2f} s from the kill)"
     )
     print(f"{'role':<16}{'ack s':>8}{'queued s':>10}{'delivered s':>13}{'ack / floor':>13}")
     for r in rows:
@@ -305,7 +418,18 @@ def test_failover_per_role(bench_ray: Any, tmp_path: Path) -> None:
         f"new events {spark['topn_s']:.1f} s after the kill; {spark['probes_acknowledged']} "
         "probes acknowledged, all in JetStream once"
     )
+    if profiles:
+        print("py-spy, restarts from the new process's birth (wall-clock):")
+        for line in restart_lines(profiles):
+            print(f"  {line}")
     write_report(
         "failover",
-        {"interval_s": INTERVAL_S, "ray_floor_s": floor, "roles": rows, "spark": spark},
+        {
+            "interval_s": INTERVAL_S,
+            "ray_floor_s": floor,
+            "ray_floor_born_s": floor_born,
+            "roles": rows,
+            "spark": spark,
+            "restart_profiles": profiles,
+        },
     )

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,212 @@ def print_profile(title: str, profiles: Mapping[str, Any], top: int = 4) -> None
         leaf = ", ".join(f"{name} {frac:.0%}" for name, frac in p["leaf"][:top])
         print(f"  {label}: busy {p['busy']} cores; tierflow frames: {hot}")
         print(f"  {'':<{len(label)}}  leaves: {leaf}")
+
+
+# --------------------------------------------------------------------------- start-ups
+
+# A restarted actor's process, phase by phase: the first frame (outermost first) that
+# matches names the phase of a sample; `__init__` is the actor's own (see startup_phases).
+STARTUP_PHASES = (
+    ("load_actor_class", "actor class load"),
+    ("deserialize_objects", "argument deserialization"),
+    ("main_loop", "Ray worker loop"),  # as the leaf: waiting for a task
+    ("<module>", "Ray worker start-up"),  # default_worker.py: imports ray, connects
+)
+TICK_S = 0.005
+
+
+def birth_s(pid: int) -> float:
+    """When `pid` started, on CLOCK_BOOTTIME (the kernel counts in ticks of 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+class BirthProfiler:
+    """py-spy on a parent (the raylet) and every process it starts while it runs, idle
+    threads included and timestamped (chrometrace): a process that does not exist yet when
+    profiling starts (a restarted actor's worker) is sampled from its interpreter's start.
+    Wall-clock, not CPU: waits inside a start-up (connecting, opening a store) count."""
+
+    def __init__(self, parent_pid: int, seconds: float, rate: int = 50) -> None:
+        venv = Path(sys.executable).parent / "py-spy"
+        spy = str(venv) if venv.exists() else shutil.which("py-spy") or "py-spy"
+        self.seconds, self.rate = seconds, rate
+        self.dir = Path(tempfile.mkdtemp(prefix="tierflow-spy-"))
+        self.out = self.dir / "trace.json"
+        cmd = [spy, "record", "--subprocesses", "--idle", "--nonblocking", "-r", str(rate)]
+        cmd += ["-d", str(max(1, round(seconds))), "-f", "chrometrace", "-o", str(self.out)]
+        self.proc = subprocess.Popen(
+            [*cmd, "-p", str(parent_pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+
+    def trace(self) -> list[dict[str, Any]] | str:
+        """The chrometrace events, or why there are none."""
+        try:
+            _, err = self.proc.communicate(timeout=self.seconds + 60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=10)
+        try:
+            if self.out.exists() and self.out.stat().st_size:
+                return json.loads(self.out.read_text())
+            tail = " ".join((err or b"").decode(errors="replace").strip().splitlines()[-2:])
+            return f"py-spy: {tail or 'no trace written'}"
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+Stack = tuple[tuple[str, str], ...]  # (function, file) outermost first
+
+
+def thread_spans(events: Sequence[Mapping[str, Any]], pid: int) -> list[list[Any]]:
+    """Per thread of `pid`: [(start s, end s, stack)] from py-spy's begin/end events."""
+    open_: dict[Any, list[tuple[str, str]]] = {}
+    last: dict[Any, float] = {}
+    spans: dict[Any, list[Any]] = {}
+    for e in events:
+        if str(e.get("pid")) != str(pid):
+            continue
+        tid, ts = e["tid"], e["ts"] / 1e6
+        stack = open_.setdefault(tid, [])
+        if tid in last and ts > last[tid] and stack:
+            spans.setdefault(tid, []).append((last[tid], ts, tuple(stack)))
+        last[tid] = ts
+        if e["ph"] == "B":
+            stack.append((e["name"], (e.get("args") or {}).get("filename", "")))
+        elif stack:
+            stack.pop()
+    return list(spans.values())
+
+
+def _module(path: str) -> str:
+    """A file's module name, short: .../site-packages/aiohttp/web.py -> aiohttp."""
+    for marker in ("site-packages/", "/work/main/"):
+        if marker in path:
+            rel = path.split(marker, 1)[1]
+            parts = rel.removesuffix(".py").split("/")
+            ours = rel.startswith(OUR_CODE)
+            return ".".join(p for p in parts[:2] if p != "__init__") if ours else parts[0]
+    p = Path(path)
+    return p.parent.name if p.stem == "__init__" else p.stem
+
+
+def _what(stack: Stack, init: str) -> str:
+    """What a sample is doing, for a breakdown: the import it is in (the first library
+    below tierflow's and Ray's own code), else tierflow's deepest frame, else the leaf."""
+    mods = [_module(f) for name, f in stack if name == "<module>" and f]
+    mods = [m for m in mods if m not in ("default_worker", "ray")]
+    ours = [m for m in mods if m.startswith(("actors", "runtime", "jobs"))]
+    libs = [m for m in mods if m not in ours]
+    if libs:
+        return f"import {libs[0]}" + (f" (for {ours[0]})" if ours else "")
+    if ours:
+        return f"import {ours[-1]}"
+    mine = [(n, f) for n, f in stack if _ours(f" ({f})") and not n.startswith("<")]
+    if mine:
+        return _frame(f"{mine[-1][0]} ({mine[-1][1]})")
+    name, f = stack[-1]
+    return _frame(f"{name} ({re.sub(r'^.*/lib/python3[.0-9]*/', '', f)})") if f else name
+
+
+def startup_phases(
+    events: Sequence[Mapping[str, Any]], pid: int, init: str, top: int = 4, reused: bool = False
+) -> dict[str, Any]:
+    """Where a new worker process's start-up went, in wall-clock seconds from its first
+    sample to the end of the actor's `__init__` (`init`, e.g. `Collector.__init__`).
+
+    Every TICK_S the busiest thread names the phase: `__init__`, actor class load, argument
+    deserialization (unpickling imports the modules the arguments need), Ray worker
+    start-up; with no thread in any, "waiting for Ray" (the raylet handing the task over).
+    Each phase lists what its time went to (`_what`). `reused`: the process was already
+    running (an idle worker Ray had started before), so the time starts at its first
+    sample working on the actor's creation task."""
+    spans = thread_spans(events, pid)
+    if not spans:
+        return {"error": f"no samples of pid {pid}"}
+    rank = {"__init__": 0, "actor class load": 1, "argument deserialization": 2}
+
+    def is_init(n: str) -> bool:
+        return n == init or n.endswith("." + init)  # a class defined in a function
+
+    def phase(stack: Stack) -> str | None:
+        names = [n for n, _ in stack]
+        if any(is_init(n) for n in names):
+            return "__init__"
+        for key, label in STARTUP_PHASES:
+            hits = [i for i, n in enumerate(names) if n == key or n.endswith("." + key)]
+            if hits:
+                return label if hits[0] < len(names) - 1 else None
+        return None
+
+    task = [t0 for s in spans for t0, _, st in s if phase(st) in rank]
+    if reused and not task:
+        return {"error": f"no sample of the creation task in pid {pid}"}
+    first = min(task) if reused else min(s[0][0] for s in spans)
+    marks = [t1 for s in spans for t0, t1, st in s if any(is_init(n) for n, _ in st)]
+    if not marks:
+        return {"error": f"no sample inside {init}"}
+    end = max(marks)
+
+    seconds: Counter[str] = Counter()
+    what: dict[str, Counter[str]] = {}
+    cursors = [0] * len(spans)
+    t = first
+    while t < end:
+        best: tuple[str, Stack] | None = None
+        for i, s in enumerate(spans):
+            while cursors[i] < len(s) and s[cursors[i]][1] <= t:
+                cursors[i] += 1
+            if cursors[i] < len(s) and s[cursors[i]][0] <= t:
+                st = s[cursors[i]][2]
+                p = phase(st)
+                if p is not None and (best is None or rank.get(p, 3) < rank.get(best[0], 3)):
+                    best = (p, st)
+        label = best[0] if best else "waiting for Ray"
+        seconds[label] += TICK_S
+        if best:
+            what.setdefault(label, Counter())[_what(best[1], init)] += TICK_S
+        t += TICK_S
+    return {
+        "reused": reused,
+        "span_s": round(end - first, 3),
+        "phases": [
+            {
+                "phase": label,
+                "s": round(s, 3),
+                "top": [[w, round(x, 3)] for w, x in what.get(label, Counter()).most_common(top)],
+            }
+            for label, s in seconds.most_common()
+        ],
+    }
+
+
+def restart_lines(profiles: Mapping[str, Any], top: int = 3) -> list[str]:
+    """One line per restart: born, phases with their top items, the rest until the ack."""
+    lines = []
+    for name, r in profiles.items():
+        if "error" in r:
+            lines.append(f"{name}: no profile ({r['error']})")
+            continue
+        phases = "; ".join(
+            f"{ph['phase']} {ph['s']:.2f} s"
+            + (
+                " (" + ", ".join(f"{w} {x:.2f}" for w, x in ph["top"][:top]) + ")"
+                if ph["top"]
+                else ""
+            )
+            for ph in r["phases"]
+        )
+        rest = r.get("after_init_s")
+        ack = "-" if r["ack_s"] is None else f"{r['ack_s']:.2f}"
+        tail = f"; after __init__ until the next answer {rest:.2f} s" if rest is not None else ""
+        start = (
+            f"an idle worker born {-r['born_s']:.2f} s before the kill was reused; its task "
+            if r.get("reused")
+            else f"born {r['born_s']:.2f} s after the kill; birth "
+        )
+        lines.append(
+            f"{name}: answered {ack} s after the kill; {start}"
+            f"to end of __init__ {r['span_s']:.2f} s: {phases}{tail}"
+        )
+    return lines

@@ -8,7 +8,8 @@ written by hand and kept).
 
 Every figure is shown as a ratio against its ceiling measured in the same run; absolute
 values carry the machine's label. A ratio under 0.5 is flagged; the profile taken for it
-(py-spy) is summarised under the table.
+(py-spy) is summarised under the table; for failover, the restarted process's start-up,
+phase by phase, from its birth (wall-clock).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.bench.common import REPORTS
+from tests.bench.common import REPORTS, restart_lines
 
 NAMES = ("ingest", "e2e", "analysis", "gateway", "failover", "scaling", "publish")
 DOCS = Path("docs")
@@ -215,6 +216,13 @@ def failover_section(d: dict[str, Any]) -> list[str]:
         for r in d["roles"]
     ]
     s = d["spark"]
+    b = d.get("ray_floor_born_s")
+    born = (
+        ""
+        if b is None
+        else f" (in a worker born {abs(b):.2f} s {'before' if b < 0 else 'after'} the kill"
+        + (": an idle one Ray reused)" if b < 0 else ")")
+    )
     return [
         "### 5. Failover: SIGKILL to the next successful acknowledgement (HML k=1)",
         "",
@@ -229,7 +237,7 @@ def failover_section(d: dict[str, Any]) -> list[str]:
             rows,
         ),
         "",
-        f"Floor: Ray restarting a bare actor after SIGKILL, {floor:.2f} s. Spark driver: "
+        f"Floor: Ray restarting a bare actor after SIGKILL, {floor:.2f} s{born}. Spark driver: "
         f"restarted in {s['restarted_s']:.1f} s; first top-N update counting new events "
         f"{s['topn_s']:.1f} s after the kill. {s['probes_acknowledged']:,} probes acknowledged, "
         "every one in JetStream exactly once.",
@@ -285,6 +293,11 @@ def profile_lines(reports: Mapping[str, dict[str, Any]], top: int = 3) -> list[s
                 hot = "; ".join(f"`{f}` {s:.0%}" for f, s in p["tierflow"][:top])
                 leaf = "; ".join(f"`{f}` {s:.0%}" for f, s in p["leaf"][:top])
                 out.append(f"- {name} / {proc}: {p['busy']} cores busy; {hot}; leaves: {leaf}")
+        # restarts (failover): wall-clock phases of the new process, from its birth
+        out += [
+            f"- {name} / restart of {line}"
+            for line in restart_lines(d.get("restart_profiles") or {})
+        ]
     return out
 
 
@@ -304,7 +317,13 @@ def markdown(reports: Mapping[str, dict[str, Any]]) -> str:
             lines += [f"### {name}: not run", ""]
     prof = profile_lines(reports)
     if prof:
-        lines += ["#### Profiles (py-spy, CPU share by tierflow frame and by leaf)", "", *prof, ""]
+        lines += [
+            "#### Profiles (py-spy, CPU share by tierflow frame and by leaf; restarts: "
+            "wall-clock seconds by phase)",
+            "",
+            *prof,
+            "",
+        ]
     return "\n".join(lines)
 
 
