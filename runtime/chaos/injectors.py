@@ -219,10 +219,17 @@ async def _kill_repeat(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -
 
 async def _nats_down(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
     server = d.nats
-    pid = server.pid
+    await _down_for(
+        server, f, rec, t0, f"SIGKILL nats-server pid {server.pid}, down {f.duration_s:g}s"
+    )
+
+
+async def _down_for(server: Any, f: s.Fault, rec: FaultRecord, t0: float, detail: str) -> None:
+    """SIGKILL one nats-server for the fault's duration, then start it again (same ports
+    and store), also when cancelled."""
     server.kill()
     try:
-        rec.detail = f"SIGKILL nats-server pid {pid}, down {f.duration_s:g}s"
+        rec.detail = detail
         await asyncio.sleep(f.duration_s)
     finally:
         rec.ended_s = time.monotonic() - t0
@@ -244,14 +251,8 @@ async def _nats_node(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> 
     cluster = d.nats
     leader = await _stream_leader(d)
     server = cluster.server(leader) if leader else cluster.servers[0]
-    pid = server.pid
-    server.kill()
-    try:
-        rec.detail = f"SIGKILL {server.server_name} (stream leader) pid {pid}"
-        await asyncio.sleep(f.duration_s)
-    finally:
-        rec.ended_s = time.monotonic() - t0
-        await asyncio.to_thread(server.start, 60.0)
+    detail = f"SIGKILL {server.server_name} (stream leader) pid {server.pid}"
+    await _down_for(server, f, rec, t0, detail)
     await await_until(
         lambda: cluster.meta_leader() is not None, 60, 0.2, what="meta leader", swallow=True
     )
