@@ -427,3 +427,36 @@ __all__ = [
     "result_id",
     "result_kv_key",
 ]
+
+
+async def kv_items(js: Any, bucket: str) -> dict[str, bytes]:
+    """Every live key of a KV bucket with its value.
+
+    The keys come from the bucket stream's per-subject counts (one request), not from
+    nats-py's `KeyValue.keys`, whose watcher answers "no keys" when it times out, which
+    it does on a loaded machine with keys in the bucket.
+    """
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
+
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    kv = await js.key_value(bucket)
+    out: dict[str, bytes] = {}
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix) :]
+        try:
+            entry = await kv.get(key)
+        except (KeyDeletedError, KeyNotFoundError, NotFoundError):
+            continue
+        if entry.value is not None:
+            out[key] = entry.value
+    return out
+
+
+async def results_by_query(js: Any, bucket: str = "results") -> dict[str, dict[Any, Any]]:
+    """A results bucket as {query: {result key: row}} (KV keys are `<query>.<kv key>`)."""
+    out: dict[str, dict[Any, Any]] = {}
+    for key, value in (await kv_items(js, bucket)).items():
+        query, _, rest = key.partition(".")
+        out.setdefault(query, {})[key_from_kv(rest)] = msgspec.json.decode(value)
+    return out

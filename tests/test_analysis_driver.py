@@ -46,7 +46,7 @@ from jobs.driver import (
 )
 from jobs.library import deadletter_query_name
 from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
-from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, key_from_kv
+from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
 from runtime.config import Config, load
 from runtime.meetup import RsvpGenerator
@@ -121,12 +121,7 @@ class Publisher:
 
 def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
     async def go(nc: Any) -> dict[str, dict[str | None, Any]]:
-        kv = await nc.jetstream().key_value("results")
-        out: dict[str, dict[str | None, Any]] = {}
-        for k in await kv.keys():
-            query, _, rest = k.partition(".")
-            out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
-        return out
+        return await results_by_query(nc.jetstream())
 
     return with_nats(go, url)
 

@@ -41,7 +41,7 @@ from jobs.library import (
     start_deadletters,
     start_job,
 )
-from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, key_from_kv
+from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.windows import late_count, sliding_reference
 from runtime.nats import NatsServer
 from tests.support import with_nats
@@ -215,13 +215,7 @@ def kv_results(url: str, query: str) -> dict[str | None, dict[str, Any]]:
     """KV rows of one query, by result key (KV keys are <query>.<kv_key(key)>)."""
 
     async def go(nc: Any) -> dict[str | None, dict[str, Any]]:
-        kv = await nc.jetstream().key_value("results")
-        out = {}
-        for k in await kv.keys():
-            q, _, rest = k.partition(".")
-            if q == query:
-                out[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
-        return out
+        return (await results_by_query(nc.jetstream())).get(query, {})
 
     return with_nats(go, url)
 

@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from jobs.jetstream import register
 from jobs.library import NatsTarget, start_job
 from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
-from jobs.sink import MSG_ID_HEADER, key_from_kv
+from jobs.sink import MSG_ID_HEADER, results_by_query
 from jobs.sketches import Distinct
 from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer
@@ -36,12 +36,7 @@ RSVPS = [_GEN.next() for _ in range(N_RSVPS)]
 
 def kv_by_query(url: str) -> dict[str, dict[str | None, Any]]:
     async def go(nc: Any) -> dict[str, dict[str | None, Any]]:
-        kv = await nc.jetstream().key_value("results")
-        out: dict[str, dict[str | None, Any]] = {}
-        for k in await kv.keys():
-            query, _, rest = k.partition(".")
-            out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
-        return out
+        return await results_by_query(nc.jetstream())
 
     return with_nats(go, url)
 

@@ -37,7 +37,8 @@ def test_resolve_keeps_a_live_hint_and_re_plans_a_dead_one() -> None:
 
 
 def test_hint_and_strategy() -> None:
+    node = "ab" * 28  # Ray node ids are 28 bytes of hex
     assert affinity(None) == {} and strategy(None) == {}
-    assert affinity("n1") == {NODE_HINT: "n1"}
-    s = strategy("n1")["scheduling_strategy"]
-    assert s.node_id == "n1" and s.soft is False
+    assert affinity(node) == {NODE_HINT: node}
+    s = strategy(node)["scheduling_strategy"]
+    assert s.node_id == node and s.soft is False

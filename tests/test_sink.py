@@ -39,6 +39,7 @@ from jobs.sink import (
     ResultSink,
     SinkError,
     key_from_kv,
+    kv_items,
     kv_key,
     result_id,
 )
@@ -103,12 +104,8 @@ def kv_values(url: str, bucket: str) -> dict[str | None, dict[str, Any]]:
     """The bucket's latest values, keyed by the original result key."""
 
     async def go(nc: Client) -> dict[str | None, dict[str, Any]]:
-        kv = await nc.jetstream().key_value(bucket)
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return {}
-        return {key_from_kv(k): json.loads((await kv.get(k)).value) for k in keys}
+        items = await kv_items(nc.jetstream(), bucket)
+        return {key_from_kv(k): json.loads(v) for k, v in items.items()}
 
     return with_nats(go, url)
 

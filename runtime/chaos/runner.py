@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import tempfile
@@ -282,26 +281,12 @@ async def _diagnose(d: Deployment) -> str:
 
 
 async def read_results(url: str) -> dict[str, dict[Any, Any]]:
-    from nats.js.errors import NoKeysError
-
-    from jobs.sink import key_from_kv
+    from jobs.sink import results_by_query
     from runtime.nats import connect
 
     nc = await connect(url)
     try:
-        kv = await nc.jetstream().key_value("results")
-        keys: list[str] = []
-        for _ in range(10):  # bounded: nats-py's watcher says "no keys" when it times out
-            try:
-                keys = await kv.keys()
-                break
-            except NoKeysError:
-                await asyncio.sleep(2.0)
-        out: dict[str, dict[Any, Any]] = {}
-        for k in keys:
-            query, _, rest = k.partition(".")
-            out.setdefault(query, {})[key_from_kv(rest)] = json.loads((await kv.get(k)).value)
-        return out
+        return await results_by_query(nc.jetstream())
     finally:
         await nc.close()
 
