@@ -101,12 +101,7 @@ class BrokerBridge(SupervisedActor):
 
     async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
         """Connect, make sure the streams exist, run the replayer until stopped."""
-        self._nc = await connect_nats(
-            self.cfg, self.nats_url, name=f"bridge-{self.name}", role="bridge"
-        )
-        await ensure_streams(self._nc, self.cfg)
-        self._pub = JetStreamPublisher(self._nc, self.max_in_flight, self.ack_timeout_s)
-        await self._pub.start()
+        self._nc, self._pub = await self._open(ensure=True)
         replayer = asyncio.ensure_future(self._replay_loop()) if self.replay else None
         watchdog = asyncio.ensure_future(self._watch_connection())
         ready()
@@ -151,10 +146,18 @@ class BrokerBridge(SupervisedActor):
                 log.warning("%s: new NATS connection failed: %r", self.name, err)
                 down_since = loop.time()
 
-    async def _replace_connection(self) -> None:
+    async def _open(self, *, ensure: bool = False) -> tuple[Any, JetStreamPublisher]:
+        """A NATS connection as the bridge role and a started publisher on it (first
+        making sure the configured streams exist, when `ensure`)."""
         nc = await connect_nats(self.cfg, self.nats_url, name=f"bridge-{self.name}", role="bridge")
+        if ensure:
+            await ensure_streams(nc, self.cfg)
         pub = JetStreamPublisher(nc, self.max_in_flight, self.ack_timeout_s)
         await pub.start()
+        return nc, pub
+
+    async def _replace_connection(self) -> None:
+        nc, pub = await self._open()
         old_nc, old_pub = self._nc, self._pub
         self._nc, self._pub = nc, pub
         for closing in (old_pub.close(), old_nc.close()):

@@ -1538,8 +1538,9 @@ def scale_gateways(cfg: Config, names: list[str], n: int, timeout_s: float = 120
         name = f"gateway-{next_index(names, 'gateway')}"
         placed = actor_nodes({x: ray.get_actor(x, namespace=ns) for x in names})
         node = plan(1, alive_nodes(), placed.values())[0]
-        kwargs = {k: v for k, v in template.kwargs.items() if k not in ("state_dir", "name")}
-        kwargs.pop("config")
+        kwargs = {
+            k: v for k, v in template.kwargs.items() if k not in ("state_dir", "name", "config")
+        }
         spec = gateway_spec(cfg, name, node=node, **kwargs)
         ray.get(sup.add_child.remote(spec), timeout=60)
         wait_gateway(cfg, name, timeout_s)
