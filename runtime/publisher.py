@@ -11,6 +11,8 @@ Guarantees:
 
 - every input event is reported exactly once, either `Published` or `Failed`, in input order;
 - no per-event failure raises;
+- an event too big for the server's `max_payload` (headers included) is never sent (it
+  would reset the connection and fail every publish in flight): it fails, not retryable;
 - each event waits at most `ack_timeout` after it was sent; nothing is sent while the client
   is not connected (it fails at once, retryable), so a batch cannot stall on a dead server;
 - at most `max_in_flight` events (across all concurrent batches) await an ack at any time.
@@ -148,6 +150,25 @@ _FATAL_SEND_ERRORS = (
 )
 
 
+def header_bytes(headers: dict[str, str]) -> int:
+    """Bytes the headers take on the wire (nats-py's HPUB block: `NATS/1.0` line, one
+    `Key: Value` line each, blank line); an upper bound, as nats-py only strips them."""
+    return 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+
+
+def oversize_error(data: bytes, headers: dict[str, str], max_payload: int) -> str | None:
+    """Why a message cannot be sent (None when it fits): the server checks headers plus
+    payload against its `max_payload` and answers a violation by closing the connection,
+    which fails every other publish in flight. nats-py checks the payload alone."""
+    total = len(data) + header_bytes(headers)
+    if max_payload > 0 and total > max_payload:
+        return (
+            f"message of {total} bytes ({len(data)} payload + headers) over the server's "
+            f"max_payload of {max_payload} bytes"
+        )
+    return None
+
+
 def _classify_send_error(err: Exception) -> tuple[str, bool]:
     """(message, retryable) for an exception raised while handing a message to the client.
 
@@ -278,6 +299,11 @@ class JetStreamPublisher:
             headers = (
                 {MSG_ID_HEADER: ev.id} if not ev.headers else {**ev.headers, MSG_ID_HEADER: ev.id}
             )
+            too_big = oversize_error(ev.data, headers, nc.max_payload)
+            if too_big is not None:  # sending it would reset the connection for everyone
+                window.release()
+                self._fail_now(batch, i, too_big, False)
+                continue
             now = loop.time()
             inflight[reply] = (batch, i, now)
             batch.outstanding += 1
@@ -433,5 +459,7 @@ __all__ = [
     "Published",
     "api_error_retryable",
     "duplicate_window_for",
+    "header_bytes",
     "jittered",
+    "oversize_error",
 ]

@@ -427,3 +427,39 @@ def test_outgoing_is_frozen_with_default_headers() -> None:
     assert e.headers == {}
     with pytest.raises(AttributeError):
         e.id = "b"  # type: ignore[misc]
+
+
+@on_session_loop
+async def test_poison_over_max_payload_with_headers_fails_alone_and_keeps_connection(
+    nc: Client, stream: str
+) -> None:
+    """Payload under the server's max_payload but payload + headers over it: nats-py lets it
+    through and the server resets the connection, failing every publish in flight. The
+    publisher must refuse it before sending, non-retryable, with the reason."""
+    good = events("pp", 40)
+    poison = Outgoing(id="pp-poison", subject=SUBJECT, data=b"x" * (nc.max_payload - 16))
+    batch = good[:20] + [poison] + good[20:]
+    reconnects = nc.stats["reconnects"]
+    pub = JetStreamPublisher(nc, ack_timeout=5.0)
+    ok, bad = await pub.publish_batch(batch)
+    assert [f.id for f in bad] == [poison.id]
+    assert bad[0].retryable is False
+    assert "max_payload" in bad[0].error, bad[0].error
+    assert [p.id for p in ok] == [e.id for e in good]
+    assert nc.is_connected and nc.stats["reconnects"] == reconnects
+    stored = await stream_ids(nc, 40)
+    assert sorted(mid for _, mid in stored) == sorted(e.id for e in good)
+
+
+@on_session_loop
+async def test_message_exactly_at_max_payload_with_headers_is_sent(nc: Client, stream: str) -> None:
+    """The size check counts headers as the server does: one byte under is sent and stored."""
+    from runtime.publisher import header_bytes
+
+    ev_id = "fit-exact"
+    size = nc.max_payload - header_bytes({MSG_ID_HEADER: ev_id})
+    ok, bad = await JetStreamPublisher(nc).publish_batch(
+        [Outgoing(id=ev_id, subject=SUBJECT, data=b"y" * size)]
+    )
+    assert bad == [] and [p.id for p in ok] == [ev_id]
+    assert nc.is_connected
