@@ -1,29 +1,79 @@
 """Read back what a JetStream stream holds, to prove nothing acknowledged was lost.
 
-The zero-loss verdict is: every acknowledged id is in the stream exactly once. That is
-checked against the `Nats-Msg-Id` header of every stored message, read in bulk with an
-ordered ephemeral consumer (one round trip per batch, not one per message).
+The zero-loss verdict is per stream, by (id, payload): every acknowledged event is in its
+stream exactly once under its id AND with the bytes the producer sent (a hash of the
+payload without its `id`, keys sorted: `payload_digest`); no id is stored twice; no
+acknowledged payload is stored under a second id (a producer without ids that resent);
+nothing refused (4xx) is stored at all. Ids are compared per stream because the same id
+on two streams is two events. The stream is read with the `Nats-Msg-Id` header and the
+data of every message, in bulk with an ordered ephemeral consumer (one round trip per
+batch, not one per message).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 MSG_ID = "Nats-Msg-Id"
+
+Record = tuple[str, str]  # (Nats-Msg-Id, payload_digest) of one stored message
+
+_sorted = msgspec.json.Encoder(order="sorted")
+
+
+def payload_digest(payload: bytes | Mapping[str, Any]) -> str:
+    """A hash of an event's payload without its `id`, independent of key order.
+
+    The collector writes an assigned id into the JSON, so the digest leaves `id` out:
+    the producer's body and the stored message hash alike. Bytes that are not a JSON
+    object hash as they are.
+    """
+    if isinstance(payload, bytes | bytearray | memoryview):
+        try:
+            value = msgspec.json.decode(bytes(payload))
+        except msgspec.DecodeError:
+            value = None
+        if not isinstance(value, dict):
+            return "raw:" + hashlib.sha256(bytes(payload)).hexdigest()[:24]
+    else:
+        value = payload
+    body = {k: v for k, v in value.items() if k != "id"}
+    return hashlib.sha256(_sorted.encode(body)).hexdigest()[:24]
 
 
 async def stream_ids(
     nc: Any, stream: str, subject: str | None = None, *, batch: int = 2000, timeout: float = 60.0
 ) -> Counter[str]:
     """How many times each `Nats-Msg-Id` occurs in `stream` (optionally one subject)."""
+    found: Counter[str] = Counter()
+    for eid, _ in await stream_records(
+        nc, stream, subject, batch=batch, timeout=timeout, digest=lambda _: ""
+    ):
+        found[eid] += 1
+    return found
+
+
+async def stream_records(
+    nc: Any,
+    stream: str,
+    subject: str | None = None,
+    *,
+    batch: int = 2000,
+    timeout: float = 60.0,
+    digest: Callable[[bytes], str] = payload_digest,
+) -> list[Record]:
+    """(`Nats-Msg-Id`, payload digest) of every message in `stream`, in stream order."""
     js = nc.jetstream()
     info = await js.stream_info(stream)
     last = info.state.last_seq
-    found: Counter[str] = Counter()
+    found: list[Record] = []
     if info.state.messages == 0:
         return found
     sub = await js.pull_subscribe(
@@ -35,7 +85,7 @@ async def stream_ids(
         seq = 0
         while seq < last:
             if loop.time() > deadline:
-                raise TimeoutError(f"read {sum(found.values())} of {stream} in {timeout} s")
+                raise TimeoutError(f"read {len(found)} of {stream} in {timeout} s")
             try:
                 msgs = await sub.fetch(batch, timeout=2)
             except TimeoutError:
@@ -44,7 +94,8 @@ async def stream_ids(
                 continue
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
-                found[(msg.headers or {}).get(MSG_ID, f"<no id, seq {seq}>")] += 1
+                eid = (msg.headers or {}).get(MSG_ID, f"<no id, seq {seq}>")
+                found.append((eid, digest(msg.data)))
     finally:
         await sub.unsubscribe()
     return found
@@ -99,3 +150,120 @@ def judge(acknowledged: Iterable[str], stored: Counter[str]) -> Verdict:
         duplicated={i: n for i, n in stored.items() if n > 1},
         unexpected=sum(1 for i in stored if i not in acked),
     )
+
+
+@dataclass
+class StreamVerdict:
+    """What the zero-loss check found in one stream, by (id, payload digest)."""
+
+    stream: str
+    acknowledged: int
+    stored: int
+    lost: list[str] = field(default_factory=list)  # acknowledged id not stored at all
+    altered: list[str] = field(default_factory=list)  # id stored, never with its payload
+    duplicated: dict[str, int] = field(default_factory=dict)  # id -> copies (> 1)
+    duplicated_payloads: dict[str, list[str]] = field(default_factory=dict)  # digest -> ids
+    refused_stored: list[str] = field(default_factory=list)  # ids of refused payloads
+    unexpected: int = 0  # stored ids never acknowledged (legal once: see judge_stream)
+    blind_duplicates: int = 0  # extra copies explained by a resend that had no answer
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost
+            or self.altered
+            or self.duplicated
+            or self.duplicated_payloads
+            or self.refused_stored
+        )
+
+    def __str__(self) -> str:
+        parts = [
+            f"{self.stream}: acknowledged {self.acknowledged}, stored {self.stored}",
+            f"lost {len(self.lost)}",
+            f"altered {len(self.altered)}",
+            f"duplicated {len(self.duplicated)}",
+            f"duplicated payloads {len(self.duplicated_payloads)}",
+            f"refused-but-stored {len(self.refused_stored)}",
+            f"unacknowledged-but-stored {self.unexpected}",
+        ]
+        if self.blind_duplicates:
+            parts.append(f"blind-resend copies {self.blind_duplicates}")
+        for name in ("lost", "altered", "refused_stored"):
+            if getattr(self, name):
+                parts.append(f"first {name} {getattr(self, name)[:5]}")
+        for name in ("duplicated", "duplicated_payloads"):
+            if getattr(self, name):
+                parts.append(f"first {name} {list(getattr(self, name).items())[:3]}")
+        return ", ".join(parts)
+
+
+def judge_stream(
+    stream: str,
+    acknowledged: Mapping[str, str],
+    stored: Sequence[Record],
+    *,
+    refused: Iterable[str] = (),
+    blind: Mapping[str, int] | None = None,
+) -> StreamVerdict:
+    """Judge one stream: `acknowledged` maps each acknowledged id to its payload digest;
+    `stored` is every (id, digest) read back; `refused` are digests of events answered
+    with a 4xx (never to be stored); `blind` counts, per digest, resends a producer
+    without ids made after a request that got no answer (each may leave one more copy
+    under an id nobody was told, which no server can avoid: counted, not a failure).
+
+    An id stored but never acknowledged is legal once (the producer gave up, or was
+    answered 503 after the log had it and resent under the same id).
+    """
+    ids = Counter(eid for eid, _ in stored)
+    pairs = set(stored)
+    by_digest: dict[str, set[str]] = {}
+    for eid, dig in stored:
+        by_digest.setdefault(dig, set()).add(eid)
+    blind = blind or {}
+    dup_payloads: dict[str, list[str]] = {}
+    blind_copies = 0
+    for dig in set(acknowledged.values()):
+        holders = by_digest.get(dig, set())
+        extra = len(holders) - 1
+        if extra <= 0:
+            continue
+        allowed = min(extra, blind.get(dig, 0))
+        blind_copies += allowed
+        if extra > allowed:
+            dup_payloads[dig] = sorted(holders)
+    refused_set = set(refused)
+    return StreamVerdict(
+        stream=stream,
+        acknowledged=len(acknowledged),
+        stored=len(stored),
+        lost=sorted(i for i in acknowledged if ids[i] == 0),
+        altered=sorted(i for i, d in acknowledged.items() if ids[i] and (i, d) not in pairs),
+        duplicated={i: n for i, n in ids.items() if n > 1},
+        duplicated_payloads=dup_payloads,
+        refused_stored=sorted({i for i, d in stored if d in refused_set}),
+        unexpected=sum(1 for i in ids if i not in acknowledged),
+        blind_duplicates=blind_copies,
+    )
+
+
+def judge_streams(
+    acknowledged: Mapping[str, Mapping[str, str]],
+    stored: Mapping[str, Sequence[Record]],
+    *,
+    refused: Mapping[str, Iterable[str]] | None = None,
+    blind: Mapping[str, Mapping[str, int]] | None = None,
+) -> dict[str, StreamVerdict]:
+    """`judge_stream` for every stream named in any of the inputs."""
+    refused, blind = refused or {}, blind or {}
+    names = sorted(set(acknowledged) | set(stored) | set(refused))
+    return {
+        s: judge_stream(
+            s,
+            acknowledged.get(s, {}),
+            stored.get(s, []),
+            refused=refused.get(s, ()),
+            blind=blind.get(s),
+        )
+        for s in names
+    }
