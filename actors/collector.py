@@ -27,8 +27,10 @@ replica Ray restarts serves again by itself.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +53,7 @@ from actors.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
+from runtime.replication import FencedError
 from runtime.services import connect_nats
 from runtime.tls import http_scheme, server_ssl_context
 
@@ -58,6 +61,44 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 _json = msgspec.json.Encoder()
+# The NATS server counts a message's headers in `max_payload` (the subject travels in the
+# control line, outside it). The bridge sends `Nats-Msg-Id: <id>`; the reserve leaves room
+# for the headers it adds when it dead-letters an event (`Tf-Error`, up to 200 characters
+# of UTF-8) or others it may add, so an accepted event can always be published somewhere.
+HEADER_RESERVE = 1024
+_HEADER_FRAME = len(b"NATS/1.0\r\n") + len(b"\r\n")
+
+
+def wire_overhead(event_id: str) -> int:
+    """Bytes besides the event's JSON that count against the server's `max_payload`."""
+    return _HEADER_FRAME + len(f"Nats-Msg-Id: {event_id}\r\n") + HEADER_RESERVE
+
+
+# Streams the runtime writes (analysis results, dead letters): no producer path may.
+SYSTEM_STREAMS = frozenset({"results", "deadletter"})
+_SYSTEM_PREFIXES = ("results.", "deadletter.")
+
+
+def is_system_stream(cfg: Config, stream: str) -> bool:
+    """A stream the runtime owns: by name, or by capturing a system subject."""
+    sc = cfg.streams.get(stream)
+    subjects = sc.subjects if sc is not None else []
+    return stream in SYSTEM_STREAMS or any(s.startswith(_SYSTEM_PREFIXES) for s in subjects)
+
+
+def ack_token(key: str, stream: str, ids: Sequence[str]) -> str:
+    """The `?ack=token` token of a request: the same producer resending the same ids gets
+    the same token, so a retry whose ids the log already holds (under the first
+    request's token) answers instead of 404. Keyed by the producer's bearer token, so
+    nobody else can derive it from ids alone."""
+    msg = "\0".join([stream, *ids]).encode()
+    digest = hmac.new(key.encode(), msg, hashlib.sha256).digest()[:16]
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    return header[7:] if header.startswith("Bearer ") else request.query.get("token", "")
 
 
 class QueueRefused(Exception):
@@ -75,6 +116,19 @@ def _reply(
 def _error(status: int, reason: str, **extra: Any) -> web.Response:
     headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
     return _reply(status, {"error": reason, **extra}, headers)
+
+
+def _refusal(err: Exception) -> tuple[str, str]:
+    """(counter, reason) of an error from logging or queueing: every one is a 503 the
+    producer answers by resending the same ids later."""
+    if isinstance(err, LogFull | Overloaded):
+        return "overloaded", f"overloaded, resend with the same ids later: {err}"
+    if isinstance(err, FencedError):
+        return "fenced", f"message log changed primary ({err}); resend with the same ids"
+    return "overloaded", f"not persisted, resend with the same ids later: {err}"
+
+
+_REFUSED = (LogFull, Overloaded, LogUnavailable, QueueRefused, FencedError)
 
 
 class Collector(SupervisedActor):
@@ -136,6 +190,8 @@ class Collector(SupervisedActor):
             "handoffs_deferred": 0,
             "unauthorized": 0,
             "handoffs": 0,
+            "fenced": 0,
+            "too_big": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
@@ -144,6 +200,8 @@ class Collector(SupervisedActor):
         self.max_handoff_events = max_handoff_events
         self._handoff_events = 0
         self._rr = 0
+        self._refreshing: asyncio.Future[Any] | None = None
+        self._nc: Any = None  # NATS: ingest, and the server's max_payload
         self._dataplane = LoopThread(f"{name}-dataplane")
         self._dataplane.start(self._serve, start_timeout_s)
 
@@ -201,7 +259,7 @@ class Collector(SupervisedActor):
         await site.start()
         self.port = runner.addresses[0][1]
         udp = await self._start_udp()
-        nc = await self._start_nats_ingest()
+        nc = self._nc = await self._start_nats_ingest()
         consumers = await self._start_buffer_consumers(stop)
         ready()
         try:
@@ -223,21 +281,24 @@ class Collector(SupervisedActor):
         """Request/response and request/acknowledge."""
         self.counters["requests"] += 1
         stream = request.match_info["stream"]
+        events: list[Event] = []
+        token = ""
         try:
             events = await self._receive(request, stream)
-            token = secrets.token_urlsafe(16) if request.query.get("ack") == "token" else ""
-            if token:
+            if request.query.get("ack") == "token":
+                token = ack_token(_bearer(request), stream, [e.id for e in events])
                 events = [msgspec.structs.replace(e, token=token) for e in events]
             processed = await self._log_and_process(events)
         except BadInput as bad:
             self.counters["rejected"] += 1
-            return _error(bad.status, bad.reason)
-        except (LogFull, Overloaded) as full:
-            self.counters["overloaded"] += 1
-            return _error(503, f"overloaded, retry later: {full}")
-        except (LogUnavailable, QueueRefused) as down:
-            self.counters["overloaded"] += 1
-            return _error(503, f"not persisted, resend with the same ids later: {down}")
+            return _error(bad.status, bad.reason, **bad.extra)
+        except _REFUSED as err:
+            # ids were assigned (and may be on some replicas): the producer resends them
+            _, reason = self._refused(err)
+            extra: dict[str, Any] = {"ids": [e.id for e in events]}
+            if token:
+                extra["token"] = token
+            return _error(503, reason, **extra)
         ids = [e.id for e in events]
         if request.query.get("wait") == "queued":
             return await self._answer_queued(processed, ids)
@@ -256,7 +317,10 @@ class Collector(SupervisedActor):
             self.counters["overloaded"] += 1
             failed = result["failed"] if result else ids
             return _error(
-                503, "the queue did not acknowledge; resend with the same ids", failed=failed
+                503,
+                "the queue did not acknowledge; resend with the same ids",
+                failed=failed,
+                ids=ids,
             )
         self.counters["accepted"] += len(ids)
         if result is None:
@@ -271,7 +335,7 @@ class Collector(SupervisedActor):
             events = await self._receive(request, stream)
         except BadInput as bad:
             self.counters["rejected"] += 1
-            return _error(bad.status, bad.reason)
+            return _error(bad.status, bad.reason, **bad.extra)
         self._one_way(events)
         return web.Response(status=204)
 
@@ -280,8 +344,11 @@ class Collector(SupervisedActor):
         per frame after logging; under backpressure the answer is a slow-down message and
         the producer resends that frame (same ids) after `retry_after_ms`."""
         stream = request.match_info["stream"]
-        if stream not in self.cfg.streams:
-            return _error(404, f"unknown stream {stream!r}")
+        try:
+            self._check_stream(stream)
+        except BadInput as bad:
+            self.counters["rejected"] += 1
+            return _error(bad.status, bad.reason)
         ws = web.WebSocketResponse(max_msg_size=self.max_body_bytes, heartbeat=30)
         await ws.prepare(request)
         subject = self.cfg.streams[stream].subjects[0]
@@ -292,6 +359,7 @@ class Collector(SupervisedActor):
             frame += 1
             data = msg.data.encode() if msg.type == web.WSMsgType.TEXT else msg.data
             answer: dict[str, Any] = {"frame": frame}
+            events: list[Event] = []
             try:
                 items = parse_body(
                     "application/json",
@@ -299,20 +367,21 @@ class Collector(SupervisedActor):
                     max_events=self.max_events,
                     max_event_bytes=self.max_event_bytes,
                 )
-                events = assign_ids(items, stream, subject, _now_ms())
+                events = self._fit(assign_ids(items, stream, subject, _now_ms()))
                 self._handoff(await self._log_and_process(events))
                 self.counters["accepted"] += len(events)
                 answer.update(accepted=len(events), ids=[e.id for e in events])
             except BadInput as bad:
                 self.counters["rejected"] += 1
-                answer.update(error=bad.reason, status=bad.status)
-            except (LogFull, Overloaded, LogUnavailable, QueueRefused) as err:
-                self.counters["overloaded"] += 1
+                answer.update(error=bad.reason, status=bad.status, **bad.extra)
+            except _REFUSED as err:
+                _, reason = self._refused(err)
                 answer.update(
                     slow_down=True,
                     retry_after_ms=int(RETRY_AFTER_S) * 1000,
-                    error=f"overloaded, resend this frame later: {err}",
+                    error=f"{reason} (resend this frame)",
                     status=503,
+                    ids=[e.id for e in events],
                 )
             await ws.send_str(_json.encode(answer).decode())
         return ws
@@ -340,26 +409,57 @@ class Collector(SupervisedActor):
         own clients, and UDP is meant for trusted networks only."""
         if not self.tokens or request.path == "/healthz":
             return await handler(request)
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.startswith("Bearer ") else request.query.get("token", "")
+        token = _bearer(request)
         if not token:
             self.counters["unauthorized"] += 1
             return _error(
                 401,
                 "missing bearer token",
             )
-        if token not in self.tokens:
+        if not self._known_token(token):
             self.counters["unauthorized"] += 1
             return _error(401, "invalid bearer token")
         return await handler(request)
+
+    def _known_token(self, token: str) -> bool:
+        """Constant-time against every configured token (as the gateway does): how long
+        the check takes tells nothing about how close a guess was."""
+        given = token.encode()
+        found = False
+        for known in self.tokens:
+            found |= hmac.compare_digest(given, known.encode())
+        return found
+
+    def _refused(self, err: Exception) -> tuple[str, str]:
+        """Count a 503 refusal; a fenced write also makes this collector adopt the log's
+        new epoch (in the background) so the producer's resend can succeed."""
+        counter, reason = _refusal(err)
+        self.counters[counter] += 1
+        if isinstance(err, FencedError):
+            self._refresh_logger()
+        return counter, reason
+
+    def _refresh_logger(self) -> None:
+        if self._refreshing is not None and not self._refreshing.done():
+            return
+
+        async def refresh() -> None:
+            try:
+                epoch = await self.logger.refresh()
+                log.warning("message log %s moved to epoch %d", self.logger.name, epoch)
+            except Exception as err:  # noqa: BLE001 - the next fenced write tries again
+                log.warning("could not adopt the message log's epoch: %r", err)
+
+        self._refreshing = asyncio.ensure_future(refresh())
+        self._background.add(self._refreshing)
+        self._refreshing.add_done_callback(self._background.discard)
 
     async def healthz(self, _: web.Request) -> web.Response:
         return _reply(200, {"ok": True, "name": self.name})
 
     async def _receive(self, request: web.Request, stream: str) -> list[Event]:
         """Parse and identify; every refusal is a BadInput with a status and a reason."""
-        if stream not in self.cfg.streams:
-            raise BadInput(404, f"unknown stream {stream!r}")
+        self._check_stream(stream)
         declared = request.content_length
         if declared is not None and declared > self.max_body_bytes:  # before it arrives
             raise BadInput(413, f"body of {declared} bytes over {self.max_body_bytes} bytes")
@@ -376,7 +476,36 @@ class Collector(SupervisedActor):
             max_events=self.max_events,
             max_event_bytes=self.max_event_bytes,
         )
-        return assign_ids(items, stream, self.cfg.streams[stream].subjects[0], _now_ms())
+        return self._fit(assign_ids(items, stream, self.cfg.streams[stream].subjects[0], _now_ms()))
+
+    def _check_stream(self, stream: str) -> None:
+        """404 for an unknown stream, 403 for one only the runtime writes."""
+        if stream not in self.cfg.streams:
+            raise BadInput(404, f"unknown stream {stream!r}")
+        if is_system_stream(self.cfg, stream):
+            raise BadInput(403, f"{stream!r} is a system stream: producers may not write to it")
+
+    def _fit(self, events: list[Event]) -> list[Event]:
+        """413 for an event JetStream could never take: the NATS server counts headers in
+        its `max_payload` and resets the connection (failing every publish in flight)
+        for a message over it, so the limit is read from the server, less the headers."""
+        nc = self._nc
+        max_payload = int(getattr(nc, "max_payload", 0) or 0) if nc is not None else 0
+        if not max_payload:
+            return events
+        for e in events:
+            limit = max_payload - wire_overhead(e.id)
+            if len(e.data) > limit:
+                self.counters["too_big"] += 1
+                raise BadInput(
+                    413,
+                    f"event {e.id!r} is {len(e.data)} bytes; the NATS server's max_payload is "
+                    f"{max_payload} bytes with headers, so this event may carry {limit} bytes",
+                    max_payload=max_payload,
+                    limit=limit,
+                    id=e.id,
+                )
+        return events
 
     async def _log_and_process(self, events: list[Event]) -> list[Event]:
         """Log per the mode, run the logic; returns what goes to the bridge.
@@ -496,12 +625,13 @@ class Collector(SupervisedActor):
         stream, _, payload = data.partition(b" ")
         try:
             name = stream.decode("ascii")
-            if name not in self.cfg.streams:
-                raise BadInput(404, f"unknown stream {name!r}")
+            self._check_stream(name)
             items = parse_body(
                 "application/json", payload, max_events=1, max_event_bytes=self.max_event_bytes
             )
-            events = assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+            events = self._fit(
+                assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+            )
         except (BadInput, UnicodeDecodeError):
             self.counters["rejected"] += 1
             return
@@ -536,40 +666,50 @@ class Collector(SupervisedActor):
         subject = self.cfg.streams[stream].subjects[0]
         now = _now_ms()
         events = [Event(f.msg_id, stream, subject, f.data, now) for f in frames]
-        self._handoff(await self._log_and_process(events))
+        try:
+            processed = await self._log_and_process(events)
+        except FencedError:
+            self._refresh_logger()  # the buffer redelivers once this replica writes again
+            raise
+        self._handoff(processed)
         self.counters["buffered"] += len(events)
         self.counters["accepted"] += len(events)
 
     async def _start_nats_ingest(self) -> Any:
-        if not self.nats_ingest:
-            return None
+        """The collector's NATS connection: it tells the server's `max_payload` (see
+        `_fit`), and serves `ingest.*` when NATS ingest is on."""
         nc = await connect_nats(
             self.cfg, self.nats_url, name=f"collector-{self.name}", role="collector"
         )
-        await nc.subscribe("ingest.*", queue="collectors", cb=self._nats_message)
+        if self.nats_ingest:
+            await nc.subscribe("ingest.*", queue="collectors", cb=self._nats_message)
         return nc
 
     async def _nats_message(self, msg: Any) -> None:
         """Pub/sub ingest: logged before any reply, exactly like an HTTP producer."""
         name = msg.subject.split(".", 1)[1]
+        events: list[Event] = []
         try:
-            if name not in self.cfg.streams:
-                raise BadInput(404, f"unknown stream {name!r}")
+            self._check_stream(name)
             ctype = (msg.headers or {}).get("Content-Type", "application/json")
             items = parse_body(
                 ctype, msg.data, max_events=self.max_events, max_event_bytes=self.max_event_bytes
             )
-            events = assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+            events = self._fit(
+                assign_ids(items, name, self.cfg.streams[name].subjects[0], _now_ms())
+            )
             processed = await self._log_and_process(events)
         except BadInput as bad:
             self.counters["rejected"] += 1
             if msg.reply:
-                await msg.respond(_json.encode({"error": bad.reason, "status": bad.status}))
+                answer = {"error": bad.reason, "status": bad.status, **bad.extra}
+                await msg.respond(_json.encode(answer))
             return
-        except (LogFull, Overloaded, LogUnavailable, QueueRefused) as err:
-            self.counters["overloaded"] += 1
+        except _REFUSED as err:
+            _, reason = self._refused(err)
             if msg.reply:
-                await msg.respond(_json.encode({"error": f"retry later: {err}", "status": 503}))
+                ids = [e.id for e in events]
+                await msg.respond(_json.encode({"error": reason, "status": 503, "ids": ids}))
             return
         self.counters["nats"] += len(events)
         self.counters["accepted"] += len(events)

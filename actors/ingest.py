@@ -61,12 +61,14 @@ __all__ = [
 
 
 class BadInput(Exception):
-    """A request the collector refuses: `status` is the HTTP status, `reason` the text."""
+    """A request the collector refuses: `status` is the HTTP status, `reason` the text;
+    `extra` goes into the JSON answer beside them (e.g. the limit a 413 names)."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, **extra: Any) -> None:
         super().__init__(f"{status}: {reason}")
         self.status = status
         self.reason = reason
+        self.extra = extra
 
 
 JSON_TYPES = ("application/json",)
