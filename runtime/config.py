@@ -285,13 +285,77 @@ def redact(data: Any, key: str = "") -> Any:
     return data
 
 
-def default_streams() -> dict[str, dict[str, Any]]:
-    """The Meetup pipeline's streams, present unless the file defines its own."""
+def system_streams() -> dict[str, dict[str, Any]]:
+    """Streams the runtime needs whatever `[streams]` says: analysis results and dead
+    letters (jobs/sink.py fails every batch without them). A file may tune one by its name
+    (`[streams.results] duplicate_window_s = 900`) but not move its subjects."""
     return {
-        "meetup": {"subjects": ["raw.meetup"]},
         "results": {"subjects": ["results.>"]},
         "deadletter": {"subjects": ["deadletter.>"]},
     }
+
+
+def default_streams() -> dict[str, dict[str, Any]]:
+    """The Meetup pipeline's streams, present unless the file defines its own (the system
+    streams are added either way)."""
+    return {"meetup": {"subjects": ["raw.meetup"]}, **system_streams()}
+
+
+# Names and subjects the runtime uses without a `[streams]` entry: the stream pattern's
+# buffer (actors/stream_ingest.py), KV and object-store buckets, JetStream's API, core NATS
+# ingest (a stream there would answer producers' requests itself) and reply inboxes.
+RESERVED_STREAM_NAMES = ("buffer",)
+RESERVED_STREAM_PREFIXES = ("KV_", "OBJ_")
+RESERVED_SUBJECTS = {
+    "buffer.>": "stream-pattern buffer",
+    "$KV.>": "KV buckets",
+    "$O.>": "object stores",
+    "$JS.>": "JetStream API",
+    "ingest.>": "NATS ingest",
+    "_INBOX.>": "reply inboxes",
+}
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both patterns (NATS wildcards `*` and `>`)."""
+    ta, tb = a.split("."), b.split(".")
+    for x, y in zip(ta, tb, strict=False):
+        if x == ">" or y == ">":
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(ta) == len(tb)
+
+
+def _with_system_streams(streams: dict[str, StreamConfig]) -> dict[str, StreamConfig]:
+    """The user's streams checked against the runtime's names and subjects, plus every
+    system stream the user did not tune; ConfigError names the offending key."""
+    system = {n: msgspec.convert(b, StreamConfig) for n, b in system_streams().items()}
+    reserved = dict(RESERVED_SUBJECTS)
+    for sname, sc in system.items():
+        reserved.update({subj: f"system stream {sname!r}" for subj in sc.subjects})
+    out = dict(streams)
+    for name, stream in streams.items():
+        if name in system:
+            if sorted(stream.subjects) != sorted(system[name].subjects):
+                raise ConfigError(
+                    f"streams.{name}: {name!r} is a system stream on "
+                    f"{system[name].subjects}; it may be tuned but keeps those subjects "
+                    "(name your own stream otherwise)"
+                )
+            continue
+        if name in RESERVED_STREAM_NAMES or name.startswith(RESERVED_STREAM_PREFIXES):
+            raise ConfigError(f"streams.{name}: the name is reserved for the runtime")
+        for subj in stream.subjects:
+            for taken, owner in reserved.items():
+                if subjects_overlap(subj, taken):
+                    raise ConfigError(
+                        f"streams.{name}.subjects: {subj!r} overlaps {taken!r}, reserved "
+                        f"for the {owner}"
+                    )
+    for name, sc in system.items():
+        out.setdefault(name, sc)
+    return out
 
 
 def _parse_env_value(raw: str) -> Any:
@@ -370,9 +434,10 @@ def validate(data: Mapping[str, Any], source: str = "") -> Config:
         except msgspec.ValidationError as err:
             raise _explain(err, f"streams.{name}", source) from None
         if not stream.subjects:
-            stream = msgspec.structs.replace(stream, subjects=[f"raw.{name}"])
+            default = system_streams().get(name, {}).get("subjects") or [f"raw.{name}"]
+            stream = msgspec.structs.replace(stream, subjects=default)
         checked[name] = stream
-    cfg = msgspec.structs.replace(cfg, streams=checked)
+    cfg = msgspec.structs.replace(cfg, streams=_with_system_streams(checked))
     _check_cross_keys(cfg)
     return cfg
 

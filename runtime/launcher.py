@@ -33,7 +33,9 @@ class Runtime:
     def __init__(self, cfg: Config, *, demo_rate: float = 0.0, analysis: bool = False) -> None:
         self.cfg = cfg
         self.demo_rate = demo_rate
-        self.analysis = analysis or bool(demo_rate)
+        # the Meetup analyses on request (demo, chaos); the file's `[[jobs]]` whenever it has some
+        self.meetup_analysis = analysis or bool(demo_rate)
+        self.analysis = self.meetup_analysis or bool(cfg.jobs)
         self.replay: Any = None
         self.services: Services | None = None
         self.root: Any = None
@@ -152,11 +154,17 @@ class Runtime:
         return fresh
 
     def _start_analysis(self) -> None:
-        """The Meetup analyses in the Spark driver actor (its first query takes ~10 s)."""
+        """The analyses in the Spark driver actor (its first query takes ~10 s): the config's
+        `[[jobs]]`, plus the Meetup ones when asked for and a `meetup` stream exists."""
         from jobs.driver import start_driver
-        from jobs.meetup import meetup_jobs
+        from jobs.library import decode_spec
+        from jobs.meetup import STREAM, meetup_jobs
 
-        self.driver = start_driver(self.cfg, self.services.nats_url, meetup_jobs())
+        specs = [decode_spec(j) for j in self.cfg.jobs]
+        if self.meetup_analysis and STREAM in self.cfg.streams:
+            mine = {s.name for s in specs}
+            specs = [s for s in meetup_jobs() if s.name not in mine] + specs
+        self.driver = start_driver(self.cfg, self.services.nats_url, specs)
 
     async def _start_demo_source(self) -> None:
         """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by

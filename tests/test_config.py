@@ -48,8 +48,9 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
     assert cfg.roles.logger.replicas == 2  # file kept where env is silent
     assert cfg.roles.collector.replicas == 4
     assert cfg.nats.url == "nats://10.0.0.1:4222"
-    # A file that names streams replaces the defaults; subjects default to raw.<name>.
-    assert list(cfg.streams) == ["clicks"]
+    # A file that names streams replaces the defaults (the system streams stay);
+    # subjects default to raw.<name>.
+    assert list(cfg.streams) == ["clicks", "results", "deadletter"]
     assert cfg.streams["clicks"].subjects == ["raw.clicks"]
     assert cfg.streams["clicks"].max_age_s == 3600
 
