@@ -26,7 +26,7 @@ from typing import Any
 
 from actors.events import Event, decode_batch
 from actors.ingest import LogicResult, StreamLogic, compile_logic
-from actors.logger import LoggerGroup
+from actors.logger import LoggerGroup, key_of
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
 from runtime.publisher import Failed, JetStreamPublisher, Outgoing, Published
@@ -197,14 +197,15 @@ class BrokerBridge(SupervisedActor):
 
     async def _publish_events(self, events: list[Event], group: LoggerGroup) -> dict[str, Any]:
         assert self._pub is not None
-        published, failed = await self._pub.publish_batch(
-            [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in events]
-        )
-        await self._complete(group, events, published, failed)
-        return {
-            "published": {p.id: [p.stream, p.seq, p.duplicate] for p in published},
-            "failed": {f.id: f.error for f in failed},
-        }
+        out: dict[str, Any] = {"published": {}, "failed": {}}
+        for part in _one_stream_per_id(events):
+            published, failed = await self._pub.publish_batch(
+                [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in part]
+            )
+            await self._complete(group, part, published, failed)
+            out["published"].update({p.id: [p.stream, p.seq, p.duplicate] for p in published})
+            out["failed"].update({f.id: f.error for f in failed})
+        return out
 
     async def _complete(
         self,
@@ -213,13 +214,14 @@ class BrokerBridge(SupervisedActor):
         published: Sequence[Published],
         failed: Sequence[Failed],
     ) -> None:
-        """SBML completion: forget what JetStream holds, park what it refused for retry."""
+        """SBML completion: forget what JetStream holds, park what it refused for retry.
+        The log is keyed by (stream, id); `events` carry each id in one stream only."""
+        by_id = {e.id: e for e in events}
         if published:
-            await group.forget(
-                [p.id for p in published], {p.id: (p.stream, p.seq) for p in published}
-            )
+            keys = [key_of(by_id[p.id]) for p in published]
+            seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published}
+            await group.forget(keys, seqs)
         if failed:
-            by_id = {e.id: e for e in events}
             await group.fail([(by_id[f.id], f.error) for f in failed], _now_ms())
         self.counters["published"] += sum(1 for p in published if not p.duplicate)
         self.counters["duplicates"] += sum(1 for p in published if p.duplicate)
@@ -280,12 +282,12 @@ class BrokerBridge(SupervisedActor):
             ]
             published, failed = await self._pub.publish_batch(dead)
             ok = {p.id for p in published}
-            await group.forget(sorted(ok), None)
+            await group.forget([key_of(e) for e, _ in result.invalid if e.id in ok], None)
             self.counters["deadlettered"] += len(ok)
             if failed:  # stay in the log; the next pass tries again
                 log.warning("dead-letter publish failed for %d events", len(failed))
         if result.dropped:
-            await group.forget([e.id for e in result.dropped], None)
+            await group.forget([key_of(e) for e in result.dropped], None)
             self.counters["dropped"] += len(result.dropped)
 
     async def _replay_loop(self) -> None:
@@ -302,6 +304,21 @@ class BrokerBridge(SupervisedActor):
             except Exception as err:  # a logger restarting must not kill the loop
                 log.warning("replay pass failed: %r", err)
             await asyncio.sleep(self.replay_every_s)
+
+
+def _one_stream_per_id(events: Sequence[Event]) -> list[list[Event]]:
+    """Split a batch so no part carries one id in two streams (two distinct events: the log
+    keys by (stream, id)), since the publisher reports outcomes by id. One part when ids
+    are unique across streams, the usual case."""
+    parts: list[tuple[list[Event], dict[str, str]]] = []
+    for e in events:
+        for part, streams in parts:
+            if streams.setdefault(e.id, e.stream) == e.stream:
+                part.append(e)
+                break
+        else:
+            parts.append(([e], {e.id: e.stream}))
+    return [part for part, _ in parts]
 
 
 def _now_ms() -> int:

@@ -11,7 +11,8 @@ Nothing is answered as accepted before it is on all k+1 logger replicas. Layers,
 - `LoggerGroup`: the picklable client Collector and Bridge hold: writes go to every replica
   and succeed only when all acknowledged; reads go to the primary.
 
-Entry state machine (one event id; "gone" is also where an id never logged stays):
+Entry state machine (one key; "gone" is also where a key never logged stays). Entries are
+keyed by (stream, event id), as JetStream dedups Nats-Msg-Id per stream:
 
     (absent) --append--> transient --forget (ack)--> gone
     transient --fail--> failed(attempts=1) --forget (ack)--> gone
@@ -68,10 +69,12 @@ __all__ = [
     "LogUnavailable",
     "LogWriter",
     "LoggerGroup",
+    "LogKey",
     "LoggerReplica",
     "TokenState",
     "WriterClient",
     "inspect",
+    "key_of",
     "replace_replica",
     "start_logger_group",
 ]
@@ -173,6 +176,11 @@ EXPORTED = (NS_TRANSIENT, NS_FAILED, NS_TOKENS)  # transient first: see export()
 COUNTS_KEY = b"counts"
 FENCE_KEY = b"fence"
 CATCHING_UP_KEY = b"catching_up"
+# Entries are keyed by (stream, id): the Nats-Msg-Id dedups per JetStream stream, so the same
+# id in two streams is two events. Stores without this marker were keyed by id alone and are
+# migrated when opened.
+KEYS_KEY = b"keys"
+KEYS_VERSION = b"stream+id"
 # Chaos hook (runtime.chaos): while the file `<store dir>.fault` exists, every write of that
 # store fails as a LevelDB IO error does ("full" in the file: a full disk), writing nothing.
 FAULT_SUFFIX = ".fault"
@@ -187,6 +195,28 @@ _token_dec = msgspec.msgpack.Decoder(TokenState)
 
 def _be(n: int) -> bytes:
     return _BE64.pack(min(max(n, 0), _MAX64))
+
+
+LogKey = tuple[str, str]  # (stream, event id): what the log, forget and fail address
+
+
+def key_of(ev: Event) -> LogKey:
+    """The log key of an event."""
+    return (ev.stream, ev.id)
+
+
+def _key(stream: str, id_: str) -> bytes:
+    """Storage key of (stream, id). Stream names are letters, digits, '_' and '-' (config),
+    so the first NUL splits it unambiguously whatever the id holds."""
+    return stream.encode() + b"\x00" + id_.encode()
+
+
+def _log_key(key: LogKey) -> bytes:
+    """Storage key of a caller's (stream, id); a bare id is refused (it would address the
+    same id in every stream)."""
+    if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(p, str) for p in key)):
+        raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
+    return _key(key[0], key[1])
 
 
 def _seq(value: Any) -> tuple[str, int] | None:
@@ -209,7 +239,7 @@ class _Txn:
         self.s = store
         self.c = copy.copy(store._c)
         self.ops: list[tuple[bool, str, bytes, bytes]] = []  # (is_put, ns, key, value)
-        self._entries: dict[str, tuple[str, Any] | None] = {}
+        self._entries: dict[bytes, tuple[str, Any] | None] = {}  # by storage key
         self._tokens: dict[str, TokenState | None] = {}
 
     def put(self, ns: str, key: bytes, value: bytes = b"") -> None:
@@ -220,53 +250,51 @@ class _Txn:
 
     # entries -------------------------------------------------------------------
 
-    def lookup(self, id_: str) -> tuple[str, Any] | None:
-        """("t", raw) | ("f", FailedEntry) | None, as of this call's changes so far."""
-        if id_ not in self._entries:
-            k = id_.encode()
+    def lookup(self, k: bytes) -> tuple[str, Any] | None:
+        """("t", raw) | ("f", FailedEntry) | None for storage key `k`, as of this call's
+        changes so far."""
+        if k not in self._entries:
             raw = self.s._ns[NS_TRANSIENT].get(k)
             if raw is not None:
-                self._entries[id_] = ("t", raw)
+                self._entries[k] = ("t", raw)
             else:
                 fraw = self.s._ns[NS_FAILED].get(k)
-                self._entries[id_] = None if fraw is None else ("f", _failed_dec.decode(fraw))
-        return self._entries[id_]
+                self._entries[k] = None if fraw is None else ("f", _failed_dec.decode(fraw))
+        return self._entries[k]
 
     def add_transient(self, ev: Event, raw: bytes) -> None:
-        k = ev.id.encode()
+        k = _key(ev.stream, ev.id)
         self.put(NS_TRANSIENT, k, raw)
         self.put(NS_BY_TIME, _be(ev.received_ms) + k)
         self.c.transient += 1
         self.c.bytes += len(raw)
-        self._entries[ev.id] = ("t", raw)
+        self._entries[k] = ("t", raw)
 
     def drop_transient(self, ev: Event, raw: bytes) -> None:
-        k = ev.id.encode()
+        k = _key(ev.stream, ev.id)
         self.delete(NS_TRANSIENT, k)
         self.delete(NS_BY_TIME, _be(ev.received_ms) + k)
         self.c.transient -= 1
         self.c.bytes -= len(raw)
-        self._entries[ev.id] = None
+        self._entries[k] = None
 
-    def add_failed(self, id_: str, fe: FailedEntry) -> None:
-        k = id_.encode()
+    def add_failed(self, k: bytes, fe: FailedEntry) -> None:
         self.put(NS_FAILED, k, _enc.encode(fe))
         self.put(NS_BY_RETRY, _be(fe.next_retry_ms) + k)
         self.c.failed += 1
         self.c.bytes += len(fe.raw)
-        self._entries[id_] = ("f", fe)
+        self._entries[k] = ("f", fe)
 
-    def drop_failed(self, id_: str, fe: FailedEntry) -> None:
-        k = id_.encode()
+    def drop_failed(self, k: bytes, fe: FailedEntry) -> None:
         self.delete(NS_FAILED, k)
         self.delete(NS_BY_RETRY, _be(fe.next_retry_ms) + k)
         self.c.failed -= 1
         self.c.bytes -= len(fe.raw)
-        self._entries[id_] = None
+        self._entries[k] = None
 
-    def drop_entry(self, id_: str) -> Event | None:
-        """Remove whatever the log holds for `id_`; returns the event it held."""
-        cur = self.lookup(id_)
+    def drop_entry(self, k: bytes) -> Event | None:
+        """Remove whatever the log holds under storage key `k`; returns the event it held."""
+        cur = self.lookup(k)
         if cur is None:
             return None
         kind, val = cur
@@ -274,7 +302,7 @@ class _Txn:
             ev = decode_event(val)
             self.drop_transient(ev, val)
             return ev
-        self.drop_failed(id_, val)
+        self.drop_failed(k, val)
         return val.event
 
     # tokens --------------------------------------------------------------------
@@ -402,6 +430,8 @@ class LogStore:
             name: store.namespace(name)
             for name in (*EXPORTED, NS_META, NS_BY_TIME, NS_BY_RETRY, NS_DONE)
         }
+        if self._ns[NS_META].get(KEYS_KEY) != KEYS_VERSION:
+            self._migrate_keys()
         raw = self._ns[NS_META].get(COUNTS_KEY)
         if raw is not None:
             self._c = _counts_dec.decode(raw)
@@ -416,6 +446,32 @@ class LogStore:
         )
         self.created = not any(scanned[f] for f in ("transient", "failed", "tokens"))
         self._ns[NS_META].put(COUNTS_KEY, _enc.encode(self._c))
+
+    def _migrate_keys(self, chunk: int = 10_000) -> None:
+        """Re-key entries written under their id alone to (stream, id), with their index
+        keys; counts do not change. Each chunk is one synced batch and a key already in the
+        new form is left alone, so a crash midway is finished by the next open."""
+        moves: list[tuple[str, str, bytes, bytes, bytes, bytes]] = []
+        for key, value in self._ns[NS_TRANSIENT].scan():
+            ev = decode_event(value)
+            new = _key(ev.stream, ev.id)
+            if key != new:
+                moves.append((NS_TRANSIENT, NS_BY_TIME, key, new, value, _be(ev.received_ms)))
+        for key, value in self._ns[NS_FAILED].scan():
+            fe = _failed_dec.decode(value)
+            new = _key(fe.event.stream, fe.event.id)
+            if key != new:
+                moves.append((NS_FAILED, NS_BY_RETRY, key, new, value, _be(fe.next_retry_ms)))
+        for i in range(0, len(moves), chunk):
+            with self._store.write_batch() as b:
+                for ns, index, old, new, value, prefix in moves[i : i + chunk]:
+                    b.delete(self._ns[ns], old)
+                    b.put(self._ns[ns], new, value)
+                    b.delete(self._ns[index], prefix + old)
+                    b.put(self._ns[index], prefix + new, b"")
+        if moves:
+            log.info("%s: re-keyed %d entries to (stream, id)", self.path, len(moves))
+        self._ns[NS_META].put(KEYS_KEY, KEYS_VERSION)
 
     def close(self) -> None:
         self._store.close()
@@ -458,15 +514,15 @@ class LogStore:
     def append(self, events: Sequence[Event]) -> int:
         """Log events as transient; returns how many were new. Ids already in the log (or
         repeated in the batch) are skipped. LogFull refuses the whole batch."""
-        fresh: dict[str, tuple[Event, bytes]] = {}
+        fresh: dict[bytes, tuple[Event, bytes]] = {}
         t_ns, f_ns = self._ns[NS_TRANSIENT], self._ns[NS_FAILED]
         for ev in events:
-            if ev.id in fresh:
+            k = _key(ev.stream, ev.id)
+            if k in fresh:
                 continue
-            k = ev.id.encode()
             if t_ns.get(k) is not None or f_ns.get(k) is not None:
                 continue
-            fresh[ev.id] = (ev, encode_event(ev))
+            fresh[k] = (ev, encode_event(ev))
         if not fresh:
             return 0
         n, nbytes = len(fresh), sum(len(raw) for _, raw in fresh.values())
@@ -484,20 +540,23 @@ class LogStore:
         return n
 
     def forget(
-        self, ids: Sequence[str], seqs: Mapping[str, tuple[str, int] | None] | None = None
+        self,
+        keys: Sequence[LogKey],
+        seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
     ) -> int:
-        """Acked: drop the ids from transient and failed; returns how many the log held.
-        `seqs` (id -> (stream, seq)) is kept in the ids' token records for `token_status`."""
+        """Acked: drop the (stream, id) keys from transient and failed; returns how many the
+        log held. `seqs` (key -> (JetStream stream, seq)) is kept in the events' token
+        records for `token_status`."""
         seqs = seqs or {}
         n = 0
         with self._txn() as tx:
-            for id_ in dict.fromkeys(ids):
-                ev = tx.drop_entry(id_)
+            for key in dict.fromkeys(keys):
+                ev = tx.drop_entry(_log_key(key))
                 if ev is None:
                     continue
                 n += 1
                 if ev.token:
-                    tx.token_ack(ev.token, id_, _seq(seqs.get(id_)))
+                    tx.token_ack(ev.token, ev.id, _seq(seqs.get(key)))
         return n
 
     def fail(
@@ -512,8 +571,9 @@ class LogStore:
         (its last error). Returns how many entries moved."""
         n = 0
         with self._txn() as tx:
-            for ev, error in {e.id: (e, err) for e, err in items}.values():  # one per id
-                cur = tx.lookup(ev.id)
+            one_each = {_key(e.stream, e.id): (e, err) for e, err in items}  # one per key
+            for k, (ev, error) in one_each.items():
+                cur = tx.lookup(k)
                 if cur is None:
                     continue  # acked meanwhile, or never logged here
                 kind, val = cur
@@ -523,12 +583,12 @@ class LogStore:
                     attempts = 1
                 else:
                     stored = val.event
-                    tx.drop_failed(ev.id, val)
+                    tx.drop_failed(k, val)
                     attempts = val.attempts + 1
                 if ev.token != stored.token:
                     ev = msgspec.structs.replace(ev, token=stored.token)
                 due = now_ms + max(0, int(retry_delay_ms(attempts)))
-                tx.add_failed(ev.id, FailedEntry(encode_event(ev), str(error), attempts, due))
+                tx.add_failed(k, FailedEntry(encode_event(ev), str(error), attempts, due))
                 if stored.token:
                     tx.token_fail(stored.token, ev.id, str(error))
                 n += 1
@@ -539,15 +599,15 @@ class LogStore:
         same keys; idempotent. Bounds do not apply: a copy must be complete."""
         with self._txn() as tx:
             for ns, key, value in entries:
-                if ns == NS_TRANSIENT:
+                if ns == NS_TRANSIENT:  # keys come from the values: any peer's layout
                     ev = decode_event(value)
-                    tx.drop_entry(ev.id)
+                    tx.drop_entry(_key(ev.stream, ev.id))
                     tx.add_transient(ev, value)
                 elif ns == NS_FAILED:
-                    id_ = key.decode()
                     fe = _failed_dec.decode(value)
-                    tx.drop_entry(id_)
-                    tx.add_failed(id_, fe)
+                    k = _key(fe.event.stream, fe.event.id)
+                    tx.drop_entry(k)
+                    tx.add_failed(k, fe)
                 elif ns == NS_TOKENS:
                     tx.token_put(key.decode(), _token_dec.decode(value))
                 else:
@@ -601,13 +661,13 @@ class LogStore:
                 out.append(_failed_dec.decode(raw).event)
         return out
 
-    def failed_entry(self, id_: str) -> FailedEntry | None:
-        raw = self._ns[NS_FAILED].get(id_.encode())
+    def failed_entry(self, key: LogKey) -> FailedEntry | None:
+        raw = self._ns[NS_FAILED].get(_log_key(key))
         return None if raw is None else _failed_dec.decode(raw)
 
-    def where(self, id_: str) -> str | None:
-        """Which store holds the id: "transient", "failed" or None."""
-        k = id_.encode()
+    def where(self, key: LogKey) -> str | None:
+        """Which store holds (stream, id): "transient", "failed" or None."""
+        k = _log_key(key)
         if self._ns[NS_TRANSIENT].get(k) is not None:
             return "transient"
         return "failed" if self._ns[NS_FAILED].get(k) is not None else None
@@ -1021,10 +1081,11 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
     async def forget(
         self,
         epoch: int,
-        ids: Sequence[str],
-        seqs: Mapping[str, tuple[str, int] | None] | None = None,
+        keys: Sequence[LogKey],
+        seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
     ) -> int:
-        return await self._op("forget", list(ids), dict(seqs or {}), epoch=epoch)
+        """Drop (stream, id) keys (acked); returns how many this replica held."""
+        return await self._op("forget", [tuple(k) for k in keys], dict(seqs or {}), epoch=epoch)
 
     async def fail(self, epoch: int, batch: bytes, errors: Sequence[str], now_ms: int) -> int:
         """`batch` holds the failed events (encoded), `errors` their errors, in order."""
@@ -1057,8 +1118,8 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         self._readable()
         return encode_batch(await self._op("due_failed", now_ms, limit))
 
-    async def failed_entry(self, id_: str) -> dict[str, Any] | None:
-        fe = await self._op("failed_entry", id_)
+    async def failed_entry(self, key: LogKey) -> dict[str, Any] | None:
+        fe = await self._op("failed_entry", tuple(key))
         if fe is None:
             return None
         return {"error": fe.error, "attempts": fe.attempts, "next_retry_ms": fe.next_retry_ms}
@@ -1226,14 +1287,17 @@ class LoggerGroup:
 
     async def forget(
         self,
-        ids: Sequence[str],
-        seqs: Mapping[str, tuple[str, int] | None] | None = None,
+        keys: Sequence[LogKey],
+        seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
         *,
         deadline_s: float | None = None,
     ) -> None:
-        if ids:
+        """Drop acked (stream, id) keys on every replica (`key_of(event)`)."""
+        if keys:
+            for key in keys:
+                _log_key(key)  # refuse a bare id here, not on the replicas
             await self._all(
-                "forget", self.epoch, list(ids), dict(seqs or {}), deadline_s=deadline_s
+                "forget", self.epoch, list(keys), dict(seqs or {}), deadline_s=deadline_s
             )
 
     async def fail(
@@ -1280,6 +1344,19 @@ class LoggerGroup:
             except Exception as exc:  # noqa: BLE001 - reported, not raised
                 out.append({"name": self.replica_name(i), "error": str(exc)})
         return out
+
+    async def drained(self) -> bool:
+        """True when EVERY replica answers and holds nothing transient or failed: a replica
+        that missed a forget still holds entries the primary dropped (until `heal`
+        reconciles it), and would replay them if promoted."""
+        for i in range(self.size):
+            try:
+                c = await self._call(i, "counts", deadline_s=None)
+            except (LogUnavailable, FencedError):
+                return False
+            if c["transient"] or c["failed"]:
+                return False
+        return True
 
     # -- control -----------------------------------------------------------------------
 

@@ -219,11 +219,11 @@ def test_logstore_refuses_writes_while_the_disk_fault_file_exists(
             store.append([_ev(2)])
         assert isinstance(err.value.__cause__, plyvel.IOError)
         with pytest.raises(CheckpointError):
-            store.forget(["e1"])
+            store.forget([("s", "e1")])
         with pytest.raises(CheckpointError):
             store.put_meta({b"x": b"1"})
         assert store.counts()["transient"] == 1  # nothing of the failed writes landed
-        assert store.where("e2") is None and store.where("e1") == "transient"
+        assert store.where(("s", "e2")) is None and store.where(("s", "e1")) == "transient"
         fault.unlink()
         assert store.append([_ev(2)]) == 1
         assert store.scan_counts()["transient"] == 2

@@ -65,11 +65,11 @@ def consistent(s: LogStore) -> dict[str, int]:
 
 def test_append_then_forget_drops_the_entry(store: LogStore) -> None:
     assert store.append([ev(1), ev(2)]) == 2
-    assert store.where("e1") == "transient"
+    assert store.where(("s", "e1")) == "transient"
     assert consistent(store)["transient"] == 2
-    assert store.forget(["e1", "missing"]) == 1
-    assert store.where("e1") is None
-    assert store.where("e2") == "transient"
+    assert store.forget([("s", "e1"), ("s", "missing")]) == 1
+    assert store.where(("s", "e1")) is None
+    assert store.where(("s", "e2")) == "transient"
     assert consistent(store) == {
         "transient": 1,
         "failed": 0,
@@ -81,25 +81,25 @@ def test_append_then_forget_drops_the_entry(store: LogStore) -> None:
 def test_fail_moves_to_failed_and_again_increments_attempts(store: LogStore) -> None:
     store.append([ev(1), ev(2)])
     assert store.fail([(ev(1), "timeout")], now_ms=10_000, retry_delay_ms=delay) == 1
-    assert store.where("e1") == "failed"
-    fe = store.failed_entry("e1")
+    assert store.where(("s", "e1")) == "failed"
+    fe = store.failed_entry(("s", "e1"))
     assert (fe.error, fe.attempts, fe.next_retry_ms) == ("timeout", 1, 10_100)
     assert store.fail([(ev(1), "nak")], now_ms=20_000, retry_delay_ms=delay) == 1
-    fe = store.failed_entry("e1")
+    fe = store.failed_entry(("s", "e1"))
     assert (fe.error, fe.attempts, fe.next_retry_ms) == ("nak", 2, 20_200)
     assert consistent(store)["failed"] == 1
     assert store.counts()["transient"] == 1
     # failed --ack--> gone
-    assert store.forget(["e1"]) == 1
-    assert store.where("e1") is None
+    assert store.forget([("s", "e1")]) == 1
+    assert store.where(("s", "e1")) is None
     assert consistent(store)["failed"] == 0
 
 
 def test_fail_of_an_unknown_or_acked_id_changes_nothing(store: LogStore) -> None:
     store.append([ev(1)])
-    store.forget(["e1"])
+    store.forget([("s", "e1")])
     assert store.fail([(ev(1), "late"), (ev(9), "never")], 0, delay) == 0
-    assert store.where("e1") is None
+    assert store.where(("s", "e1")) is None
     assert consistent(store) == {"transient": 0, "failed": 0, "bytes": 0, "tokens": 0}
 
 
@@ -143,7 +143,7 @@ def test_logfull_refuses_the_whole_batch_and_keeps_counts(tmp_path: Path) -> Non
     with pytest.raises(LogFull) as err:
         s.append([ev(i) for i in range(4, 6)])  # 4 + 2 > 5
     assert (err.value.events, err.value.max_events) == (4, 5)
-    assert s.where("e4") is None and s.where("e5") is None  # nothing partial
+    assert s.where(("s", "e4")) is None and s.where(("s", "e5")) is None  # nothing partial
     assert consistent(s) == before
     # ids already present do not count against the bound
     assert s.append([ev(0), ev(1), ev(4)]) == 1
@@ -168,7 +168,7 @@ def test_append_is_idempotent(store: LogStore) -> None:
     assert store.append([ev(1), ev(2)]) == 0  # and across batches
     store.fail([(ev(1), "x")], 0, delay)
     assert store.append([ev(1)]) == 0  # a failed entry is held too: not logged twice
-    assert store.where("e1") == "failed"
+    assert store.where(("s", "e1")) == "failed"
     assert consistent(store) == {
         "transient": 1,
         "failed": 1,
@@ -181,7 +181,7 @@ def test_counters_survive_reopen_and_match_a_scan(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
     s.append([ev(i, token="t" if i < 3 else "") for i in range(10)])
     s.fail([(ev(5), "x")], 0, delay)
-    s.forget(["e0", "e7"], {"e0": ("s", 1)})
+    s.forget([("s", "e0"), ("s", "e7")], {("s", "e0"): ("s", 1)})
     counts = consistent(s)
     s.close()
     again = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
@@ -201,9 +201,9 @@ def test_token_goes_logged_failed_queued_with_seqs(store: LogStore) -> None:
     store.fail([(ev(2, token="T"), "nak")], 0, delay)
     status = store.token_status("T")
     assert (status["state"], status["errors"]) == ("failed", {"e2": "nak"})
-    store.forget(["e1"], {"e1": ("s", 7)})
+    store.forget([("s", "e1")], {("s", "e1"): ("s", 7)})
     assert store.token_status("T")["state"] == "failed"
-    store.forget(["e2"], {"e2": ("s", 9)})
+    store.forget([("s", "e2")], {("s", "e2"): ("s", 9)})
     status = store.token_status("T")
     assert status["state"] == "queued"
     assert status["seqs"] == {"e1": ["s", 7], "e2": ["s", 9]}
@@ -213,7 +213,7 @@ def test_token_goes_logged_failed_queued_with_seqs(store: LogStore) -> None:
 def test_fail_keeps_the_logged_token(store: LogStore) -> None:
     store.append([ev(1, token="T")])
     store.fail([(ev(1), "x")], 0, delay)  # the bridge's processed event lost the token
-    store.forget(["e1"], {"e1": ("s", 1)})
+    store.forget([("s", "e1")], {("s", "e1"): ("s", 1)})
     assert store.token_status("T")["state"] == "queued"
 
 
@@ -221,14 +221,14 @@ def test_only_the_newest_completed_tokens_are_kept(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG, max_done_tokens=2)
     s.append([ev(i, token=f"T{i}") for i in range(4)])
     for i in range(4):
-        s.forget([f"e{i}"])
+        s.forget([("s", f"e{i}")])
     assert s.token_status("T0") is None and s.token_status("T1") is None
     assert s.token_status("T2")["state"] == "queued"
     assert s.token_status("T3")["state"] == "queued"
     assert consistent(s)["tokens"] == 2
     # several completions in one call past the bound
     s.append([ev(i, token=f"U{i}") for i in range(10, 15)])
-    s.forget([f"e{i}" for i in range(10, 15)])
+    s.forget([("s", f"e{i}") for i in range(10, 15)])
     assert [s.token_status(f"U{i}") is not None for i in range(10, 15)] == [False] * 3 + [True] * 2
     assert s.token_status("T3") is None
     scan = s.scan_counts()
@@ -239,7 +239,7 @@ def test_only_the_newest_completed_tokens_are_kept(tmp_path: Path) -> None:
 def test_open_tokens_never_expire(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG, max_done_tokens=0)
     s.append([ev(1, token="open"), ev(2, token="done")])
-    s.forget(["e2"])
+    s.forget([("s", "e2")])
     assert s.token_status("open")["state"] == "logged"
     assert s.token_status("done") is None
     s.close()
@@ -251,7 +251,9 @@ def test_open_tokens_never_expire(tmp_path: Path) -> None:
 def fill(s: LogStore, n: int) -> None:
     s.append([ev(i, token=f"T{i % 7}", ms=1_000 + i) for i in range(n)])
     s.fail([(ev(i, token=f"T{i % 7}"), f"err{i}") for i in range(0, n, 5)], 50, delay)
-    s.forget([f"e{i}" for i in range(1, n, 3)], {f"e{i}": ("s", i) for i in range(1, n, 3)})
+    s.forget(
+        [("s", f"e{i}") for i in range(1, n, 3)], {("s", f"e{i}"): ("s", i) for i in range(1, n, 3)}
+    )
 
 
 def export_all(s: LogStore, chunk: int) -> list[tuple[str, bytes, bytes]]:
@@ -296,7 +298,7 @@ def test_import_overwrites_a_differing_entry(tmp_path: Path) -> None:
     src.fail([(ev(1), "x")], 0, delay)
     dst.append([ev(1)])  # dst still has it transient
     dst.import_(export_all(src, 10))
-    assert dst.where("e1") == "failed"
+    assert dst.where(("s", "e1")) == "failed"
     assert consistent(dst) == consistent(src)
     src.close()
     dst.close()
@@ -311,7 +313,7 @@ def test_meta_and_reset(tmp_path: Path) -> None:
     s.reset({b"fence": b"F"})
     assert s.get_meta(b"fence") == b"F"
     assert s.get_meta(b"other") is None
-    assert s.where("e1") is None
+    assert s.where(("s", "e1")) is None
     assert consistent(s) == {"transient": 0, "failed": 0, "bytes": 0, "tokens": 0}
     s.close()
 
@@ -354,7 +356,7 @@ def test_random_operations_keep_counts_equal_to_a_scan_and_a_model(
                     assert len(model) + len(new) <= 8
                     model.update({i: ("transient", 0) for i in new})
             elif op == "forget":
-                s.forget([f"e{i}" for i in args])
+                s.forget([("s", f"e{i}") for i in args])
                 for i in args:
                     model.pop(f"e{i}", None)
             else:
@@ -366,9 +368,9 @@ def test_random_operations_keep_counts_equal_to_a_scan_and_a_model(
             assert counts["transient"] == sum(1 for w, _ in model.values() if w == "transient")
             assert counts["failed"] == sum(1 for w, _ in model.values() if w == "failed")
         for id_, (where, attempts) in model.items():
-            assert s.where(id_) == where
+            assert s.where(("s", id_)) == where
             if where == "failed":
-                assert s.failed_entry(id_).attempts == attempts
+                assert s.failed_entry(("s", id_)).attempts == attempts
         counts = s.counts()
         s.close()
         reopened = LogStore(Path(tmp) / "log", max_events=8, max_bytes=BIG, max_done_tokens=1)

@@ -21,6 +21,7 @@ from actors.logger import (
     LoggerGroup,
     LogUnavailable,
     inspect,
+    key_of,
     replace_replica,
     start_logger_group,
 )
@@ -52,12 +53,13 @@ async def start(name: str, state_dir: Path, **kw: Any) -> tuple[ReplicaGroup, Lo
 
 
 async def keys_of(handle: Any, ns: str = "transient") -> set[str]:
-    """Every key the replica holds in `ns`, via its export."""
+    """The event id of every entry the replica holds in `ns`, via its export (keys are
+    `stream NUL id`)."""
     keys: set[str] = set()
     cursor = None
     for _ in range(1000):
         entries, cursor = await handle.export.remote(cursor, 5000)
-        keys |= {k.decode() for n, k, _ in entries if n == ns}
+        keys |= {k.split(b"\x00", 1)[-1].decode() for n, k, _ in entries if n == ns}
         if cursor is None:
             return keys
     raise AssertionError("export did not finish")
@@ -84,10 +86,10 @@ async def test_appends_and_forgets_agree_on_both_replicas(ray_local: None, tmp_p
         events = [ev(i, token=f"T{i // 500}" if i < 1000 else "") for i in range(10_000)]
         for b in range(0, len(events), 500):
             await client.append(events[b : b + 500])
-        acked = [e.id for e in events[::2]]
+        acked = [key_of(e) for e in events[::2]]
         for b in range(0, len(acked), 1000):
             part = acked[b : b + 1000]
-            await client.forget(part, {i: ("s", n) for n, i in enumerate(part)})
+            await client.forget(part, {k: ("s", n) for n, k in enumerate(part)})
         for handle in group.replicas:
             counts = await handle.counts.remote()
             scan = await handle.scan_counts.remote()
@@ -162,7 +164,7 @@ async def test_lost_replica_and_store_are_replaced_and_caught_up(
         events = [ev(i, token=f"T{i % 5}", ms=1_000 + i) for i in range(3_000)]
         for b in range(0, len(events), 500):
             await client.append(events[b : b + 500])
-        await client.forget([e.id for e in events[:1000]], None)
+        await client.forget([key_of(e) for e in events[:1000]], None)
         await client.fail([(e, "nak") for e in events[1000:1100]], now_ms=50)
 
         loop = asyncio.get_running_loop()
@@ -228,7 +230,7 @@ async def test_old_epoch_is_fenced_on_every_replica(ray_local: None, tmp_path: P
             with pytest.raises(FencedError):
                 await handle.append.remote(old, encode_batch([ev(101)]))
             with pytest.raises(FencedError):
-                await handle.forget.remote(old, ["e000001"], None)
+                await handle.forget.remote(old, [("s", "e000001")], None)
             keys = await keys_of(handle)
             assert "e000100" not in keys and "e000101" not in keys
             assert "e000001" in keys

@@ -254,8 +254,7 @@ class _Subscriber:
 async def drained(d: Deployment) -> bool:
     """Every logger group holds nothing more to send (all handed to JetStream)."""
     for group in d.tier.loggers:
-        c = await group.counts()
-        if c["transient"] or c["failed"]:
+        if not await group.drained():  # every replica, not only the primary
             return False
     return True
 
@@ -271,7 +270,8 @@ async def _diagnose(d: Deployment) -> str:
     with contextlib.suppress(Exception):
         due = await group.due_failed(now_ms=1 << 62, limit=1)
         replica = ray.get_actor(group.replica_name(group.primary), namespace=group.namespace)
-        entry = await asyncio.to_thread(ray.get, replica.failed_entry.remote(due[0].id), timeout=10)
+        key = (due[0].stream, due[0].id)
+        entry = await asyncio.to_thread(ray.get, replica.failed_entry.remote(key), timeout=10)
         out.append(f"a failed entry: {entry}")
     for name in d.tier.bridges:
         with contextlib.suppress(Exception):
