@@ -173,6 +173,7 @@ class Collector(SupervisedActor):
         self.idle_timeout_s, self.body_timeout_s = idle_timeout_s, body_timeout_s
         self.max_events, self.max_event_bytes = max_events, max_event_bytes
         self.tokens = frozenset(self.cfg.auth.producer_tokens)  # empty: auth off
+        self.off = self._untokened_paths_off()
         self.logic: dict[str, StreamLogic] = {
             s: compile_logic(s, sc.logic, sc.subjects[0]) for s, sc in self.cfg.streams.items()
         }
@@ -205,6 +206,27 @@ class Collector(SupervisedActor):
         self._dataplane = LoopThread(f"{name}-dataplane")
         self._dataplane.start(self._serve, start_timeout_s)
 
+    def _untokened_paths_off(self) -> dict[str, str]:
+        """With producer tokens, paths that carry no token must not reach a stream: UDP
+        never (nothing in a datagram proves who sent it), NATS `ingest.*` only when NATS
+        itself authenticates producers (per-role users: only `producer` may publish
+        there). Returns path -> why it is off; logged loudly, shown in `stats`."""
+        off: dict[str, str] = {}
+        if not self.tokens:
+            return off
+        if self.udp_port:
+            off["udp_off"] = "auth.producer_tokens is set and a datagram carries no token"
+        if self.nats_ingest and not self.cfg.nats.role_users:
+            off["nats_ingest_off"] = (
+                "auth.producer_tokens is set but nats.role_users is off, so any NATS client "
+                "could publish ingest.* without a token; set nats.role_users = true"
+            )
+        for path, why in off.items():
+            log.error("collector %s: %s: %s", self.name, path, why)
+        if "udp_off" in off:
+            self.udp_port = 0
+        return off
+
     def restore(self, store: Any) -> None:
         """Stateless by design: accepted events live in the MessageLogger, not here."""
 
@@ -224,6 +246,7 @@ class Collector(SupervisedActor):
             "mode": self.mode,
             "in_flight": self._in_flight(),
             "requests_in_flight": self._requests_in_flight,
+            **self.off,
         }
 
     def shutdown(self) -> bool:
@@ -405,8 +428,8 @@ class Collector(SupervisedActor):
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Producers present `Authorization: Bearer <token>` (or `?token=` for browsers'
         WebSockets) when `auth.producer_tokens` is set; nothing is parsed or logged
-        before that. UDP and NATS ingest are outside this check: NATS authenticates its
-        own clients, and UDP is meant for trusted networks only."""
+        before that. UDP and NATS ingest carry no token: with tokens set, UDP is off and
+        NATS ingest runs only where NATS authenticates producers (`_untokened_paths_off`)."""
         if not self.tokens or request.path == "/healthz":
             return await handler(request)
         token = _bearer(request)
@@ -681,7 +704,7 @@ class Collector(SupervisedActor):
         nc = await connect_nats(
             self.cfg, self.nats_url, name=f"collector-{self.name}", role="collector"
         )
-        if self.nats_ingest:
+        if self.nats_ingest and "nats_ingest_off" not in self.off:
             await nc.subscribe("ingest.*", queue="collectors", cb=self._nats_message)
         return nc
 

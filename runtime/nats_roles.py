@@ -29,6 +29,9 @@ CURSOR_BUCKET = "tierflow_cursors"  # runtime.cursors.BUCKET
 WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.webhooks.BUCKET
 WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.webhooks.DEADLETTER_SUBJECT
 RESULTS_BUCKET = "results"
+# Subjects only the analysis tier writes (actors.collector.SYSTEM_STREAMS' results stream):
+# the bridge publishes what producers sent, so it must not reach them.
+ANALYSIS_ONLY = ("results.",)
 
 INBOX = "_INBOX.>"
 # JetStream API calls every role makes to look around (account and stream info).
@@ -64,6 +67,24 @@ def _kv(bucket: str) -> list[str]:
     return [*_manage(f"KV_{bucket}"), f"$KV.{bucket}.>"]
 
 
+def _read_only(stream: str) -> list[str]:
+    """`_READ` narrowed to one stream: consumers on it, its messages, their acks."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.API.CONSUMER.NAMES.{stream}",
+        f"$JS.API.CONSUMER.LIST.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        "$JS.FC.>",
+    ]
+
+
 def _perm(publish: list[str], subscribe: list[str], responses: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "publish": {"allow": list(dict.fromkeys(publish))},
@@ -77,11 +98,18 @@ def _perm(publish: list[str], subscribe: list[str], responses: bool = False) -> 
 def role_permissions(cfg: Config) -> dict[str, dict[str, Any]]:
     """nats.conf `permissions` per role, from the configured streams (pure)."""
     subjects = [sub for s in cfg.streams.values() for sub in s.subjects]
+    # the bridge publishes producers' events and dead letters, never analysis results
+    bridged = [sub for sub in subjects if not sub.startswith(ANALYSIS_ONLY)]
     cursors = str(cfg.gateway.options.get("cursor_bucket") or CURSOR_BUCKET)
     return {
         "admin": _perm([">"], [">"]),
-        "bridge": _perm([*_LOOK, *_manage(*cfg.streams), *subjects], [INBOX]),
-        "collector": _perm([*_LOOK, *_READ, *_manage(BUFFER_STREAM)], [INBOX, "ingest.*"], True),
+        "bridge": _perm([*_LOOK, *_manage(*cfg.streams), *bridged], [INBOX]),
+        # the collector reads only the stream pattern's buffer: not results, not KV buckets
+        "collector": _perm(
+            [*_LOOK, *_read_only(BUFFER_STREAM), *_manage(BUFFER_STREAM)],
+            [INBOX, "ingest.*"],
+            True,
+        ),
         "ingest": _perm(
             [*_LOOK, *_READ, *_manage(BUFFER_STREAM), f"{BUFFER_STREAM}.>", *_kv(LEASE_BUCKET)],
             [INBOX],

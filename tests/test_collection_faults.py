@@ -11,10 +11,12 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
 
 from runtime.config import load
@@ -46,6 +48,12 @@ def tier(
     t = start_collection_tier(cfg, nats_url=nats_server.url)
     yield t
     t.stop()
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
@@ -254,7 +262,8 @@ async def test_producer_tokens_guard_the_collector(
     ray_module: Any, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     """With auth.producer_tokens set, requests without or with a wrong token get 401 and
-    never reach the stream; the right token is accepted."""
+    never reach the stream; the right token is accepted. NATS ingest and UDP, which carry
+    no token, are not served unless NATS authenticates producers (nats.role_users)."""
     import aiohttp
 
     overrides = {
@@ -262,7 +271,7 @@ async def test_producer_tokens_guard_the_collector(
         "auth": {"producer_tokens": ["p-secret"]},
         "streams": {"guarded": {"subjects": ["raw.guarded"]}},
     }
-    async with own_tier(nats_server, tmp_path, "tf-auth", overrides) as t:
+    async with own_tier(nats_server, tmp_path, "tf-auth", overrides, udp_port=free_udp_port()) as t:
         url = f"{t.url}/v1/streams/guarded/events?wait=queued"
         async with aiohttp.ClientSession() as s:
             async with s.post(url, json={"id": "anon"}) as r:
@@ -276,7 +285,14 @@ async def test_producer_tokens_guard_the_collector(
             good = {"Authorization": "Bearer p-secret"}
             async with s.post(url, json={"id": "ok"}, headers=good) as r:
                 assert r.status == 200 and (await r.json())["ids"] == ["ok"]
+        # NATS and UDP carry no token: without per-role NATS users (which make NATS itself
+        # authenticate producers) neither may reach a stream, so neither is served.
         nc = await connect(nats_server.url)
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request("ingest.guarded", b'{"id": "via-nats"}', timeout=10)
+        stats = await t.actor(t.collectors[0]).stats.remote()
+        assert "nats.role_users" in stats["nats_ingest_off"]
+        assert t.udp_port == 0 and "token" in stats["udp_off"]
         stored = await stream_ids(nc, "guarded")
         await nc.close()
         assert stored == {"ok": 1}  # the refused ones never reached the stream

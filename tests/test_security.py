@@ -127,7 +127,9 @@ async def refused(nc: Any, errors: list[Exception], verb: str, subject: str) -> 
     """The server reported a permissions violation for `verb` on `subject`."""
     await nc.flush()
     want = f'permissions violation for {verb} to "{subject}"'
-    await await_until(lambda: any(want in str(e).lower() for e in errors), timeout=10, what=want)
+    await await_until(
+        lambda: any(want.lower() in str(e).lower() for e in errors), timeout=10, what=want
+    )
 
 
 async def count(js: Any, stream: str) -> int:
@@ -347,6 +349,36 @@ async def test_each_role_may_do_its_job_and_nothing_else(
     await prod.close()
 
     assert await count(admin_js, "guarded") == before + 1  # only the bridge's message
+
+
+async def test_bridge_cannot_publish_results_nor_the_collector_read_them(
+    secured: tuple[Config, NatsServer], admin_js: Any
+) -> None:
+    """System streams are the runtime's: the bridge (which publishes what producers sent)
+    may not write `results.>`, and the collector may read neither `results` nor the
+    webhook bucket (only its buffer)."""
+    cfg, server = secured
+    results_before = await count(admin_js, "results")
+    errs: list[Exception] = []
+    bridge = await as_role(cfg, server, "bridge", errs)
+    await bridge.publish("results.x", b'{"forged": true}')
+    await refused(bridge, errs, "publish", "results.x")
+    # dead-lettering stays allowed
+    assert (await bridge.jetstream().publish("deadletter.guarded", b"{}")).stream == "deadletter"
+    await bridge.close()
+    assert await count(admin_js, "results") == results_before
+
+    errs = []
+    col = await as_role(cfg, server, "collector", errs)
+    for subject in (
+        "$JS.API.STREAM.MSG.GET.results",
+        "$JS.API.CONSUMER.CREATE.results",
+        "$JS.API.DIRECT.GET.KV_tierflow_webhooks.$KV.tierflow_webhooks.x",
+        "$JS.API.STREAM.MSG.GET.KV_tierflow_webhooks",
+    ):
+        await col.publish(subject, b"{}")
+        await refused(col, errs, "publish", subject)
+    await col.close()
 
 
 async def test_wrong_or_missing_nats_credentials_are_refused(
