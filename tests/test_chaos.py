@@ -6,6 +6,7 @@ short form of the suite (a few scenarios at small N, real Ray, NATS and LevelDB)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,9 +23,11 @@ from actors.logger import FAULT_SUFFIX, LogStore
 from runtime.chaos import report, scenarios
 from runtime.chaos.injectors import FaultRecord
 from runtime.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
+from runtime.chaos.runner import load_streams
 from runtime.chaos.schedule import (
     ACTIONS,
     KILL,
+    NATS_DOWN,
     NEMESIS_MENU,
     Fault,
     Scenario,
@@ -121,6 +124,15 @@ def test_the_issue_scenarios_exist() -> None:
         "nemesis",
     } <= names
     assert set(scenarios.SHORT) <= names
+    # at least one outage outlasts a shortened JetStream duplicate window
+    past = [
+        s
+        for s in scenarios.SCENARIOS.values()
+        if s.duplicate_window_s
+        and any(f.action == NATS_DOWN and f.duration_s > s.duplicate_window_s for f in s.faults)
+    ]
+    assert [s.name for s in past] == ["nats-down-past-dup-window"]
+    assert "nats-down-past-dup-window" in scenarios.SHORT
     assert {f.action for s in scenarios.SCENARIOS.values() for f in s.faults} <= set(ACTIONS)
     assert [s.name for s in scenarios.resolve("all")] == list(scenarios.SCENARIOS)
     with pytest.raises(KeyError, match="unknown scenario"):
@@ -142,6 +154,12 @@ def test_verdict_and_report_fail_on_loss_duplicates_and_misses() -> None:
     assert _report().ok
     assert not _report(lost=["c"]).ok
     assert not _report(duplicated={"b": 2}).ok
+    assert not _report(altered=["s/c"]).ok
+    assert not _report(duplicated_payloads={"s/h": ["s/a", "s/b"]}).ok
+    assert not _report(refused_stored=["s/r"]).ok
+    assert not _report(wrongly_accepted=["s/oversized/x"]).ok
+    assert not _report(wrongly_refused=["s/a: 413"]).ok
+    assert _report(expected_refused=6, blind_duplicates=1, unacknowledged_stored=1).ok
     assert not _report(acknowledged=2).ok  # the producer gave up on an event
     assert not _report(gateway=delivery_check({"a", "b"}, ["a"])).ok
     assert not _report(gateway=delivery_check({"a"}, ["a", "a"])).ok
@@ -151,6 +169,23 @@ def test_verdict_and_report_fail_on_loss_duplicates_and_misses() -> None:
     bad_fault = report.FaultReport("kill x", 1.0, 1.0, None, 0.0, error="TimeoutError()")
     assert not _report(faults=[bad_fault]).ok
     assert not _report(error="boom").ok
+
+
+def test_report_folds_stream_verdicts_with_stream_qualified_ids() -> None:
+    from runtime.verify import judge_streams
+
+    verdicts = judge_streams(
+        {"s1": {"x": "h1", "y": "h2"}, "s2": {"x": "h3"}},
+        {"s1": [("x", "h1"), ("y", "hX")], "s2": [("x", "h3"), ("x", "h3"), ("r", "hr")]},
+        refused={"s2": {"hr"}},
+    )
+    rep = _report(events=3, acknowledged=3, stored=0)
+    rep.add_verdicts(verdicts.values())
+    assert rep.stored == 5 and rep.altered == ["s1/y"] and rep.duplicated == {"s2/x": 2}
+    assert rep.refused_stored == ["s2/r"] and rep.unacknowledged_stored == 1
+    assert set(rep.streams) == {"s1", "s2"} and not rep.ok
+    d = rep.to_dict()
+    assert d["altered_count"] == 1 and d["refused_stored_count"] == 1
 
 
 def test_delivery_check_names_missing_and_duplicated_ids() -> None:
@@ -247,40 +282,86 @@ async def test_short_scenario_loses_and_duplicates_nothing(
     scn = scenarios.get(name)
     rep = await run_scenario(scn, RunOptions(events=600, rate=200.0, seed=1, workdir=tmp_path))
     assert rep.ok, _explain(rep)
-    assert rep.acknowledged == rep.stored == 600 and rep.unacknowledged_stored == 0
+    # 600 valid events over three streams (ids reused, a quarter without ids, near-limit
+    # ones), every one acknowledged and stored once; every unacknowledged stored copy is
+    # one a blind resend explains; the 6 invalid/oversized ones refused and absent.
+    assert rep.events == rep.acknowledged == 600 and set(rep.streams) == set(load_streams(scn))
+    assert rep.stored == 600 + rep.unacknowledged_stored
+    assert rep.unacknowledged_stored == rep.blind_duplicates
+    assert rep.expected_refused == 6 and rep.rejected == {400: 4, 413: 2}, _explain(rep)
     assert len(rep.faults) == len(scn.faults)
     assert all(f.recovered_s is not None for f in rep.faults), _explain(rep)
-    assert rep.gateway is not None and rep.gateway.received == rep.gateway.expected == 200
+    assert rep.gateway is not None and rep.gateway.received == rep.gateway.expected > 0
     if name == "logger-disk-errors":
         assert rep.refused > 0  # the logger refused (503) rather than ack unpersisted data
     if name == "nats-down-10s":
         assert rep.faults[0].recovered_s >= 10.0
 
 
-async def test_the_verifier_reports_a_real_loss(ray_module: Any, tmp_path: Path) -> None:
-    """Delete one acknowledged event from the stream (JetStream's delete-msg API) after
-    the run and before the check: the verdict must name it as lost and fail the run."""
-    from runtime.chaos.runner import RunOptions, run_scenario
+async def _tamper(d: Any, stream: str, forged: bytes | None) -> str:
+    """Delete the 18th message of `stream`; with `forged`, store those bytes under its id
+    again (past the stream's duplicate window, shortened here). Returns `stream/id`."""
     from runtime.nats import connect
     from runtime.verify import MSG_ID
+    from runtime.waiting import await_until
+
+    nc = await connect(d.nats.url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        seq = info.state.first_seq + 17
+        eid = (await js.get_msg(stream, seq)).headers[MSG_ID]
+        assert await js.delete_msg(stream, seq)
+        if forged is not None:
+            cfg = info.config
+            await js.update_stream(dataclasses.replace(cfg, duplicate_window=1.0))
+            subject = cfg.subjects[0]
+
+            async def stored() -> bool:
+                ack = await js.publish(subject, forged, headers={MSG_ID: eid})
+                return not ack.duplicate
+
+            await await_until(stored, 60, 0.3, what="forged copy stored")
+        return f"{stream}/{eid}"
+    finally:
+        await nc.close()
+
+
+async def test_the_verifier_reports_a_real_loss(ray_module: Any, tmp_path: Path) -> None:
+    """Delete one acknowledged event from a stream (JetStream's delete-msg API) after
+    the run and before the check: the verdict must name it as lost and fail the run."""
+    from runtime.chaos.runner import RunOptions, run_scenario
 
     deleted: list[str] = []
 
     async def delete_one(d: Any) -> None:
-        nc = await connect(d.nats.url)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info(d.stream)
-            seq = info.state.first_seq + 17
-            deleted.append((await js.get_msg(d.stream, seq)).headers[MSG_ID])
-            assert await js.delete_msg(d.stream, seq)
-        finally:
-            await nc.close()
+        deleted.append(await _tamper(d, "chaos2", None))
 
     scn = scenarios.get("kill-logger-backup")
     opts = RunOptions(events=300, rate=100.0, seed=2, workdir=tmp_path, before_verify=delete_one)
     rep = await run_scenario(scn, opts)
     assert len(deleted) == 1
-    assert rep.lost == deleted and rep.stored == 299 and not rep.duplicated, _explain(rep)
+    assert rep.lost == deleted and rep.stored == 299 + rep.unacknowledged_stored, _explain(rep)
+    assert not rep.duplicated and not rep.altered
+    assert not rep.ok
+    assert "FAIL" in report.render_text([rep])
+
+
+async def test_the_verifier_reports_an_altered_payload(ray_module: Any, tmp_path: Path) -> None:
+    """Replace one acknowledged event by other bytes under the same id: the ids alone
+    all match, the (id, payload) verdict must name it altered and fail the run."""
+    from runtime.chaos.runner import RunOptions, run_scenario
+
+    altered: list[str] = []
+
+    async def alter_one(d: Any) -> None:
+        forged = b'{"id": "forged", "n": -99, "k": "b"}'
+        altered.append(await _tamper(d, "chaos3", forged))
+
+    scn = scenarios.get("kill-logger-backup")
+    opts = RunOptions(events=300, rate=100.0, seed=3, workdir=tmp_path, before_verify=alter_one)
+    rep = await run_scenario(scn, opts)
+    assert len(altered) == 1
+    assert rep.altered == altered and not rep.lost, _explain(rep)
     assert not rep.ok
     assert "FAIL" in report.render_text([rep])

@@ -1,4 +1,5 @@
-"""The chaos report: what was sent, acknowledged, lost, duplicated, and how faults went.
+"""The chaos report: what was sent, acknowledged, lost, altered, duplicated, refused, and
+how faults went. Ids in it are `stream/id` (the same id on two streams is two events).
 
 The numbers are computed here from plain data (the ack timeline, the fault records, the
 verdicts), so they are unit-tested without a pipeline; `write` saves JSON and the rich
@@ -50,13 +51,22 @@ class DeliveryCheck:
 class ScenarioReport:
     scenario: str
     seed: int
-    events: int  # distinct ids the producer had to deliver
+    events: int  # valid events the producers had to deliver (all streams)
     rate_eps: float  # the paced rate the load ran at
     sent: int  # events sent, retries included
     acknowledged: int
     stored: int
-    lost: list[str] = field(default_factory=list)
-    duplicated: dict[str, int] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # stream/id acknowledged, not stored
+    duplicated: dict[str, int] = field(default_factory=dict)  # stream/id stored n > 1 times
+    altered: list[str] = field(default_factory=list)  # stream/id stored with other bytes
+    duplicated_payloads: dict[str, list[str]] = field(default_factory=dict)  # under 2+ ids
+    refused_stored: list[str] = field(default_factory=list)  # answered 4xx, stored anyway
+    expected_refused: int = 0  # invalid/oversized events sent that must be refused
+    wrongly_accepted: list[str] = field(default_factory=list)  # of those, acknowledged
+    wrongly_refused: list[str] = field(default_factory=list)  # valid events answered 4xx
+    adopted_ids: int = 0  # events without id resent under the ids an error answer gave
+    blind_duplicates: int = 0  # copies explained by a resend after no answer (no id)
+    streams: dict[str, str] = field(default_factory=dict)  # per-stream verdict lines
     unacknowledged_stored: int = 0
     refused: int = 0  # 503s the producer retried
     rejected: dict[int, int] = field(default_factory=dict)  # other answers, not retried
@@ -68,14 +78,36 @@ class ScenarioReport:
     notes: list[str] = field(default_factory=list)
     error: str = ""
 
+    def add_verdicts(self, verdicts: Iterable[Any]) -> None:
+        """Fold `runtime.verify.StreamVerdict`s (one per stream) into the report."""
+        for v in verdicts:
+            s = v.stream
+            self.stored += v.stored
+            self.lost += [f"{s}/{i}" for i in v.lost]
+            self.altered += [f"{s}/{i}" for i in v.altered]
+            self.duplicated.update({f"{s}/{i}": n for i, n in v.duplicated.items()})
+            self.duplicated_payloads.update(
+                {f"{s}/{h}": [f"{s}/{i}" for i in ids] for h, ids in v.duplicated_payloads.items()}
+            )
+            self.refused_stored += [f"{s}/{i}" for i in v.refused_stored]
+            self.unacknowledged_stored += v.unexpected
+            self.blind_duplicates += v.blind_duplicates
+            self.streams[s] = str(v)
+
     @property
     def ok(self) -> bool:
-        """Zero acknowledged loss, zero duplicates, clients and analysis exact, every fault
-        applied and healed."""
+        """Zero acknowledged loss, nothing altered or duplicated (by id or by payload),
+        every invalid/oversized event refused and absent, every valid one acknowledged,
+        clients and analysis exact, every fault applied and healed."""
         return (
             not self.error
             and not self.lost
             and not self.duplicated
+            and not self.altered
+            and not self.duplicated_payloads
+            and not self.refused_stored
+            and not self.wrongly_accepted
+            and not self.wrongly_refused
             and self.acknowledged == self.events
             and (self.gateway is None or self.gateway.ok)
             and not self.analysis_mismatches
@@ -89,6 +121,11 @@ class ScenarioReport:
         d["lost"] = self.lost[:20]
         d["duplicated_count"] = len(self.duplicated)
         d["duplicated"] = dict(list(self.duplicated.items())[:20])
+        for name in ("altered", "refused_stored", "wrongly_accepted", "wrongly_refused"):
+            d[f"{name}_count"] = len(d[name])
+            d[name] = d[name][:20]
+        d["duplicated_payloads_count"] = len(self.duplicated_payloads)
+        d["duplicated_payloads"] = dict(list(self.duplicated_payloads.items())[:20])
         return d
 
 
@@ -149,8 +186,9 @@ def table(reports: Sequence[ScenarioReport]) -> Any:
     from rich.table import Table
 
     t = Table(title="tierflow chaos", show_lines=False)
-    for col in ("scenario", "seed", "sent", "acked", "lost", "dup", "gateway", "analysis"):
+    for col in ("scenario", "seed", "sent", "acked", "lost", "dup", "refused", "gateway"):
         t.add_column(col, justify="left" if col in ("scenario", "gateway") else "right")
+    t.add_column("analysis", justify="right")
     t.add_column("faults (recovery s)")
     t.add_column("eps in faults / overall", justify="right")
     t.add_column("verdict")
@@ -171,8 +209,9 @@ def table(reports: Sequence[ScenarioReport]) -> Any:
             str(r.seed),
             str(r.sent),
             f"{r.acknowledged}/{r.events}",
-            str(len(r.lost)),
-            str(len(r.duplicated)),
+            str(len(r.lost) + len(r.altered)),
+            str(len(r.duplicated) + len(r.duplicated_payloads)),
+            _refusals(r),
             gw,
             an,
             faults,
@@ -180,6 +219,16 @@ def table(reports: Sequence[ScenarioReport]) -> Any:
             "PASS" if r.ok else f"FAIL{': ' + r.error[:60] if r.error else ''}",
         )
     return t
+
+
+def _refusals(r: ScenarioReport) -> str:
+    """Refused as expected / expected, with what went wrong about refusals."""
+    wrong = len(r.wrongly_accepted) + len(r.refused_stored)
+    right = r.expected_refused - len(r.wrongly_accepted)
+    out = f"{right}/{r.expected_refused}"
+    if wrong or r.wrongly_refused:
+        out += f" BAD {wrong}+{len(r.wrongly_refused)}"
+    return out
 
 
 def render_text(reports: Sequence[ScenarioReport], width: int = 200) -> str:

@@ -3,10 +3,14 @@
 For each scenario the runner starts its own deployment (NATS single node or a 3-node R3
 cluster, a local Ray or a 3-node `ray.cluster_utils` cluster, the collection tier with a
 k=1 logger and two collectors, two gateways, the Spark driver when the scenario checks
-analysis), drives `events` known ids at `rate`, applies `schedule.plan(scenario, seed)` on
-time, waits for the message log to drain, and judges:
+analysis), drives a mixed load (`runtime.loadgen.mixed_plan`: `events` valid events over
+three streams, ids reused across them, a quarter without ids, near-limit events, and
+invalid and oversized ones that must be refused) at `rate`, applies
+`schedule.plan(scenario, seed)` on time, waits for the message log to drain, and judges:
 
-- the queue: every acknowledged id is in the JetStream stream exactly once;
+- the queue, per stream by (id, payload digest) (`runtime.verify.judge_streams`): every
+  acknowledged event exactly once with its bytes, no payload under two ids, nothing
+  refused stored, every invalid/oversized event refused and every valid one accepted;
 - the clients: a `TierflowClient` that subscribed (with a filter) before the load and
   resumed by cursor across faults got every matching stored event exactly once;
 - the analysis (Spark scenarios): the results in KV equal `jobs.meetup.reference` over
@@ -36,6 +40,9 @@ from runtime.waiting import await_until
 log = logging.getLogger(__name__)
 
 GENERIC_STREAM, GENERIC_SUBJECT = "chaos", "raw.chaos"
+# The other streams of the mixed load (the same ids reused on each); the analysis
+# scenario loads these two next to `meetup`.
+EXTRA_STREAMS = ("chaos2", "chaos3")
 GENERIC_FILTER = "WHERE k = 'a'"  # the gateway client's filter; matches every third event
 MEETUP_FILTER = "WHERE response = 'yes'"
 
@@ -56,17 +63,40 @@ class RunOptions:
 # ----------------------------------------------------------------------------- load
 
 
-def scenario_events(scn: Scenario, n: int, seed: int) -> tuple[list[dict[str, Any]], Any]:
-    """(events with known ids, predicate of the gateway filter) for a scenario."""
+def load_streams(scn: Scenario) -> tuple[str, ...]:
+    """The streams a scenario's load writes to; the first is the one the client reads."""
+    return ("meetup" if scn.analysis else GENERIC_STREAM, *EXTRA_STREAMS)
+
+
+def scenario_events(scn: Scenario, n: int, seed: int, max_payload: int) -> tuple[list[Any], Any]:
+    """(the mixed load's `Planned` events, predicate of the gateway filter on a body).
+
+    The analysis scenario's `meetup` events are Meetup RSVPs (no refusals or padding
+    there, so the analysis sees plain RSVPs); the other streams get generic bodies and
+    every kind of event that must be refused."""
+    from runtime.loadgen import mixed_plan
+
+    streams = load_streams(scn)
+    make = None
     if scn.analysis:
         from runtime.meetup import RsvpGenerator
 
-        rsvps = RsvpGenerator(seed=seed).take(n)
-        events = [{**r, "id": f"rsvp-{r['rsvp_id']}"} for r in rsvps]
-        return events, lambda e: e["response"] == "yes"
-    prefix = f"{scn.name}-{seed}"
-    events = [{"n": i, "k": "a" if i % 3 == 0 else "b", "id": f"{prefix}-{i}"} for i in range(n)]
-    return events, lambda e: e["k"] == "a"
+        rsvps = iter(RsvpGenerator(seed=seed).take(n))
+
+        def make(i: int, stream: str) -> dict[str, Any] | None:
+            return next(rsvps) if stream == "meetup" else None
+
+    plan_ = mixed_plan(
+        n,
+        streams,
+        f"{scn.name}-{seed}",
+        max_payload=max_payload,
+        make=make,
+        special_streams=EXTRA_STREAMS if scn.analysis else streams,
+    )
+    if scn.analysis:
+        return plan_, lambda body: body.get("response") == "yes"
+    return plan_, lambda body: body.get("k") == "a"
 
 
 # ----------------------------------------------------------------------------- deployment
@@ -75,9 +105,13 @@ def scenario_events(scn: Scenario, n: int, seed: int) -> tuple[list[dict[str, An
 def _config(scn: Scenario, work: Path, namespace: str, nats_url: str) -> Any:
     from runtime.config import default_streams, load
 
-    streams = (
+    streams: dict[str, Any] = (
         default_streams() if scn.analysis else {GENERIC_STREAM: {"subjects": [GENERIC_SUBJECT]}}
     )
+    streams.update({s: {"subjects": [f"raw.{s}"]} for s in EXTRA_STREAMS})
+    if scn.duplicate_window_s:
+        for name in load_streams(scn):
+            streams[name]["duplicate_window_s"] = scn.duplicate_window_s
     overrides: dict[str, Any] = {
         "state_dir": str(work / "state"),
         "ray": {"namespace": namespace},
@@ -332,15 +366,25 @@ async def _faults(
     return list(await asyncio.gather(*(one(f) for f in plan(scn, opts.seed))))
 
 
+async def _max_payload(url: str) -> int:
+    """The server's max_payload (what it takes per message, headers included)."""
+    from runtime.nats import connect
+
+    nc = await connect(url)
+    try:
+        return int(nc.max_payload)
+    finally:
+        await nc.close()
+
+
 async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
     """Deploy, load, inject, verify, tear down; the report says what happened."""
-    from runtime.loadgen import drive
+    from runtime.loadgen import EXPECT_ACCEPTED, drive_mixed
     from runtime.nats import connect
-    from runtime.verify import judge, stream_ids
+    from runtime.verify import judge_streams, stream_records
 
     span, rate = load_span(opts.events, opts.rate, scn)
-    events, matches = scenario_events(scn, opts.events, opts.seed)
-    rep = ScenarioReport(scn.name, opts.seed, len(events), round(rate, 1), 0, 0, 0)
+    rep = ScenarioReport(scn.name, opts.seed, opts.events, round(rate, 1), 0, 0, 0)
     started = time.monotonic()
     stack = _Stack()
     tmp = None
@@ -352,23 +396,26 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
     sub = _Subscriber()
     try:
         d = await deploy(scn, opts, work, stack)
+        events, matches = scenario_events(
+            scn, opts.events, opts.seed, await _max_payload(d.nats.url)
+        )
+        rep.events = sum(1 for p in events if p.kind in EXPECT_ACCEPTED)
+        rep.expected_refused = len(events) - rep.events
         if d.gateways:
             await sub.start(
                 await gateway_url(d), d.stream, MEETUP_FILTER if scn.analysis else GENERIC_FILTER
             )
         timeline: list[tuple[float, int]] = []
-        batches = [events[i : i + opts.batch] for i in range(0, len(events), opts.batch)]
         t0 = time.monotonic()
 
-        def on_batch(idx: int) -> None:
-            timeline.append((time.monotonic() - t0, len(batches[idx])))
+        def on_batch(n: int) -> None:
+            timeline.append((time.monotonic() - t0, n))
 
         log.info("%s: load of %d events at %.0f/s", scn.name, len(events), rate)
         faults = asyncio.create_task(_faults(scn, opts, d, t0, span))
         budget = span + sum(f.duration_s + 60 for f in plan(scn, opts.seed)) + 120
-        load = await drive(
+        load = await drive_mixed(
             d.tier.url,
-            d.stream,
             events,
             batch=opts.batch,
             concurrency=opts.concurrency,
@@ -384,6 +431,8 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
         log.info("%s: faults done; waiting for the log to drain", scn.name)
         rep.sent, rep.acknowledged, rep.refused = load.sent, len(load.acknowledged), load.refused
         rep.rejected = dict(load.rejected)
+        rep.wrongly_accepted, rep.wrongly_refused = load.wrongly_accepted, load.wrongly_refused
+        rep.adopted_ids = load.adopted
         rep.faults = fault_reports(records, timeline)
         rep.throughput_eps = rate_between(timeline, 0.0, load_s)
         try:
@@ -402,16 +451,19 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
             await opts.before_verify(d)
         nc = await connect(d.nats.url)
         try:
-            stored = await stream_ids(nc, d.stream)
+            stored = {s: await stream_records(nc, s) for s in load_streams(scn)}
         finally:
             await nc.close()
-        verdict = judge(load.acknowledged, stored)
-        rep.stored, rep.lost, rep.duplicated = verdict.stored, verdict.lost, verdict.duplicated
-        rep.unacknowledged_stored = verdict.unexpected
-        by_id = {e["id"]: e for e in events}
-        kept = [by_id[i] for i in stored if i in by_id]
+        verdicts = judge_streams(load.acked, stored, refused=load.refused_digests, blind=load.blind)
+        rep.add_verdicts(verdicts.values())
+        body_of = {(p.stream, p.digest): p.body for p in events}
+        kept = [body_of[(d.stream, h)] for _, h in stored[d.stream] if (d.stream, h) in body_of]
         if d.gateways:
-            want = {e["id"] for e in kept if matches(e)}
+            want = {
+                i
+                for i, h in stored[d.stream]
+                if (d.stream, h) in body_of and matches(body_of[(d.stream, h)])
+            }
             with contextlib.suppress(AssertionError):
                 await await_until(lambda: want <= set(sub.ids), 90, 0.5, what="client caught up")
             rep.gateway = delivery_check(want, list(sub.ids), sub.client.stats.reconnects)

@@ -21,6 +21,8 @@ from runtime.chaos.schedule import (
 # Kills past the collection supervisor's restart intensity (20 restarts in 60 s): both
 # collectors and the bridge at once, round after round, so the restarts land inside 60 s.
 KILLS_PAST_INTENSITY = 30
+# A duplicate window shorter than the outage of `nats-down-past-dup-window`.
+SHORT_DUP_WINDOW_S = 4.0
 
 _ALL = (
     Scenario(
@@ -69,6 +71,14 @@ _ALL = (
         (Fault(0.3, NATS_DOWN, "nats", 10.0),),
     ),
     Scenario(
+        "nats-down-past-dup-window",
+        f"streams with a {SHORT_DUP_WINDOW_S:g} s duplicate window; the only nats-server "
+        "down for 10 s, longer than the window: a blind resend past it would store twice",
+        (Fault(0.3, NATS_DOWN, "nats", 10.0),),
+        min_span_s=16.0,
+        duplicate_window_s=SHORT_DUP_WINDOW_S,
+    ),
+    Scenario(
         "pause-each-role",
         "SIGSTOP each role's process for 3 s in turn, then SIGCONT",
         tuple(Fault(0.05 + 0.14 * i, PAUSE, t, 3.0) for i, t in enumerate(ROLE_TARGETS)),
@@ -110,7 +120,7 @@ _ALL = (
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 # The short form `make test` runs (each well under a minute at small N).
-SHORT = ("kill-each-role", "logger-disk-errors", "nats-down-10s")
+SHORT = ("kill-each-role", "logger-disk-errors", "nats-down-10s", "nats-down-past-dup-window")
 
 
 def get(name: str) -> Scenario:

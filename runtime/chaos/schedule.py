@@ -78,7 +78,9 @@ class Scenario:
 
     `nemesis_faults` > 0 adds that many random faults (Jepsen's nemesis) drawn from
     `NEMESIS_MENU`; `min_span_s` is the shortest load window the faults need (the runner
-    slows the load to fit); `analysis` runs the Spark driver and checks its results.
+    slows the load to fit); `analysis` runs the Spark driver and checks its results;
+    `duplicate_window_s` > 0 shortens the load streams' JetStream duplicate window (to
+    run an outage past it).
     """
 
     name: str
@@ -91,6 +93,7 @@ class Scenario:
     proxy: bool = False
     gateway: bool = True
     analysis: bool = False
+    duplicate_window_s: float = 0.0
 
 
 # Random faults a nemesis may pick: each short and self-undoing, safe to overlap.
