@@ -502,7 +502,7 @@ def _stream_end(nats: NatsTarget, stream: str) -> int:
     from jobs.jetstream import NatsOptions, stream_bounds
 
     async def go() -> int:
-        opts = NatsOptions(nats.url, nats.user, nats.password, nats.token, nats.creds, nats.tls_ca)
+        opts = NatsOptions.from_options(nats.source_options())
         nc = await opts.connect("analysis-driver-idle")
         try:
             return (await stream_bounds(nc, stream)).latest

@@ -21,6 +21,7 @@ Options (names are case-insensitive):
 ==================== ==========================================================================
 url                  NATS URL, or several comma-joined (required)
 user, password       credentials; or ``token``; or ``creds`` (a .creds file); ``tlsCa`` a CA file
+tlsCert, tlsKey      the client certificate and key (for a server that verifies clients)
 stream               the JetStream stream (required)
 subject              subject filter; several comma-joined (default: every subject)
 startingOffset       ``earliest`` (default), ``latest``, or a stream sequence; a new query only
@@ -151,6 +152,8 @@ class NatsOptions:
     creds: str | None = None
     tls_ca: str | None = None
     timeout: float = DEFAULT_TIMEOUT
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> NatsOptions:
@@ -165,9 +168,12 @@ class NatsOptions:
             creds=options.get("creds") or None,
             tls_ca=options.get("tlsCa") or None,
             timeout=_positive_float(options, "timeout", DEFAULT_TIMEOUT),
+            tls_cert=options.get("tlsCert") or None,
+            tls_key=options.get("tlsKey") or None,
         )
 
     async def connect(self, name: str) -> Client:
+        from jobs.sink import _tls_kwargs
         from runtime.nats import connect
 
         return await connect(
@@ -176,8 +182,8 @@ class NatsOptions:
             password=self.password,
             token=self.token,
             creds=self.creds,
-            tls_ca=self.tls_ca,
             name=name,
+            **_tls_kwargs(self.tls_ca, self.tls_cert, self.tls_key),
         )
 
 

@@ -861,11 +861,14 @@ class NatsTarget:
     token: str | None = field(default=None, repr=False)
     creds: str | None = None
     tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Config, url: str = "") -> NatsTarget:
         """As the `analysis` role (its NATS user when configured); with `[tls]` on, trusting
-        `tls.ca` as `connect_nats` does."""
+        `tls.ca` and presenting the client pair (needed with `tls.verify_clients`) as
+        `connect_nats` does."""
         from runtime.nats_roles import credentials
         from runtime.tls import tls_files
 
@@ -878,6 +881,8 @@ class NatsTarget:
             token=who.token or None,
             creds=who.creds or None,
             tls_ca=str(files.ca) if files is not None else cfg.nats.tls_ca or None,
+            tls_cert=str(files.client_cert) if files and files.client_cert else None,
+            tls_key=str(files.client_key) if files and files.client_key else None,
         )
 
     def source_options(self) -> dict[str, str]:
@@ -888,6 +893,8 @@ class NatsTarget:
             ("token", self.token),
             ("creds", self.creds),
             ("tlsCa", self.tls_ca),
+            ("tlsCert", self.tls_cert),
+            ("tlsKey", self.tls_key),
         ):
             if value:
                 opts[key] = value
@@ -904,8 +911,27 @@ class NatsTarget:
             token=self.token,
             creds=self.creds,
             tls_ca=self.tls_ca,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
             **kwargs,
         )
+
+
+def checkpoint_run_id(checkpoint: str | Path) -> str:
+    """The id Spark gave the query when its checkpoint was made (``<checkpoint>/metadata``):
+    the same across restarts, new after a reset. The sink guards KV with it."""
+    import json
+
+    try:
+        text = (Path(checkpoint) / "metadata").read_text(encoding="utf-8")
+        return str(json.loads(text.splitlines()[0])["id"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return ""
+
+
+def _claim_run(sink: ResultSink, checkpoint: str | Path | None) -> None:
+    if checkpoint is not None and not sink.run_id:
+        sink.run_id = checkpoint_run_id(checkpoint)
 
 
 @dataclass
@@ -915,8 +941,10 @@ class JobWriter:
     sink: ResultSink
     finalize: Finalize
     on_batch: Callable[[int, BatchReport], None] | None = None
+    checkpoint: str | Path | None = None
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
+        _claim_run(self.sink, self.checkpoint)  # Spark has written the metadata by now
         rows = [self.finalize(r.asDict(recursive=True)) for r in df.collect()]
         report = self.sink.publish_results(rows, batch_id)
         if self.on_batch is not None:
@@ -985,12 +1013,13 @@ def start_job(
     if source is None:
         source = read_stream(spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger)
     plan = build_plan(spec, source)
-    writer = JobWriter(nats.sink(spec.name), plan.finalize, on_batch)
+    checkpoint = Path(checkpoint_root) / spec.name
+    writer = JobWriter(nats.sink(spec.name), plan.finalize, on_batch, checkpoint)
     return (
         plan.df.writeStream.queryName(spec.name)
         .outputMode(plan.output_mode)
         .foreachBatch(writer)
-        .option("checkpointLocation", str(Path(checkpoint_root) / spec.name))
+        .option("checkpointLocation", str(checkpoint))
         .trigger(**_trigger(spec.trigger_s, trigger))
         .start()
     )
@@ -1035,6 +1064,7 @@ __all__ = [
     "WindowSpec",
     "build_plan",
     "check_spec",
+    "checkpoint_run_id",
     "deadletter_query_name",
     "decode_spec",
     "duration_ms",

@@ -25,6 +25,7 @@ import asyncio
 import base64
 import logging
 import re
+import ssl
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ SOURCE_STREAM_HEADER = "Tierflow-Source-Stream"
 SOURCE_SEQ_HEADER = "Tierflow-Source-Seq"
 SOURCE_SUBJECT_HEADER = "Tierflow-Source-Subject"
 SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
+RUN_HEADER = "Tierflow-Run"  # on KV values: the query's checkpoint id (see `_put_latest`)
+_WRONG_LAST_SEQUENCE = 10071  # JetStream: the expected last subject sequence did not match
 B64_PREFIX = "b64."
 NULL_KEY = "b64.-"  # never produced by encoding a string: base64 output is >= 2 characters
 EMPTY_KEY = "b64.="
@@ -62,6 +65,20 @@ T = TypeVar("T")
 
 class SinkError(RuntimeError):
     """Results could not be made durable; the batch must fail (and be replayed)."""
+
+
+def client_tls(
+    ca: str | None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext | None:
+    """The analysis tier's TLS context: trust `ca`, and present the client pair when one is
+    given (a server with `tls.verify_clients` refuses a client without it). None: plain, or
+    nats-py's defaults."""
+    if not (ca or cert):
+        return None
+    ctx = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        ctx.load_cert_chain(cert, key or None)
+    return ctx
 
 
 def kv_key(key: Any) -> str:
@@ -124,6 +141,7 @@ class BatchReport:
     published: int = 0
     duplicates: int = 0
     kv_puts: int = 0
+    kv_stale: int = 0  # keys KV already held from a newer (or the same) batch: left alone
 
 
 @dataclass
@@ -188,11 +206,14 @@ class ResultSink:
     token: str | None = field(default=None, repr=False)
     creds: str | None = None
     tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     timeout: float = 10.0
     max_in_flight: int = 512
     attempts: int = 3
     create_bucket: bool = True
     kv_prefix: str = ""
+    run_id: str = ""
     stats: SinkStats = field(default_factory=SinkStats, compare=False)
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -264,8 +285,8 @@ class ResultSink:
             password=self.password,
             token=self.token,
             creds=self.creds,
-            tls_ca=self.tls_ca,
             name=f"result-sink-{self.query_name}",
+            **_tls_kwargs(self.tls_ca, self.tls_cert, self.tls_key),
         )
 
     async def _with_nc(self, fn: Callable[[Client], Awaitable[T]]) -> T:
@@ -307,9 +328,15 @@ class ResultSink:
             puts.append(Outgoing(f"$KV.{self.kv_bucket}.{kv}", payload))
         if results:
             await self._ensure_bucket(nc)
-        acks = await self._publish_all(nc, results + puts)
-        dups = sum(1 for a in acks[: len(results)] if a.duplicate)
-        report = BatchReport(published=len(results), duplicates=dups, kv_puts=len(puts))
+        acks = await self._publish_all(nc, results)  # KV shows only what results hold
+        dups = sum(1 for a in acks if a.duplicate)
+        done = await asyncio.gather(*(self._put_latest(nc, p, batch_id) for p in puts))
+        report = BatchReport(
+            published=len(results),
+            duplicates=dups,
+            kv_puts=sum(done),
+            kv_stale=len(done) - sum(done),
+        )
         s = self.stats
         s.batches += 1
         s.results += report.published
@@ -318,6 +345,55 @@ class ResultSink:
         s.last_batch_id = batch_id
         log.debug("result sink %s: batch %d: %s", self.query_name, batch_id, report)
         return report
+
+    async def _put_latest(self, nc: Client, put: Outgoing, batch_id: int) -> bool:
+        """Put one KV value unless KV holds a newer batch's; False when left alone.
+
+        Each value carries its run (the query's checkpoint id) and batch id in headers, and
+        the put is conditional on the key's last revision, so a late replay of an older
+        batch never overwrites a newer value, even racing it. A value from another run
+        means the checkpoint was reset: refused with SinkError (batch ids restart at 0, so
+        the new run's result ids would be dropped as the old run's duplicates).
+        """
+        import nats.errors
+        from nats.js.errors import APIError, NotFoundError
+
+        js = nc.jetstream(timeout=self.timeout)
+        stream = f"KV_{self.kv_bucket}"
+        headers = {BATCH_HEADER: str(batch_id), RUN_HEADER: self.run_id}
+        for attempt in range(self.attempts + 5):
+            if attempt:
+                await asyncio.sleep(0.05 * attempt)
+            try:
+                last = await js.get_last_msg(stream, put.subject)
+                held_seq, held = last.seq or 0, dict(last.headers or {})
+            except NotFoundError:
+                held_seq, held = 0, {}
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            op = (held.get("KV-Operation") or "PUT").upper()
+            if op == "PUT" and BATCH_HEADER in held:
+                run, batch = held.get(RUN_HEADER, ""), int(held[BATCH_HEADER])
+                if run and self.run_id and run != self.run_id:
+                    raise SinkError(
+                        f"query {self.query_name!r}: its checkpoint was reset (KV key "
+                        f"{put.subject!r} holds batch {batch} of run {run}, this run is "
+                        f"{self.run_id} at batch {batch_id}); its results would be dropped as "
+                        "duplicates: give the job a new name, or restore its checkpoint"
+                    )
+                if batch >= batch_id:
+                    return False
+            expect = {"Nats-Expected-Last-Subject-Sequence": str(held_seq)}
+            try:
+                await js.publish(put.subject, put.payload, headers={**headers, **expect})
+                return True
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue  # maybe stored: the next read says
+            except APIError as err:
+                if err.err_code != _WRONG_LAST_SEQUENCE:
+                    raise SinkError(f"KV put to {put.subject!r} failed: {err}") from err
+                # another writer got there first: read again
+        raise SinkError(f"KV put to {put.subject!r}: no conditional write after retries")
 
     async def adead_letter(
         self, nc: Client, rows: list[dict[str, Any]], stream: str
@@ -427,6 +503,14 @@ __all__ = [
     "result_id",
     "result_kv_key",
 ]
+
+
+def _tls_kwargs(ca: str | None, cert: str | None, key: str | None) -> dict[str, Any]:
+    """`runtime.nats.connect` keywords: the CA alone as `tls_ca`, with a client pair as an
+    SSL context (`tls`)."""
+    if cert:
+        return {"tls": client_tls(ca, cert, key)}
+    return {"tls_ca": ca}
 
 
 async def kv_items(js: Any, bucket: str) -> dict[str, bytes]:

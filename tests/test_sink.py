@@ -227,6 +227,36 @@ def test_publish_results_is_idempotent_per_batch_and_key(nats_url: str) -> None:
     assert sink.stats.batches == 3 and sink.stats.duplicates == 3 and sink.stats.results == 7
 
 
+def test_a_replayed_old_batch_never_overwrites_a_newer_kv_value(nats_url: str) -> None:
+    """Hole 16: KV keeps the value of the newest batch; an older batch that arrives late
+    (a replay after a crash, a slow twin) publishes its results but leaves KV alone."""
+    sink = ResultSink(nats_url, "results", "order_kv", "order", run_id="run-a")
+    sink.publish_results([{"key": "a", "count": 5}, {"key": "b", "count": 1}], 7)
+    old = sink.publish_results([{"key": "a", "count": 3}, {"key": "c", "count": 9}], 4)
+    assert (old.published, old.kv_puts, old.kv_stale) == (2, 1, 1)  # only the new key c
+    assert kv_values(nats_url, "order_kv") == {
+        "a": {"key": "a", "count": 5},
+        "b": {"key": "b", "count": 1},
+        "c": {"key": "c", "count": 9},
+    }
+    newer = sink.publish_results([{"key": "a", "count": 8}], 8)
+    assert newer.kv_puts == 1 and kv_values(nats_url, "order_kv")["a"]["count"] == 8
+
+
+def test_a_reset_checkpoint_is_a_clear_error_and_kv_stays(nats_url: str) -> None:
+    """Hole 16: a query whose checkpoint was reset (a new run, batch ids back at 0) would
+    see its new results dropped as duplicates of the old run's ids while KV went back in
+    time; the sink refuses the batch, names the cause, and KV keeps the old run's values."""
+    first = ResultSink(nats_url, "results", "reset_kv", "reset", run_id="run-old")
+    first.publish_results([{"key": "a", "count": 40}], 12)
+    again = ResultSink(nats_url, "results", "reset_kv", "reset", run_id="run-new")
+    with pytest.raises(SinkError, match=r"query 'reset'.*checkpoint was reset.*batch 12"):
+        again.publish_results([{"key": "a", "count": 2}], 0)
+    assert kv_values(nats_url, "reset_kv") == {"a": {"key": "a", "count": 40}}
+    # the old run itself goes on
+    assert first.publish_results([{"key": "a", "count": 41}], 13).kv_puts == 1
+
+
 def test_bad_batches_are_refused_before_anything_is_published(nats_url: str) -> None:
     sink = ResultSink(nats_url, "results", "unit_kv2", "unit2")
     with pytest.raises(ValueError, match="two rows for key 'a'"):

@@ -1,0 +1,71 @@
+"""Hole 15: with `tls.verify_clients` on, the analysis tier's NATS connections (the Spark
+source and the result sink) present the client certificate, not only trust the CA.
+
+A real embedded nats-server with client verification on (as `tierflow up` starts it). The
+whole pipeline under mutual TLS is `tests/test_config_matrix.py`'s `tokens-and-mutual-tls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.jetstream import NatsOptions, stream_bounds
+from jobs.library import NatsTarget
+from runtime.certs import make_dev_certs
+from runtime.config import Config, load
+from runtime.services import connect_nats, ensure_streams, start_nats
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def mtls(tmp_path: Path) -> Any:
+    state = tmp_path / "state"
+    make_dev_certs(state / "certs")
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(state),
+            "tls": {"enabled": True, "verify_clients": True},
+            "streams": {"flights": {}},
+        },
+    )
+    server = start_nats(cfg)
+    assert server is not None
+    try:
+        yield cfg, server
+    finally:
+        server.stop()
+
+
+def test_source_and_sink_connect_with_the_client_certificate(mtls: tuple[Config, Any]) -> None:
+    cfg, server = mtls
+
+    async def setup() -> None:
+        nc = await connect_nats(cfg, server.url, name="setup")
+        try:
+            await ensure_streams(nc, cfg)
+            js = nc.jetstream()
+            for i in range(3):
+                await js.publish("raw.flights", json.dumps({"i": i}).encode())
+        finally:
+            await nc.close()
+
+    asyncio.run(setup())
+    target = NatsTarget.from_config(cfg, server.url)
+
+    async def source_sees_the_stream() -> int:
+        nc = await NatsOptions.from_options(target.source_options()).connect("mtls-source")
+        try:
+            return (await stream_bounds(nc, "flights")).latest
+        finally:
+            await nc.close()
+
+    assert asyncio.run(source_sees_the_stream()) == 4  # the next sequence after 3 events
+    report = target.sink("mtls_q").publish_results([{"key": "a", "n": 1}], 0)
+    assert (report.published, report.kv_puts) == (1, 1)
