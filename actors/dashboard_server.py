@@ -43,12 +43,21 @@ async def _index(request: web.Request) -> web.FileResponse:
     return _file(DASHBOARD_DIR / "index.html")
 
 
+def _served() -> dict[str, Path]:
+    """The files `/static/` may serve: plain files directly in the dashboard directory, of
+    a known type, by their bare name. Requests are looked up in this map, never joined to
+    a path: `{name}` arrives percent-decoded, so `%2Fetc%2Fx.html` is an absolute path and
+    `DASHBOARD_DIR / name` would be that path (hole 11 of issue 12)."""
+    return {
+        p.name: p
+        for p in DASHBOARD_DIR.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix in _TYPES
+    }
+
+
 async def _static(request: web.Request) -> web.FileResponse:
-    """Only plain files directly in the dashboard directory, of a known type (no traversal:
-    the route's `{name}` never contains a slash)."""
-    name = request.match_info["name"]
-    path = DASHBOARD_DIR / name
-    if name.startswith(".") or path.suffix not in _TYPES or not path.is_file():
+    path = _served().get(request.match_info["name"])
+    if path is None:
         raise web.HTTPNotFound()
     return _file(path)
 

@@ -329,8 +329,18 @@ class Subscriber:
 
     # ---- client acks ------------------------------------------------------------------
 
-    def ack(self, seq: int) -> None:
-        """Cumulative: acknowledges every event delivered up to `seq`."""
+    @property
+    def ack_limit(self) -> int:
+        """The highest sequence a client may acknowledge: the last one handed to it (a
+        batch being written counts, its frames may already be read)."""
+        return max(self.delivered, self._writing)
+
+    def ack(self, seq: int) -> bool:
+        """Cumulative: acknowledges every event delivered up to `seq`. An ack past what was
+        delivered is refused (False) and changes nothing: it would move the cursor over
+        events the client never got."""
+        if seq > self.ack_limit:
+            return False
         i = bisect.bisect_right(self._unacked, seq)
         if i:
             del self._unacked[:i]
@@ -338,6 +348,7 @@ class Subscriber:
             self.acked = seq
             self._on_progress(seq)
         self._acked.set()
+        return True
 
     async def _window(self, n: int) -> None:
         assert self.ack_window is not None

@@ -66,10 +66,10 @@ from actors.fanout import (
     TokenBucket,
     jetstream_opener,
 )
-from actors.webhooks import WebhookError, WebhookOptions, Webhooks
+from actors.webhooks import Registration, TargetPolicy, WebhookError, WebhookOptions, Webhooks
 from runtime.config import Config, validate
 from runtime.cursors import BUCKET as CURSOR_BUCKET
-from runtime.cursors import CursorRecord, CursorStore, FlushPolicy
+from runtime.cursors import CursorRecord, CursorStore, FlushPolicy, owner_of
 from runtime.filters import Filter, FilterError, compile_filter, compile_named
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
@@ -207,6 +207,18 @@ class Access:
             )
         if not any(hmac.compare_digest(token.encode(), t.encode()) for t in self.tokens):
             raise Problem(401, "invalid token")
+
+    def owner(self, token: str | None) -> str:
+        """Who owns what this token makes (cursors, webhooks): one identity per token, or
+        "anon" for everyone when auth is off."""
+        return owner_of(token if self.enabled else None)
+
+    def may_read(self, token: str | None, ref: StreamRef) -> bool:
+        try:
+            self.authorize(token, ref)
+        except Problem:
+            return False
+        return True
 
     def authorize(self, token: str | None, ref: StreamRef) -> None:
         if ref.js in self.internal:
@@ -361,6 +373,7 @@ class Gateway(SupervisedActor):
                 f"({o.max_lag + 2 * o.fetch_batch}): a client within its lag bound must "
                 "still find its events in memory"
             )
+        TargetPolicy.from_networks(o.webhooks.allow_networks)  # a bad CIDR fails the start
         self.named_texts = dict(named_filters or {})
         self.named = compile_named(self.named_texts)
         self.access = Access(
@@ -525,7 +538,13 @@ class Gateway(SupervisedActor):
         return jetstream_opener(self.js, ref.js)
 
     def _track_cursor(
-        self, client: str | None, sid: str, ref: StreamRef, filter_text: str, ack: bool
+        self,
+        client: str | None,
+        sid: str,
+        ref: StreamRef,
+        filter_text: str,
+        ack: bool,
+        owner: str,
     ) -> Callable[[int], None]:
         if not client:
             return lambda seq: None
@@ -541,6 +560,7 @@ class Gateway(SupervisedActor):
                     ack=ack,
                     gateway=self.instance,
                     updated_ms=int(time.time() * 1000),
+                    owner=owner,
                 )
             )
 
@@ -677,8 +697,9 @@ class Gateway(SupervisedActor):
             sid = request.query.get("sub") or f"sse:{ref.public}"
             last_id = request.headers.get("Last-Event-ID", "").strip()
             after = int(last_id) if last_id.isdigit() else _int_param(request, "after", None)
+            owner = self.access.owner(token)
             start_seq, resumed = await self._resolve(
-                ref, state, request.query.get("from"), after, client, sid
+                ref, state, request.query.get("from"), after, client, sid, owner
             )
         except FilterError as err:
             p = _filter_problem(err)
@@ -733,7 +754,7 @@ class Gateway(SupervisedActor):
             on_lag=lambda behind: control("lag", self._lag_body(None, behind, policy)),
             on_dropped=lambda n, a, b: control("dropped", {"count": n, "from_seq": a, "to_seq": b}),
             on_overflow=on_overflow,
-            on_progress=self._track_cursor(client, sid, ref, flt.text, False),
+            on_progress=self._track_cursor(client, sid, ref, flt.text, False, owner),
         )
         hello = {"stream": ref.public, "from_seq": start_seq, "cursor": resumed}
         await write(b"retry: 1000\nevent: subscribed\ndata: %s\n\n" % _json.encode(hello))
@@ -770,7 +791,7 @@ class Gateway(SupervisedActor):
             self.open["sse"] -= 1
             if client:
                 with contextlib.suppress(Exception):
-                    await self.cursors.flush([(client, sid)])
+                    await self.cursors.flush([(client, sid, owner)])
         return resp
 
     # ------------------------------------------------------------------ polling, latest
@@ -985,6 +1006,7 @@ class Gateway(SupervisedActor):
                 filter_text=filter_text,
                 secret=body.get("secret"),
                 start_seq=start_seq,
+                owner=self.access.owner(token),
             )
         except FilterError as err:
             return self._refuse(_filter_problem(err))
@@ -994,30 +1016,55 @@ class Gateway(SupervisedActor):
             return self._refuse(p)
         return _reply(201, {**reg.public(), "secret": reg.secret})
 
-    async def webhook_list(self, request: web.Request) -> web.Response:
+    def _owns(self, token: str | None, reg: Registration) -> bool:
+        """A webhook is seen and deleted only by the token that registered it (one made
+        before owners existed: by any token that may read its stream)."""
+        if reg.owner and reg.owner != self.access.owner(token):
+            return False
         try:
-            self.access.authenticate(request_token(request))
+            return self.access.may_read(token, stream_ref(reg.stream))
+        except Problem:
+            return False
+
+    async def _own_webhook(self, request: web.Request) -> tuple[str, Registration]:
+        """The webhook named in the path if this token owns it; else 404 (not 403: another
+        token's webhook ids are not confirmed)."""
+        token = request_token(request)
+        self.access.authenticate(token)
+        wid = request.match_info["id"]
+        reg = await self.webhooks.get(wid)
+        if reg is None or not self._owns(token, reg):
+            raise Problem(404, "unknown webhook")
+        return wid, reg
+
+    async def webhook_list(self, request: web.Request) -> web.Response:
+        token = request_token(request)
+        try:
+            self.access.authenticate(token)
         except Problem as p:
             return self._refuse(p)
-        regs = sorted(self.webhooks.registrations.values(), key=lambda r: r.created_ms)
+        regs = sorted(
+            (r for r in self.webhooks.registrations.values() if self._owns(token, r)),
+            key=lambda r: r.created_ms,
+        )
         return _reply(200, {"webhooks": [r.public() for r in regs]})
 
     async def webhook_get(self, request: web.Request) -> web.Response:
         try:
-            self.access.authenticate(request_token(request))
+            wid, _ = await self._own_webhook(request)
         except Problem as p:
             return self._refuse(p)
-        status = await self.webhooks.status(request.match_info["id"])
+        status = await self.webhooks.status(wid)
         if status is None:
             return self._refuse(Problem(404, "unknown webhook"))
         return _reply(200, status)
 
     async def webhook_delete(self, request: web.Request) -> web.Response:
         try:
-            self.access.authenticate(request_token(request))
+            wid, _ = await self._own_webhook(request)
         except Problem as p:
             return self._refuse(p)
-        if not await self.webhooks.remove(request.match_info["id"]):
+        if not await self.webhooks.remove(wid):
             return self._refuse(Problem(404, "unknown webhook"))
         return web.Response(status=204)
 
@@ -1031,8 +1078,11 @@ class Gateway(SupervisedActor):
         after: int | None,
         client: str | None,
         sid: str,
+        owner: str,
     ) -> tuple[int, bool]:
-        """(first seq to deliver, resumed from a stored cursor)."""
+        """(first seq to deliver, resumed from a stored cursor). A cursor named but not
+        found (never made by this token, or expired) is a 410 naming the oldest sequence
+        still held: starting "new" instead would silently skip what came since."""
         if after is not None:
             if after < 0:
                 raise Problem(400, f"after must be >= 0, got {after}")
@@ -1042,14 +1092,14 @@ class Gateway(SupervisedActor):
             if not client:
                 raise Problem(400, 'from "cursor" needs a client id')
             try:
-                cursor = await self.cursors.get(client, sid)
+                cursor = await self.cursors.get(client, sid, owner)
             except ValueError as err:
                 raise Problem(400, str(err)) from None
-            if cursor is not None:
-                if cursor.stream != ref.public:
-                    raise Problem(400, f"the cursor of {sid!r} is for stream {cursor.stream!r}")
-                return cursor.seq + 1, True
-            position = "new"
+            if cursor is None:
+                raise _no_cursor(client, sid, state.first_seq)
+            if cursor.stream != ref.public:
+                raise Problem(400, f"the cursor of {sid!r} is for stream {cursor.stream!r}")
+            return cursor.seq + 1, True
         return resolve_start(position, state.first_seq, state.last_seq), False
 
     def _subscriber(
@@ -1118,6 +1168,22 @@ async def _errors(
         return _reply(500, {"error": f"internal error: {type(err).__name__}"})
 
 
+def _no_cursor(client: str, sid: str, first_seq: int | None) -> Problem:
+    """410: the named cursor does not exist (for this token) or expired."""
+    why = (
+        f"no cursor for subscription {sid!r} of client {client!r} "
+        "(none made with this token, or it expired)"
+    )
+    if first_seq is None:
+        return Problem(410, f"{why}; give the stream to learn its oldest sequence")
+    return Problem(
+        410,
+        f"{why}; the oldest sequence still available is {first_seq}: subscribe from it "
+        "(or from a seq of your own) to read on",
+        first_seq=first_seq,
+    )
+
+
 def _mount_dashboard(app: web.Application) -> None:
     """The live dashboard (`/`, `/static/*`) when its module is present."""
     try:
@@ -1180,6 +1246,7 @@ class _WsConnection:
         self.ws = ws
         self.request = request
         self.token = token
+        self.owner = gw.access.owner(token)
         self.subs: dict[str, _Active] = {}
         self.closing = False
 
@@ -1241,7 +1308,12 @@ class _WsConnection:
                 reason = 'this subscription was made without "ack": true'
                 await self.send({"op": "error", "id": op.id, "code": 400, "reason": reason})
                 return
-            active.sub.ack(op.seq)
+            if not active.sub.ack(op.seq):
+                self.gw.counters["bad_requests"] += 1
+                limit = active.sub.ack_limit
+                reason = f"ack of seq {op.seq} refused: the last seq delivered is {limit}"
+                frame = {"op": "error", "id": op.id, "code": 400, "reason": reason}
+                await self.send({**frame, "delivered_seq": limit})
         elif isinstance(op, SlowDown):
             rate = op.max_rate
             active.sub.limiter = TokenBucket(rate) if rate and rate > 0 else None
@@ -1263,13 +1335,15 @@ class _WsConnection:
                 raise Problem(400, f"at most {gw.options.max_subscriptions} subscriptions")
             stream, filter_text = op.stream, op.filter
             if op.start == "cursor" and op.client and not stream:
-                cursor = await gw.cursors.get(op.client, sid)
+                cursor = await gw.cursors.get(op.client, sid, self.owner)
                 if cursor is None:
-                    raise Problem(400, f"no cursor for {sid!r}: give a stream")
+                    raise _no_cursor(op.client, sid, None)
                 stream, filter_text = cursor.stream, filter_text or cursor.filter
             ref, state = await gw._stream(stream or "", self.token)
             flt = gw._filter(filter_text)
-            start_seq, resumed = await gw._resolve(ref, state, op.start, op.after, op.client, sid)
+            start_seq, resumed = await gw._resolve(
+                ref, state, op.start, op.after, op.client, sid, self.owner
+            )
         except FilterError as err:
             p = _filter_problem(err)
             gw._count(p)
@@ -1311,7 +1385,7 @@ class _WsConnection:
                 {"op": "dropped", "id": sid, "count": n, "from_seq": a, "to_seq": b}
             ),
             on_overflow=on_overflow,
-            on_progress=gw._track_cursor(op.client, sid, ref, flt.text, op.ack),
+            on_progress=gw._track_cursor(op.client, sid, ref, flt.text, op.ack, self.owner),
             ack_window=gw.options.ack_window if op.ack else None,
         )
         hello: dict[str, Any] = {
@@ -1401,7 +1475,7 @@ class _WsConnection:
         self.gw.open["subscriptions"] -= 1
         if active.client:
             with contextlib.suppress(Exception):
-                await self.gw.cursors.flush([(active.client, sid)])
+                await self.gw.cursors.flush([(active.client, sid, self.owner)])
 
     async def end(self) -> None:
         for sid in list(self.subs):

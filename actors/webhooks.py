@@ -19,6 +19,14 @@ A non-2xx answer or a network error is retried with exponential backoff; after
 `webhook:<id>:<seq>`, so a failover does not dead-letter it twice) and delivery goes on.
 Progress is the webhook's cursor (`runtime/cursors.py`, client `webhook`): delivery is
 at-least-once, repeats limited to the last cursor flush interval after a failover.
+
+Targets (server-side request forgery): a webhook may reach only public (global unicast)
+addresses, plus the networks in `allow_networks` (CIDRs; e.g. `["127.0.0.1/32"]` for a
+receiver on this host). A host name is resolved and EVERY address it gives must be allowed,
+at registration (400 otherwise) and again at each connection (the sender connects only to
+addresses its resolver checked, so a name rebound to a private address after registration is
+refused). Redirects are not followed: a 3xx is a failed attempt. A registration belongs to
+the token that made it (its owner): other tokens neither see nor delete it.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import logging
 import random
 import secrets
+import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,10 +59,13 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BUCKET",
     "DEADLETTER_SUBJECT",
+    "GuardedResolver",
     "Registration",
+    "TargetPolicy",
     "WebhookError",
     "WebhookOptions",
     "Webhooks",
+    "check_target",
     "delivery_id",
     "sign",
     "verify",
@@ -83,6 +96,9 @@ class WebhookOptions(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 10.0
     lease_s: float = 5.0
     bucket: str = BUCKET
+    # CIDRs a target may be in besides public addresses (loopback, private, link-local
+    # ones are refused unless listed here), e.g. ["127.0.0.1/32", "10.20.0.0/16"]
+    allow_networks: list[str] = []
 
 
 class Registration(msgspec.Struct, kw_only=True):
@@ -93,11 +109,13 @@ class Registration(msgspec.Struct, kw_only=True):
     secret: str
     start_seq: int = 1
     created_ms: int = 0
+    owner: str = ""  # runtime.cursors.owner_of(token that registered it); "" before owners
 
     def public(self) -> dict[str, Any]:
-        """What a listing shows: everything but the secret."""
+        """What a listing shows: everything but the secret and the owner's identity."""
         out = msgspec.to_builtins(self)
         out.pop("secret")
+        out.pop("owner", None)
         return out
 
 
@@ -119,12 +137,108 @@ def delivery_id(webhook: str, seq: int) -> str:
     return f"{webhook}:{seq}"
 
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class TargetPolicy:
+    """Which addresses a webhook may reach: global unicast ones and the allowed networks."""
+
+    def __init__(self, allowed: Sequence[IPNetwork] = ()) -> None:
+        self.allowed = tuple(allowed)
+
+    @classmethod
+    def from_networks(cls, networks: Sequence[str]) -> TargetPolicy:
+        nets: list[IPNetwork] = []
+        for text in networks:
+            try:
+                nets.append(ipaddress.ip_network(text, strict=False))
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"webhooks.allow_networks: {text!r} is not a network (CIDR such as "
+                    f"'127.0.0.1/32' or '10.0.0.0/8'): {err}"
+                ) from None
+        return cls(nets)
+
+    def allows(self, ip: IPAddress) -> bool:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # ::ffff:10.0.0.1 is 10.0.0.1 to the kernel
+        if any(ip in net for net in self.allowed):
+            return True
+        return ip.is_global and not ip.is_multicast
+
+    def check(self, host: str, addresses: Sequence[str]) -> None:
+        """WebhookError 400 unless every address `host` resolved to is allowed."""
+        if not addresses:
+            raise WebhookError(400, f"webhook host {host!r} resolves to no address")
+        for text in addresses:
+            try:
+                ip = ipaddress.ip_address(text.split("%", 1)[0])
+            except ValueError:
+                raise WebhookError(400, f"webhook host {host!r}: bad address {text!r}") from None
+            if not self.allows(ip):
+                raise WebhookError(
+                    400,
+                    f"webhook target {host!r} ({ip}) is not allowed: loopback, private, "
+                    "link-local and other non-public addresses are refused unless their "
+                    "network is in gateway.options.webhooks.allow_networks",
+                )
+
+    def check_literal(self, host: str) -> bool:
+        """Check `host` if it is an IP literal (True), else leave it to the resolver."""
+        try:
+            ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        self.check(host, [host])
+        return True
+
+
+class GuardedResolver(aiohttp.abc.AbstractResolver):
+    """The sender's resolver: every answer is checked, so the connection goes only to an
+    address that passed (a name rebound to a private address at delivery is refused)."""
+
+    def __init__(self, policy: TargetPolicy, inner: aiohttp.abc.AbstractResolver | None = None):
+        self.policy = policy
+        self.inner = inner or aiohttp.DefaultResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[aiohttp.abc.ResolveResult]:
+        results = await self.inner.resolve(host, port, family)
+        self.policy.check(host, [r["host"] for r in results])
+        return results
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 def check_url(url: Any) -> str:
     if not isinstance(url, str) or not url:
         raise WebhookError(400, "url is required")
+    if len(url) > 2048:
+        raise WebhookError(400, "url must be at most 2048 characters")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WebhookError(400, f"url must be an absolute http(s) URL, got {url!r}")
+    return url
+
+
+async def check_target(url: Any, policy: TargetPolicy, resolver: GuardedResolver) -> str:
+    """`url` if it is an http(s) URL whose host (every address of it) may be reached."""
+    check_url(url)
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if policy.check_literal(host):
+        return url
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise WebhookError(400, f"url has a bad port: {url!r}") from None
+    try:
+        await resolver.resolve(host, port, socket.AF_UNSPEC)
+    except OSError as err:
+        raise WebhookError(400, f"webhook host {host!r} does not resolve: {err}") from None
     return url
 
 
@@ -157,11 +271,13 @@ class Webhooks:
         self._stream_name = stream_name
         self._compile = compile_filter
         self.options = options or WebhookOptions()
+        self.policy = TargetPolicy.from_networks(self.options.allow_networks)
         self.kv: Any = None
         self.registrations: dict[str, Registration] = {}
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._resolver = GuardedResolver(self.policy)
         self._stopping = False
         self.holding: set[str] = set()
         self.counters = {
@@ -171,6 +287,7 @@ class Webhooks:
             "dead_lettered": 0,
             "leases_taken": 0,
             "leases_lost": 0,
+            "refused_targets": 0,
         }
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -178,7 +295,8 @@ class Webhooks:
     async def start(self) -> None:
         self.kv = await open_bucket(self.js, self.options.bucket)
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.options.timeout_s)
+            connector=aiohttp.TCPConnector(resolver=self._resolver, ttl_dns_cache=1),
+            timeout=aiohttp.ClientTimeout(total=self.options.timeout_s),
         )
         self._watch = asyncio.get_running_loop().create_task(self._watch_registrations())
 
@@ -197,10 +315,17 @@ class Webhooks:
     # ---- registry ---------------------------------------------------------------------
 
     async def register(
-        self, *, url: Any, stream: str, filter_text: str, secret: Any, start_seq: int
+        self,
+        *,
+        url: Any,
+        stream: str,
+        filter_text: str,
+        secret: Any,
+        start_seq: int,
+        owner: str = "",
     ) -> Registration:
         """Store a registration (the stream and filter are already checked by the caller)."""
-        check_url(url)
+        await check_target(url, self.policy, self._resolver)
         if secret is None or secret == "":
             secret = secrets.token_urlsafe(32)
         if not isinstance(secret, str) or len(secret) > 1024:
@@ -213,6 +338,7 @@ class Webhooks:
             secret=secret,
             start_seq=start_seq,
             created_ms=_now_ms(),
+            owner=owner,
         )
         await self.kv.put(f"reg.{reg.id}", msgspec.json.encode(reg))
         self._adopt(reg)
@@ -428,14 +554,21 @@ class Webhooks:
         await self._dead_letter(reg, ev, data, error)
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> str:
-        """'' on a 2xx answer, else what went wrong."""
+        """'' on a 2xx answer, else what went wrong. The target is checked again here (an
+        IP literal now, a name by the session's resolver) and redirects are not followed."""
         assert self._session is not None
         try:
-            async with self._session.post(url, data=body, headers=headers) as resp:
+            self.policy.check_literal(urlsplit(url).hostname or "")
+            async with self._session.post(
+                url, data=body, headers=headers, allow_redirects=False
+            ) as resp:
                 await resp.read()
                 if 200 <= resp.status < 300:
                     return ""
                 return f"HTTP {resp.status}"
+        except WebhookError as err:
+            self.counters["refused_targets"] += 1
+            return err.reason
         except (aiohttp.ClientError, TimeoutError) as err:
             return f"{type(err).__name__}: {err}"
 

@@ -62,8 +62,10 @@ log = logging.getLogger(__name__)
 
 WS_PATH = "/v1/ws"
 #: Close codes and error codes after which retrying cannot help (bad request, auth, unknown).
-FATAL_CLOSE_CODES = frozenset({4400, 4401, 4403, 4404})
-FATAL_ERROR_CODES = frozenset({400, 401, 403, 404})
+FATAL_CLOSE_CODES = frozenset({4400, 4401, 4403, 4404, 4410})
+#: 410: the named server cursor does not exist (for this token) or expired; the error
+#: frame's `first_seq` is the oldest sequence the stream still holds.
+FATAL_ERROR_CODES = frozenset({400, 401, 403, 404, 410})
 _SEQ = struct.Struct(">Q")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode

@@ -1,9 +1,11 @@
 """Client cursors: where each subscriber is, replicated in NATS KV so any replica resumes it.
 
-A cursor is keyed by (client id, subscription id) and records the subscription (stream,
-filter, ack mode) and `seq`: the last stream sequence delivered to the client (or, with
+A cursor is keyed by (owner, client id, subscription id) and records the subscription
+(stream, filter, ack mode) and `seq`: the last stream sequence delivered to the client (or, with
 client acks, acknowledged by it). It lives in the KV bucket `tierflow_cursors`, replicated
 on min(3, cluster size) servers (1 on a single node), so it outlives any gateway replica.
+The owner is the identity of the token that made it (`owner_of`): client and subscription
+ids are chosen by clients, so without it any token could read or move another's cursor.
 
 Writes are batched, not per event: `update` only marks the cursor dirty; a flusher writes
 the dirty ones every `FlushPolicy.interval_s` (or sooner once `max_pending` are dirty), and
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +40,7 @@ __all__ = [
     "FlushPolicy",
     "cursor_key",
     "open_bucket",
+    "owner_of",
 ]
 
 BUCKET = "tierflow_cursors"
@@ -56,6 +60,11 @@ class CursorRecord(msgspec.Struct, kw_only=True):
     ack: bool = False
     gateway: str = ""
     updated_ms: int = 0
+    owner: str = ""  # owner_of(token); "" for the gateway's own (webhooks)
+
+    @property
+    def key(self) -> str:
+        return cursor_key(self.client, self.sub, self.owner)
 
 
 class FlushPolicy(msgspec.Struct, frozen=True):
@@ -74,9 +83,19 @@ def _part(text: str, what: str) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
 
-def cursor_key(client: str, sub: str) -> str:
-    """The KV key for (client, subscription): both base64url, so any text is a valid key."""
-    return f"{_part(client, 'client')}.{_part(sub, 'subscription')}"
+def cursor_key(client: str, sub: str, owner: str = "") -> str:
+    """The KV key for (owner, client, subscription): each base64url, so any text is a valid
+    key; an owner's keys (three parts) never meet the gateway's own (two parts)."""
+    key = f"{_part(client, 'client')}.{_part(sub, 'subscription')}"
+    return f"{_part(owner, 'owner')}.{key}" if owner else key
+
+
+def owner_of(token: str | None) -> str:
+    """The cursor owner for a client token: a hash (the bucket never holds a token), or
+    "anon" when auth is off. A token's cursors are its own; a new token starts afresh."""
+    if not token:
+        return "anon"
+    return "t-" + hashlib.sha256(b"tierflow-cursor-owner:" + token.encode()).hexdigest()[:32]
 
 
 async def open_bucket(
@@ -151,11 +170,11 @@ class CursorStore:
     def pending(self) -> int:
         return len(self._dirty)
 
-    async def get(self, client: str, sub: str) -> CursorRecord | None:
+    async def get(self, client: str, sub: str, owner: str = "") -> CursorRecord | None:
         """The stored cursor, with any not yet flushed update of this process on top."""
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
-        key = cursor_key(client, sub)
+        key = cursor_key(client, sub, owner)
         if key in self._dirty:
             return self._dirty[key]
         try:
@@ -165,20 +184,21 @@ class CursorStore:
         if not entry.value:
             return None
         try:
-            return msgspec.json.decode(entry.value, type=CursorRecord)
+            record = msgspec.json.decode(entry.value, type=CursorRecord)
         except msgspec.DecodeError:
             log.warning("cursor %s: unreadable record ignored", key)
             return None
+        return record if record.owner == owner else None
 
     def update(self, record: CursorRecord) -> None:
         """Remember the new position; written at the next flush (see FlushPolicy)."""
-        self._dirty[cursor_key(record.client, record.sub)] = record
+        self._dirty[record.key] = record
         self.counters["updates"] += 1
         if len(self._dirty) >= self.policy.max_pending:
             self._wake.set()
 
-    async def flush(self, keys: Iterable[tuple[str, str]] | None = None) -> int:
-        """Write the dirty cursors (all, or those of these (client, sub) pairs) now.
+    async def flush(self, keys: Iterable[tuple[str, ...]] | None = None) -> int:
+        """Write the dirty cursors (all, or those of these (client, sub[, owner])) now.
 
         A write that fails stays dirty for the next flush unless a newer update came."""
         if keys is None:
@@ -187,8 +207,8 @@ class CursorStore:
             self.counters["flushes"] += 1
         else:
             batch = {}
-            for client, sub in keys:
-                key = cursor_key(client, sub)
+            for parts in keys:
+                key = cursor_key(*parts)
                 if key in self._dirty:
                     batch[key] = self._dirty.pop(key)
         items = list(batch.items())
@@ -209,8 +229,8 @@ class CursorStore:
         self.counters["writes"] += written
         return written
 
-    async def delete(self, client: str, sub: str) -> None:
-        key = cursor_key(client, sub)
+    async def delete(self, client: str, sub: str, owner: str = "") -> None:
+        key = cursor_key(client, sub, owner)
         self._dirty.pop(key, None)
         await self.kv.delete(key)
 

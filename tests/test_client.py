@@ -296,7 +296,12 @@ async def test_lag_and_losses_are_reported(fake_log: Any) -> None:
 
 @pytest.mark.parametrize(
     ("kw", "code"),
-    [({"token": "right"}, 401), ({"refuse": 404}, 404), ({"refuse": 4403}, 403)],
+    [
+        ({"token": "right"}, 401),
+        ({"refuse": 404}, 404),
+        ({"refuse": 4403}, 403),
+        ({"refuse": 410}, 410),  # a named cursor that does not exist: retrying cannot help
+    ],
 )
 async def test_refusals_are_not_retried(fake_log: Any, kw: dict[str, Any], code: int) -> None:
     async with gateway(fake_log, **kw) as gw, TierflowClient(gw.url, token="wrong") as client:

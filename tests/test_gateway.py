@@ -70,6 +70,7 @@ OPTIONS: dict[str, Any] = {
         "backoff_cap_s": 0.2,
         "lease_s": 2.0,
         "timeout_s": 2.0,
+        "allow_networks": ["127.0.0.1/32"],  # the receiver is on loopback
     },
 }
 STREAMS = ["meetup", "results", "deadletter", "fo", "slow", "hooks", "polls", "sse", "hist"]
