@@ -442,6 +442,24 @@ def validate(data: Mapping[str, Any], source: str = "") -> Config:
     return cfg
 
 
+def _check_webhook_networks(hooks: Any) -> None:
+    """`gateway.options.webhooks.allow_networks`: the CIDRs webhook targets may be in
+    besides public addresses (loopback, private, link-local are refused otherwise)."""
+    import ipaddress
+
+    nets = hooks.get("allow_networks", []) if isinstance(hooks, Mapping) else []
+    if not isinstance(nets, list):
+        raise ConfigError("gateway.options.webhooks.allow_networks: expected a list of CIDRs")
+    for net in nets:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"gateway.options.webhooks.allow_networks: {net!r} is not a network "
+                "(a CIDR such as '127.0.0.1/32' or '10.0.0.0/8')"
+            ) from None
+
+
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
     from actors.ingest import compile_logic  # lazy: ingest imports this module
@@ -456,6 +474,7 @@ def _check_cross_keys(cfg: Config) -> None:
             compile_filter(sql)
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
+    _check_webhook_networks(cfg.gateway.options.get("webhooks"))
     for role in ("collector", "logger", "bridge", "gateway"):
         auto = getattr(cfg.roles, role).autoscaling
         if auto is not None:

@@ -201,6 +201,21 @@ async def test_ack_window_holds_delivery_until_acknowledged() -> None:
     await finish(feed, task)
 
 
+async def test_acks_past_what_was_delivered_are_refused() -> None:
+    """An ack of a seq the client was never sent must not move its cursor (issue 12)."""
+    mem = MemStream()
+    mem.publish(30)
+    feed = Feed("s", mem.open, ring_size=64, backfill=0, fetch_timeout_s=0.05)
+    c = Client(ack_window=5)
+    task = await run(feed, c, 1, mem)
+    await await_until(lambda: len(c.seqs) >= 5, timeout=5)
+    assert c.sub.ack_limit >= c.seqs[-1] and c.sub.ack_limit < 30
+    assert c.sub.ack(10**9) is False and c.sub.ack(30) is False
+    assert c.progress == [] and c.sub.acked == 0
+    assert c.sub.ack(c.seqs[1]) is True and c.progress == [c.seqs[1]]
+    await finish(feed, task)
+
+
 async def test_filters_render_once_per_event() -> None:
     ev = Event(1, "raw.s", b'{"a": 1,\n "b": 2}')
     f = compile_filter("SELECT a")

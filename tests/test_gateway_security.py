@@ -454,3 +454,15 @@ async def test_a_missing_cursor_is_an_error_naming_the_oldest_sequence(js: Any, 
         ws, frames = await _ws_sub(s, gw, {**sub, "from": "all"}, 1)
         async with ws:
             assert frames[0]["op"] == "subscribed" and frames[0]["from_seq"] == first
+
+
+def test_a_bad_webhook_allow_list_fails_at_config_load() -> None:
+    from runtime.config import ConfigError
+
+    hooks = {"allow_networks": ["127.0.0.1/32", "10.0.0.0/8", "::1/128"]}
+    load(environ={}, overrides={"gateway": {"options": {"webhooks": hooks}}})
+    with pytest.raises(ConfigError, match=r"allow_networks: 'intranet' is not a network"):
+        load(
+            environ={},
+            overrides={"gateway": {"options": {"webhooks": {"allow_networks": ["intranet"]}}}},
+        )
