@@ -8,7 +8,27 @@ The replayer closes every gap the happy path leaves: entries still in the logger
 transient store after `stale_after_s` (a collector or bridge died with them in flight, or
 the logger restarted) and failed entries whose retry time has come are published again
 under the same ids. JetStream's duplicate window turns those resends into exactly-once,
-so a bridge never needs to know whether an earlier attempt landed.
+so a bridge never needs to know whether an earlier attempt landed, as long as the resend
+falls inside the window.
+
+The blind-retry horizon (hole 3): an event is resent blind only while it is younger than
+half its stream's duplicate window (`blind_retry_horizon`, measured from `received_ms`,
+which precedes any publish of it). Older, an earlier copy may be stored with its id
+already forgotten by the window, so the bridge first proves the id absent: it reads the
+`Nats-Msg-Id` of every message the stream stored since `received_ms - clock_skew_s`
+(`runtime.publisher.find_stored`, bounded by `verify_max_messages` and
+`verify_timeout_s`). Found: the entry is forgotten as published, with its sequence.
+Absent: resent. Not provable because the server did not answer: stays failed and is
+checked again at its next retry, never resent blind. Not provable because the range is
+too big: parked (never retried automatically; `tierflow logger inspect` counts it).
+
+Poison (hole 8) and dead letters (hole 9): an event JetStream refuses for good (too big
+for the server's max_payload, headers included; a 4xx API error) goes to
+`deadletter.<stream>` with the reason in `Tf-Error`, and the rest of its batch is not
+affected. A body too big for a dead-letter message is cut to fit (`Tf-Truncated` = its
+real size) and the full event stays parked in the log, so nothing accepted is lost. A
+dead-letter publish that fails moves the event to the failed store (retried with
+backoff, so it cannot clog `pending()`); one that fails for good parks it.
 
 Bridge replicas are interchangeable: a batch lives in the logger until a bridge has it
 acknowledged, so a dead replica loses nothing; only replicas started with
@@ -29,13 +49,26 @@ from actors.ingest import LogicResult, StreamLogic, compile_logic
 from actors.logger import LoggerGroup, key_of
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
-from runtime.publisher import Failed, JetStreamPublisher, Outgoing, Published
+from runtime.publisher import (
+    MSG_ID_HEADER,
+    Failed,
+    JetStreamPublisher,
+    Outgoing,
+    Published,
+    ScanIncomplete,
+    blind_retry_horizon,
+    find_stored,
+    header_bytes,
+)
 from runtime.ray_supervisor import SupervisedActor
 from runtime.services import connect_nats, ensure_streams
 
 log = logging.getLogger(__name__)
 
 DEADLETTER_PREFIX = "deadletter"
+PARKED = "parked"  # prefix of the error of an entry parked in the log (see module doc)
+UNVERIFIED = "past the blind-retry horizon, absence not proven"
+_STREAM_CACHE_S = 30.0
 
 
 def retry_delay_ms(attempt: int) -> int:
@@ -61,6 +94,9 @@ class BrokerBridge(SupervisedActor):
         stale_after_s: float | None = None,
         replay_batch: int = 4096,
         reconnect_deadline_s: float = 20.0,
+        clock_skew_s: float = 30.0,
+        verify_max_messages: int = 500_000,
+        verify_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(state_dir, name=name)
         self.reconnect_deadline_s = reconnect_deadline_s
@@ -73,6 +109,13 @@ class BrokerBridge(SupervisedActor):
         # Older than any healthy publish round trip: only orphans qualify.
         self.stale_after_s = stale_after_s or (2 * ack_timeout_s + 1.0)
         self.replay_batch = replay_batch
+        self.clock_skew_s = clock_skew_s
+        self.verify_max_messages = verify_max_messages
+        self.verify_timeout_s = verify_timeout_s
+        # subject -> (JetStream stream or None, its duplicate window s, when looked up)
+        self._targets: dict[str, tuple[str | None, float, float]] = {}
+        windows = [s.duplicate_window_s for s in self.cfg.streams.values()]
+        self._fallback_window_s = min(windows, default=120.0)
         # Given at construction: Ray reruns __init__ with these on restart.
         self.loggers: dict[str, LoggerGroup] = {g.name: g for g in loggers}
         self.logic: dict[str, StreamLogic] = {
@@ -88,6 +131,11 @@ class BrokerBridge(SupervisedActor):
             "deadlettered": 0,
             "dropped": 0,
             "reconnects": 0,
+            "verified": 0,
+            "found_stored": 0,
+            "unverified": 0,
+            "parked": 0,
+            "replay_errors": 0,
         }
         self._pub: JetStreamPublisher | None = None
         self._nc: Any = None
@@ -197,15 +245,83 @@ class BrokerBridge(SupervisedActor):
 
     async def _publish_events(self, events: list[Event], group: LoggerGroup) -> dict[str, Any]:
         assert self._pub is not None
-        out: dict[str, Any] = {"published": {}, "failed": {}}
+        out: dict[str, Any] = {"published": {}, "failed": {}, "deadlettered": {}}
         for part in _one_stream_per_id(events):
+            send, found, unproven, parked = await self._check_horizon(part)
             published, failed = await self._pub.publish_batch(
-                [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in part]
+                [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in send]
             )
-            await self._complete(group, part, published, failed)
+            published += found
+            failed += unproven
+            dead = await self._complete(group, part, published, failed, parked)
             out["published"].update({p.id: [p.stream, p.seq, p.duplicate] for p in published})
-            out["failed"].update({f.id: f.error for f in failed})
+            out["failed"].update({f.id: f.error for f in failed + parked if f.id not in dead})
+            out["deadlettered"].update(dead)
         return out
+
+    async def _target(self, subject: str) -> tuple[str | None, float]:
+        """(JetStream stream capturing `subject`, its duplicate window in s), cached for a
+        while; (None, the smallest configured window) when the server cannot say."""
+        loop = asyncio.get_running_loop()
+        hit = self._targets.get(subject)
+        if hit is not None and loop.time() - hit[2] < _STREAM_CACHE_S:
+            return hit[0], hit[1]
+        try:
+            js = self._nc.jetstream()
+            stream = await asyncio.wait_for(js.find_stream_name_by_subject(subject), 5.0)
+            info = await asyncio.wait_for(js.stream_info(stream), 5.0)
+            window = float(info.config.duplicate_window or 120.0)
+        except Exception as err:  # noqa: BLE001 - unknown target: the caller decides
+            log.debug("%s: no stream for %r: %r", self.name, subject, err)
+            return None, self._fallback_window_s
+        self._targets[subject] = (stream, window, loop.time())
+        return stream, window
+
+    async def _check_horizon(
+        self, events: Sequence[Event]
+    ) -> tuple[list[Event], list[Published], list[Failed], list[Failed]]:
+        """Split events into (resend, already stored, not proven now, parked): see the
+        module doc. Fresh events cost one cached lookup per subject."""
+        now = _now_ms()
+        send: list[Event] = []
+        stale: dict[str, list[Event]] = {}
+        unproven: list[Failed] = []
+        for e in events:
+            stream, window = await self._target(e.subject)
+            if now - e.received_ms < blind_retry_horizon(window) * 1000:
+                send.append(e)
+            elif stream is None:
+                why = f"{UNVERIFIED}: no stream answers for {e.subject!r}"
+                unproven.append(Failed(e.id, why, True))
+            else:
+                stale.setdefault(stream, []).append(e)
+        found: list[Published] = []
+        parked: list[Failed] = []
+        for stream, items in stale.items():
+            since = min(e.received_ms for e in items) - int(self.clock_skew_s * 1000)
+            try:
+                stored = await find_stored(
+                    self._nc,
+                    stream,
+                    {e.id for e in items},
+                    since,
+                    max_messages=self.verify_max_messages,
+                    timeout_s=self.verify_timeout_s,
+                )
+            except ScanIncomplete as err:
+                self.counters["unverified"] += len(items)
+                into = parked if err.too_big else unproven
+                label = f"{PARKED}: {UNVERIFIED}" if err.too_big else UNVERIFIED
+                into.extend(Failed(e.id, f"{label}: {err}", True) for e in items)
+                continue
+            self.counters["verified"] += len(items)
+            for e in items:
+                if e.id in stored:
+                    found.append(Published(e.id, stream, stored[e.id], True))
+                    self.counters["found_stored"] += 1
+                else:
+                    send.append(e)
+        return send, found, unproven, parked
 
     async def _complete(
         self,
@@ -213,19 +329,89 @@ class BrokerBridge(SupervisedActor):
         events: Sequence[Event],
         published: Sequence[Published],
         failed: Sequence[Failed],
-    ) -> None:
-        """SBML completion: forget what JetStream holds, park what it refused for retry.
-        The log is keyed by (stream, id); `events` carry each id in one stream only."""
+        parked: Sequence[Failed] = (),
+    ) -> dict[str, str]:
+        """SBML completion: forget what JetStream holds, dead-letter what it refuses for
+        good, move the rest to the failed store for retry (or park it); returns the
+        dead-lettered ids with their reasons. The log is keyed by (stream, id); `events`
+        carry each id in one stream only."""
         by_id = {e.id: e for e in events}
         if published:
             keys = [key_of(by_id[p.id]) for p in published]
             seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published}
             await group.forget(keys, seqs)
-        if failed:
-            await group.fail([(by_id[f.id], f.error) for f in failed], _now_ms())
+        retry = [(by_id[f.id], f.error) for f in failed if f.retryable]
+        poison = [(by_id[f.id], f.error) for f in failed if not f.retryable]
+        dead = await self._dead_letter(group, poison) if poison else {}
+        if retry:
+            await group.fail(retry, _now_ms())
+        if parked:
+            await group.fail([(by_id[f.id], f.error) for f in parked], _now_ms(), park=True)
+            self.counters["parked"] += len(parked)
         self.counters["published"] += sum(1 for p in published if not p.duplicate)
         self.counters["duplicates"] += sum(1 for p in published if p.duplicate)
         self.counters["failed"] += len(failed)
+        return dead
+
+    async def _dead_letter(
+        self, group: LoggerGroup, items: Sequence[tuple[Event, str]]
+    ) -> dict[str, str]:
+        """Publish each event to `deadletter.<stream>` with its reason; forget the ones
+        recorded whole, park the ones whose body had to be cut (the log keeps the full
+        event), move failed dead-letter publishes to the failed store (retried with
+        backoff) or, when they can never succeed, park them. Returns {id: reason} of the
+        events recorded. `items` carry each id in one stream only."""
+        assert self._pub is not None
+        max_payload = self._nc.max_payload
+        out: list[Outgoing] = []
+        cut: set[str] = set()
+        for e, reason in items:
+            headers = {"Tf-Error": reason[:200], "Tf-Subject": e.subject}
+            data = e.data
+            room = max_payload - header_bytes(
+                {**headers, "Tf-Truncated": str(len(data)), MSG_ID_HEADER: e.id}
+            )
+            if len(data) > room:
+                headers["Tf-Truncated"] = str(len(data))
+                data = data[: max(0, room)]
+                cut.add(e.id)
+            subject = f"{DEADLETTER_PREFIX}.{e.stream}"
+            out.append(Outgoing(id=e.id, subject=subject, data=data, headers=headers))
+        published, failed = await self._pub.publish_batch(out)
+        by_id = {e.id: (e, reason) for e, reason in items}
+        whole = [by_id[p.id][0] for p in published if p.id not in cut]
+        if whole:
+            await group.forget([key_of(e) for e in whole], None)
+        to_park = [
+            (
+                by_id[p.id][0],
+                f"{PARKED}: dead-lettered with its body cut to fit, the full "
+                f"event is kept here: {by_id[p.id][1]}",
+            )
+            for p in published
+            if p.id in cut
+        ]
+        to_park += [
+            (
+                by_id[f.id][0],
+                f"{PARKED}: dead-letter publish refused: {f.error} (for: {by_id[f.id][1]})",
+            )
+            for f in failed
+            if not f.retryable
+        ]
+        retry = [
+            (by_id[f.id][0], f"dead-letter publish failed: {f.error} (for: {by_id[f.id][1]})")
+            for f in failed
+            if f.retryable
+        ]
+        if to_park:
+            await group.fail(to_park, _now_ms(), park=True)
+            self.counters["parked"] += len(to_park)
+        if retry:  # to the failed store: retried with backoff, never clogging pending()
+            log.warning("dead-letter publish failed for %d events", len(retry))
+            await group.fail(retry, _now_ms())
+        self.counters["deadlettered"] += len(published)
+        return {p.id: by_id[p.id][1] for p in published}
 
     # ------------------------------------------------------------------ replay
 
@@ -238,11 +424,18 @@ class BrokerBridge(SupervisedActor):
         total = 0
         now = _now_ms()
         for group in list(self.loggers.values()):
-            entries = await group.pending(int(self.stale_after_s * 1000), now, self.replay_batch)
-            entries += await group.due_failed(now, self.replay_batch)
-            if entries:
-                await self._process_and_publish(group, entries)
-                total += len(entries)
+            try:  # one group that cannot be read or completed must not stop the others
+                stale = int(self.stale_after_s * 1000)
+                entries = await group.pending(stale, now, self.replay_batch)
+                entries += await group.due_failed(now, self.replay_batch)
+                if entries:
+                    await self._process_and_publish(group, entries)
+                    total += len(entries)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - logged and counted, the pass goes on
+                self.counters["replay_errors"] += 1
+                log.warning("%s: replay of logger group %s failed: %r", self.name, group.name, err)
         self.counters["replayed"] += total
         return total
 
@@ -270,22 +463,9 @@ class BrokerBridge(SupervisedActor):
     async def _settle_rejects(self, group: LoggerGroup, result: LogicResult) -> None:
         """Filtered events are done; invalid ones go to the dead-letter subject first."""
         if result.invalid:
-            assert self._pub is not None
-            dead = [
-                Outgoing(
-                    id=e.id,
-                    subject=f"{DEADLETTER_PREFIX}.{e.stream}",
-                    data=e.data,
-                    headers={"Tf-Error": reason[:200]},
-                )
-                for e, reason in result.invalid
-            ]
-            published, failed = await self._pub.publish_batch(dead)
-            ok = {p.id for p in published}
-            await group.forget([key_of(e) for e, _ in result.invalid if e.id in ok], None)
-            self.counters["deadlettered"] += len(ok)
-            if failed:  # stay in the log; the next pass tries again
-                log.warning("dead-letter publish failed for %d events", len(failed))
+            reasons = {key_of(e): r for e, r in result.invalid}
+            for part in _one_stream_per_id([e for e, _ in result.invalid]):
+                await self._dead_letter(group, [(e, reasons[key_of(e)]) for e in part])
         if result.dropped:
             await group.forget([key_of(e) for e in result.dropped], None)
             self.counters["dropped"] += len(result.dropped)

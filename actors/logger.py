@@ -187,6 +187,17 @@ FAULT_SUFFIX = ".fault"
 
 _BE64 = struct.Struct(">Q")
 _MAX64 = (1 << 64) - 1
+# next_retry_ms of a parked failed entry: never due, so no retry pass resends it; an
+# operator settles it (`tierflow logger inspect` counts them). The bridge parks what it
+# must not resend blindly and cannot prove absent, and poison it could only dead-letter
+# with its body cut.
+PARKED_MS = _MAX64
+
+
+def _park_delay(attempts: int) -> int:
+    return PARKED_MS
+
+
 _enc = msgspec.msgpack.Encoder()
 _counts_dec = msgspec.msgpack.Decoder(_Counts)
 _failed_dec = msgspec.msgpack.Decoder(FailedEntry)
@@ -587,7 +598,7 @@ class LogStore:
                     attempts = val.attempts + 1
                 if ev.token != stored.token:
                     ev = msgspec.structs.replace(ev, token=stored.token)
-                due = now_ms + max(0, int(retry_delay_ms(attempts)))
+                due = min(PARKED_MS, now_ms + max(0, int(retry_delay_ms(attempts))))
                 tx.add_failed(k, FailedEntry(encode_event(ev), str(error), attempts, due))
                 if stored.token:
                     tx.token_fail(stored.token, ev.id, str(error))
@@ -1087,13 +1098,16 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         """Drop (stream, id) keys (acked); returns how many this replica held."""
         return await self._op("forget", [tuple(k) for k in keys], dict(seqs or {}), epoch=epoch)
 
-    async def fail(self, epoch: int, batch: bytes, errors: Sequence[str], now_ms: int) -> int:
+    async def fail(
+        self, epoch: int, batch: bytes, errors: Sequence[str], now_ms: int, park: bool = False
+    ) -> int:
         """`batch` holds the failed events (encoded), `errors` their errors, in order."""
         events = decode_batch(batch)
         if len(events) != len(errors):
             raise ValueError(f"{len(events)} events but {len(errors)} errors")
         items = list(zip(events, errors, strict=True))
-        return await self._op("fail", items, now_ms, self._retry_delay_ms, epoch=epoch)
+        delay = _park_delay if park else self._retry_delay_ms
+        return await self._op("fail", items, now_ms, delay, epoch=epoch)
 
     async def import_(self, epoch: int, entries: list[tuple[str, bytes, bytes]]) -> int:
         return await self._op("import_", entries, epoch=epoch)
@@ -1306,13 +1320,14 @@ class LoggerGroup:
         now_ms: int | None = None,
         *,
         deadline_s: float | None = None,
+        park: bool = False,
     ) -> None:
         if not items:
             return
         batch = encode_batch([e for e, _ in items])
         errors = [str(err) for _, err in items]
         now = _now_ms() if now_ms is None else now_ms
-        await self._all("fail", self.epoch, batch, errors, now, deadline_s=deadline_s)
+        await self._all("fail", self.epoch, batch, errors, now, park, deadline_s=deadline_s)
 
     # -- reads (primary) ---------------------------------------------------------------
 

@@ -104,6 +104,110 @@ def api_error_retryable(code: int) -> bool:
     return code >= 500 or code == 429
 
 
+def blind_retry_horizon(duplicate_window_s: float) -> float:
+    """How long after an event was received a resend may go out without proof (seconds).
+
+    The inverse of `duplicate_window_for`: half the stream's duplicate window, so a resend
+    of an event whose earlier copy was stored (ack lost) still falls inside the window, with
+    the other half as margin for clock skew between the receiving node and the server.
+    """
+    if duplicate_window_s <= 0:
+        raise ValueError("duplicate window must be > 0")
+    return duplicate_window_s / 2.0
+
+
+class ScanIncomplete(Exception):
+    """`find_stored` could not read the whole range it had to (too many messages, too slow,
+    or the server did not answer): absence is not proven. `too_big`: the range is over the
+    message limit, so asking again will not help."""
+
+    def __init__(self, reason: str, *, too_big: bool = False) -> None:
+        super().__init__(reason)
+        self.too_big = too_big
+
+
+async def find_stored(
+    nc: Client,
+    stream: str,
+    ids: set[str],
+    since_ms: int,
+    *,
+    max_messages: int = 500_000,
+    timeout_s: float = 30.0,
+    batch: int = 2000,
+) -> dict[str, int]:
+    """Which of `ids` `stream` already holds, with their stream sequences.
+
+    The proof a resend past the duplicate window needs: JetStream cannot be asked for a
+    Nats-Msg-Id once the window forgot it, so read the `Nats-Msg-Id` header of every message
+    stored from `since_ms` (server time; pass the earliest time any copy could have been
+    stored, minus clock skew) up to the stream's last sequence at the start of the call,
+    with an ephemeral headers-only consumer (one round trip per `batch`). Bounded: more than
+    `max_messages` to read, more than `timeout_s`, or any server error raises ScanIncomplete
+    (absence not proven; the caller must not resend).
+    """
+    from datetime import UTC, datetime
+
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    found: dict[str, int] = {}
+    try:
+        info = await asyncio.wait_for(js.stream_info(stream), timeout_s)
+        last = info.state.last_seq
+        if info.state.messages == 0:
+            return found
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.fromtimestamp(max(0, since_ms) / 1000, UTC),
+            ack_policy=AckPolicy.NONE,
+            headers_only=True,
+            inactive_threshold=30.0,
+            max_waiting=1,
+        )
+        sub = await asyncio.wait_for(
+            js.pull_subscribe(">", stream=stream, config=config), timeout_s
+        )
+    except (nats.errors.Error, TimeoutError, OSError) as err:
+        raise ScanIncomplete(f"cannot read stream {stream!r}: {type(err).__name__}: {err}") from err
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    read = 0
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        if pending > max_messages:
+            raise ScanIncomplete(
+                f"{pending} messages of {stream!r} to read, over the limit of {max_messages}",
+                too_big=True,
+            )
+        seq = 0
+        while pending > 0 and seq < last:
+            if loop.time() > deadline:
+                raise ScanIncomplete(f"read {read} messages of {stream!r} in {timeout_s} s")
+            try:
+                msgs = await sub.fetch(batch, timeout=min(2.0, max(0.1, deadline - loop.time())))
+            except nats.errors.TimeoutError:
+                pending = (await sub.consumer_info()).num_pending
+                continue
+            for msg in msgs:
+                read += 1
+                seq = msg.metadata.sequence.stream
+                pending = msg.metadata.num_pending
+                msg_id = (msg.headers or {}).get(MSG_ID_HEADER)
+                if msg_id in ids:
+                    found.setdefault(msg_id, seq)
+            if read > max_messages:
+                raise ScanIncomplete(
+                    f"over {max_messages} messages of {stream!r} to read", too_big=True
+                )
+    except (nats.errors.Error, OSError) as err:
+        raise ScanIncomplete(f"reading stream {stream!r}: {type(err).__name__}: {err}") from err
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sub.unsubscribe(), 5.0)
+    return found
+
+
 class LatencyReservoir:
     """The most recent ack latencies (seconds) in a fixed ring; quantiles on demand."""
 
@@ -457,8 +561,11 @@ __all__ = [
     "LatencyReservoir",
     "Outgoing",
     "Published",
+    "ScanIncomplete",
     "api_error_retryable",
+    "blind_retry_horizon",
     "duplicate_window_for",
+    "find_stored",
     "header_bytes",
     "jittered",
     "oversize_error",

@@ -1,0 +1,282 @@
+"""BrokerBridge retries, poison events and dead letters (issue 12, holes 3, 8 bridge side, 9).
+
+Real parts: a nats-server this module starts and stops, a local Ray with a real logger
+group (LevelDB), and a BrokerBridge built in this process (its data plane runs on its own
+loop thread, as in the actor). The stream `s` has a duplicate window of a few seconds, so
+an outage longer than the window is cheap to stage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.bridge import PARKED, BrokerBridge
+from actors.events import Event, encode_batch, new_event_id
+from actors.logger import LoggerGroup, LogUnavailable, start_logger_group
+from runtime.config import load
+from runtime.nats import NatsServer, connect
+from runtime.publisher import MSG_ID_HEADER
+from runtime.services import ensure_streams
+from runtime.verify import stream_ids
+from runtime.waiting import await_until
+
+pytestmark = pytest.mark.timeout(240)
+
+WINDOW_S = 3.0  # the stream's duplicate window: the blind-retry horizon is half of it
+NS = "tierflow-tests"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def event(data: bytes, *, age_s: float = 0.0, processed: bool = True) -> Event:
+    return Event(
+        new_event_id(), "s", "raw.s", data, now_ms() - int(age_s * 1000), processed=processed
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    s = NatsServer(store_dir=tmp_path_factory.mktemp("bridge-retries") / "nats").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(
+    ray_module: Any, server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[BrokerBridge, LoggerGroup, Any]]:
+    state: Path = tmp_path_factory.mktemp("bridge-retries-state")
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(state),
+            "streams": {
+                "s": {
+                    "subjects": ["raw.s"],
+                    "duplicate_window_s": WINDOW_S,
+                    "logic": {"validate": {"n": "int"}},
+                },
+                "deadletter": {"subjects": ["deadletter.>"]},
+            },
+        },
+    )
+    name = f"bl{uuid.uuid4().hex[:6]}"
+    controller, group = start_logger_group(
+        name,
+        0,
+        state,
+        NS,
+        max_events=100_000,
+        max_bytes=1 << 30,
+        retry_base_ms=100,
+        retry_cap_ms=500,
+    )
+    bridge = BrokerBridge(
+        str(state),
+        name=f"{name}-bridge",
+        config=cfg.to_dict(),
+        nats_url=server.url,
+        loggers=[group],
+        replay=False,  # the tests drive replay passes themselves
+        ack_timeout_s=2.0,
+        stale_after_s=1.0,
+        reconnect_deadline_s=5.0,
+        clock_skew_s=1.0,
+    )
+    try:
+        yield bridge, group, cfg
+    finally:
+        bridge.shutdown()
+        controller.shutdown()
+
+
+@pytest.fixture
+async def nc(server: NatsServer) -> AsyncIterator[Any]:
+    client = await connect(server.url, name="test-bridge-retries")
+    yield client
+    await client.close()
+
+
+async def drain(
+    bridge: BrokerBridge, group: LoggerGroup, events: list[Event], timeout: float = 60.0
+) -> None:
+    """Replay passes until the log holds none of `events` (bounded)."""
+
+    async def gone() -> bool:
+        await bridge.replay_now()
+        transient = {e.id for e in await group.pending(0, limit=100_000)}
+        for e in events:
+            if e.id in transient or await failed_entry(group, e) is not None:
+                return False
+        return True
+
+    await await_until(gone, timeout=timeout, interval=0.3, what="events completed", swallow=True)
+
+
+async def failed_entry(group: LoggerGroup, ev: Event) -> dict[str, Any] | None:
+    return await group.handles[0].failed_entry.remote((ev.stream, ev.id))
+
+
+async def test_ack_lost_before_outage_longer_than_dedup_window_stores_once(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], server: NatsServer, nc: Any
+) -> None:
+    """Hole 3: the event is stored but its ack is lost, then NATS is down longer than the
+    stream's duplicate window. The resend after the outage must not store it again."""
+    bridge, group, _ = rig
+    ev = event(b'{"n": 1}')
+    await group.append([ev])
+    # the publish landed, the ack never came back: JetStream holds it, the log still does
+    await nc.jetstream().publish("raw.s", ev.data, headers={MSG_ID_HEADER: ev.id})
+    await nc.close()
+    server.stop()
+    try:
+        answer = await bridge.publish(encode_batch([ev]), group.name)
+        assert ev.id in answer["failed"], answer
+        assert (await failed_entry(group, ev)) is not None
+        await await_until(
+            lambda: now_ms() - ev.received_ms > (2 * WINDOW_S + 1) * 1000,
+            timeout=30,
+            what="the outage outlasted the duplicate window",
+        )
+    finally:
+        server.start()
+    await drain(bridge, group, [ev])
+    client = await connect(server.url)
+    try:
+        assert (await stream_ids(client, "s"))[ev.id] == 1
+    finally:
+        await client.close()
+    assert (await bridge.stats())["found_stored"] >= 1
+
+
+async def test_past_horizon_absent_event_is_resent_once(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Past the horizon an event JetStream does not hold is proven absent and resent."""
+    bridge, group, _ = rig
+    ev = event(b'{"n": 2}', age_s=10 * WINDOW_S)
+    await group.append([ev])
+    await drain(bridge, group, [ev])
+    assert (await stream_ids(nc, "s"))[ev.id] == 1
+
+
+async def test_past_horizon_unprovable_is_parked_not_resent(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """A range too big to read within the bound: parked (never resent blind, never due)."""
+    bridge, group, _ = rig
+    ev = event(b'{"n": 3}', age_s=10 * WINDOW_S)
+    await nc.jetstream().publish("raw.s", b'{"n": 0}', headers={MSG_ID_HEADER: new_event_id()})
+    await group.append([ev])
+    bridge.verify_max_messages = 0  # the stream holds something to read: over the bound
+
+    async def parked() -> bool:
+        await bridge.replay_now()
+        fe = await failed_entry(group, ev)
+        return fe is not None and fe["error"].startswith(PARKED)
+
+    try:
+        await await_until(parked, timeout=30, interval=0.3, what="parked", swallow=True)
+        await bridge.replay_now()  # parked: never due, so no pass resends it
+    finally:
+        bridge.verify_max_messages = 500_000
+    assert (await stream_ids(nc, "s"))[ev.id] == 0
+
+
+async def test_poison_event_mid_batch_is_dead_lettered_others_land_once(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Hole 8: an event whose payload fits max_payload but not with its headers, in the
+    middle of a batch: dead-lettered with the reason (its full body kept parked in the
+    log); every other event of the batch lands exactly once, in the same call."""
+    bridge, group, _ = rig
+    good = [event(b'{"n": %d}' % i) for i in range(40)]
+    poison = event(b"p" * (nc.max_payload - 16))
+    batch = good[:20] + [poison] + good[20:]
+    await group.append(batch)
+    answer = await bridge.publish(encode_batch(batch), group.name)
+    assert answer["failed"] == {}, answer["failed"]
+    assert set(answer["published"]) == {e.id for e in good}
+    assert "max_payload" in answer["deadlettered"][poison.id]
+    stored = await stream_ids(nc, "s")
+    assert all(stored[e.id] == 1 for e in good)
+    assert stored[poison.id] == 0
+    dead = await nc.jetstream().get_last_msg("deadletter", f"deadletter.{poison.stream}")
+    assert dead.headers[MSG_ID_HEADER] == poison.id
+    assert "max_payload" in dead.headers["Tf-Error"]
+    assert dead.headers["Tf-Truncated"] == str(len(poison.data))
+    fe = await failed_entry(group, poison)
+    assert fe is not None and fe["error"].startswith(PARKED), fe
+    await bridge.replay_now()  # parked: never due, so no pass resends it
+    assert (await stream_ids(nc, "s"))[poison.id] == 0
+
+
+async def test_failing_dead_letters_move_to_failed_store_and_do_not_starve_orphans(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Hole 9: while dead-letter publishes fail, the invalid events go to the failed store
+    (retried with backoff) instead of staying transient at the head of `pending()`, so the
+    valid orphans behind them are published."""
+    bridge, group, cfg = rig
+    js = nc.jetstream()
+    await js.delete_stream("deadletter")  # dead-letter publishes now find no stream
+    invalid = [event(b'{"x": %d}' % i, age_s=60, processed=False) for i in range(4)]
+    orphans = [event(b'{"n": %d}' % i, age_s=50, processed=False) for i in range(2)]
+    await group.append(invalid + orphans)
+    bridge.replay_batch = len(invalid)  # a pass sees only as many as the invalid ones
+    try:
+
+        async def orphans_landed() -> bool:
+            await bridge.replay_now()
+            stored = await stream_ids(nc, "s")
+            return all(stored[e.id] == 1 for e in orphans)
+
+        await await_until(orphans_landed, timeout=30, interval=0.3, what="orphans published")
+        for e in invalid:
+            fe = await failed_entry(group, e)
+            assert fe is not None and "dead-letter publish failed" in fe["error"], fe
+    finally:
+        bridge.replay_batch = 4096
+        await ensure_streams(nc, cfg)
+    await drain(bridge, group, invalid)
+    dead = await stream_ids(nc, "deadletter")
+    assert all(dead[e.id] == 1 for e in invalid)
+
+
+class _DownGroup:
+    """A logger group whose replicas do not answer."""
+
+    name = "down"
+
+    async def heal(self) -> dict[int, int]:
+        return {}
+
+    async def pending(self, *args: Any) -> list[Event]:
+        raise LogUnavailable("down-0", "no answer within 5s")
+
+    async def due_failed(self, *args: Any) -> list[Event]:
+        raise LogUnavailable("down-0", "no answer within 5s")
+
+
+async def test_one_unreachable_logger_group_does_not_stop_the_others(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Hole 9: a replay pass carries on past a group that cannot be read."""
+    bridge, group, _ = rig
+    orphan = event(b'{"n": 7}', age_s=5)
+    await group.append([orphan])
+    bridge.loggers = {"down": _DownGroup(), group.name: group}  # type: ignore[dict-item]
+    try:
+        await bridge.replay_now()
+    finally:
+        bridge.loggers = {group.name: group}
+    assert (await stream_ids(nc, "s"))[orphan.id] == 1
+    assert (await bridge.stats())["replay_errors"] >= 1
