@@ -120,15 +120,15 @@ def _error(status: int, reason: str, **extra: Any) -> web.Response:
 
 def _refusal(err: Exception) -> tuple[str, str]:
     """(counter, reason) of an error from logging or queueing: every one is a 503 the
-    producer answers by resending the same ids later."""
+    producer answers by resending the same ids later (nothing was acknowledged)."""
     if isinstance(err, LogFull | Overloaded):
         return "overloaded", f"overloaded, resend with the same ids later: {err}"
     if isinstance(err, FencedError):
         return "fenced", f"message log changed primary ({err}); resend with the same ids"
-    return "overloaded", f"not persisted, resend with the same ids later: {err}"
-
-
-_REFUSED = (LogFull, Overloaded, LogUnavailable, QueueRefused, FencedError)
+    if isinstance(err, LogUnavailable | QueueRefused):
+        return "overloaded", f"not persisted, resend with the same ids later: {err}"
+    log.error("unexpected error while logging events", exc_info=err)
+    return "errors", f"not acknowledged ({type(err).__name__}); resend with the same ids later"
 
 
 class Collector(SupervisedActor):
@@ -193,6 +193,7 @@ class Collector(SupervisedActor):
             "handoffs": 0,
             "fenced": 0,
             "too_big": 0,
+            "errors": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
@@ -315,7 +316,7 @@ class Collector(SupervisedActor):
         except BadInput as bad:
             self.counters["rejected"] += 1
             return _error(bad.status, bad.reason, **bad.extra)
-        except _REFUSED as err:
+        except Exception as err:  # noqa: BLE001 - every one answered 503 with the ids
             # ids were assigned (and may be on some replicas): the producer resends them
             _, reason = self._refused(err)
             extra: dict[str, Any] = {"ids": [e.id for e in events]}
@@ -397,7 +398,7 @@ class Collector(SupervisedActor):
             except BadInput as bad:
                 self.counters["rejected"] += 1
                 answer.update(error=bad.reason, status=bad.status, **bad.extra)
-            except _REFUSED as err:
+            except Exception as err:  # noqa: BLE001 - every one answered 503 with the ids
                 _, reason = self._refused(err)
                 answer.update(
                     slow_down=True,
@@ -410,7 +411,10 @@ class Collector(SupervisedActor):
         return ws
 
     async def get_ack(self, request: web.Request) -> web.Response:
-        status = await self.logger.token_status(request.match_info["token"])
+        try:
+            status = await self.logger.token_status(request.match_info["token"])
+        except LogUnavailable as err:
+            return _error(503, f"cannot read the token's status now: {err}")
         if status is None:
             return _error(404, "unknown or expired token")
         return _reply(200, status)
@@ -669,6 +673,9 @@ class Collector(SupervisedActor):
         from actors.stream_ingest import BufferConsumer, ensure_buffer_stream
 
         streams = [s for s, sc in self.cfg.streams.items() if sc.source.url]
+        for s in [s for s in streams if is_system_stream(self.cfg, s)]:
+            log.error("stream %r is a system stream: its source is not collected", s)
+            streams.remove(s)
         if not streams:
             return []
         nc = await connect_nats(
@@ -728,7 +735,7 @@ class Collector(SupervisedActor):
                 answer = {"error": bad.reason, "status": bad.status, **bad.extra}
                 await msg.respond(_json.encode(answer))
             return
-        except _REFUSED as err:
+        except Exception as err:  # noqa: BLE001 - every one answered 503 with the ids
             _, reason = self._refused(err)
             if msg.reply:
                 ids = [e.id for e in events]
