@@ -18,9 +18,14 @@ Positions are stream sequences. `"from": N` (and `from=N`) is inclusive: deliver
 N; `"after": N` (and `after=N`, `Last-Event-ID: N`) starts after N. So a client that kept
 the seq L of the last event it processed resumes with `"after": L` (or `"from": L+1`) and
 gets no gap and no repeat, on any replica. `"from": "cursor"` resumes from the server-side
-cursor (runtime/cursors.py): with client acks, at-least-once (repeats limited to what was
-acknowledged in the last flush interval before a crash); without acks the cursor is the
-last seq written to the connection, so a crash may also skip what was still in flight.
+cursor (runtime/cursors.py), which belongs to the token that made it (client and
+subscription ids are the client's choice, not an identity): with client acks,
+at-least-once (repeats limited to what was acknowledged in the last flush interval before a
+crash; an ack past the last seq delivered is refused); without acks the cursor is the last
+seq written to the connection, so a crash may also skip what was still in flight (the
+exact contract is in docs/contracts.md). A cursor that is named but missing (another
+token's, never flushed, expired) is a 410 naming the oldest sequence still held, never a
+silent "new".
 
 Every client of a stream on this replica is fed by one JetStream consumer (actors/fanout.py):
 a bounded lag per client, in-stream lag warnings, then the stream's policy (`drop_oldest`
@@ -29,13 +34,14 @@ or disconnect with 4408); other clients never wait for a slow one.
 WebSocket errors: an `{"op":"error","id"?,"code","reason"}` frame always comes first.
 A malformed frame (not JSON, unknown op, wrong field types) closes with 4400; a missing or
 invalid token with 4401. A subscription refused (400 bad filter or start, 403 forbidden,
-404 unknown stream) closes the connection with 4400/4403/4404 only if it has no other
-active subscription; otherwise the connection goes on. A client too slow under the
-disconnect policy is closed with 4408.
+404 unknown stream, 410 no such cursor) closes the connection with 4000 + the code only if
+it has no other active subscription; otherwise the connection goes on. A client too slow
+under the disconnect policy is closed with 4408.
 
 Auth: `Authorization: Bearer <token>` or `?token=`; tokens are `auth.consumer_tokens`
 (empty: auth off); `token_streams` may restrict a token to some streams (403 otherwise).
-The gateway's own buckets (cursors, webhooks) are never served (403).
+The gateway's own buckets (cursors, webhooks) are never served (403). Webhooks are seen
+and deleted only by the token that registered them.
 """
 
 from __future__ import annotations
