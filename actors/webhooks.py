@@ -67,6 +67,7 @@ __all__ = [
     "Webhooks",
     "check_target",
     "delivery_id",
+    "sender_session",
     "sign",
     "verify",
 ]
@@ -213,6 +214,15 @@ class GuardedResolver(aiohttp.abc.AbstractResolver):
         await self.inner.close()
 
 
+def sender_session(resolver: GuardedResolver, timeout_s: float) -> aiohttp.ClientSession:
+    """The HTTP client deliveries go through: it resolves names only by `resolver`, so it
+    connects only to checked addresses (IP literals are checked before each request)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(resolver=resolver, ttl_dns_cache=1),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
 def check_url(url: Any) -> str:
     if not isinstance(url, str) or not url:
         raise WebhookError(400, "url is required")
@@ -294,10 +304,7 @@ class Webhooks:
 
     async def start(self) -> None:
         self.kv = await open_bucket(self.js, self.options.bucket)
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(resolver=self._resolver, ttl_dns_cache=1),
-            timeout=aiohttp.ClientTimeout(total=self.options.timeout_s),
-        )
+        self._session = sender_session(self._resolver, self.options.timeout_s)
         self._watch = asyncio.get_running_loop().create_task(self._watch_registrations())
 
     async def stop(self) -> None:

@@ -216,9 +216,15 @@ def test_webhook_targets_are_checked_on_every_resolved_address() -> None:
 async def test_dns_rebinding_is_caught_at_delivery_time() -> None:
     """A name that resolved to a public address at registration and to loopback at delivery
     is refused when the connection is made (the resolver the sender connects through)."""
-    from actors.webhooks import GuardedResolver, TargetPolicy, WebhookError, check_target
+    from actors.webhooks import (
+        GuardedResolver,
+        TargetPolicy,
+        WebhookError,
+        check_target,
+        sender_session,
+    )
 
-    answers = [["93.184.215.14"], ["93.184.215.14", "127.0.0.1"]]
+    answers = [["93.184.215.14"], ["93.184.215.14", "127.0.0.1"], ["127.0.0.1"], ["127.0.0.1"]]
 
     class Flipping(aiohttp.abc.AbstractResolver):
         async def resolve(
@@ -247,6 +253,16 @@ async def test_dns_rebinding_is_caught_at_delivery_time() -> None:
     with pytest.raises(WebhookError, match="127.0.0.1") as err:
         await guarded.resolve("rebind.example", 80)
     assert err.value.status == 400
+    # the delivery session connects through that resolver: refused, or allowed if listed
+    async with receiver() as (base, got):
+        url = base.replace("127.0.0.1", "rebind.example") + "/ok"
+        async with sender_session(guarded, 5.0) as session:
+            with pytest.raises(WebhookError, match="not allowed"):
+                await session.post(url, data=b"{}")
+        assert got["ok"] == []
+        allowed = GuardedResolver(TargetPolicy.from_networks(["127.0.0.1/32"]), Flipping())
+        async with sender_session(allowed, 5.0) as session, session.post(url, data=b"{}") as r:
+            assert r.status == 204 and got["ok"] == [{}]
 
 
 async def test_webhook_targets_on_private_networks_are_refused(gw: str) -> None:
