@@ -222,6 +222,12 @@ def _key(stream: str, id_: str) -> bytes:
     return stream.encode() + b"\x00" + id_.encode()
 
 
+def _split_key(k: bytes) -> LogKey:
+    """(stream, id) of a storage key."""
+    stream, _, id_ = k.partition(b"\x00")
+    return (stream.decode(), id_.decode())
+
+
 def _log_key(key: LogKey) -> bytes:
     """Storage key of a caller's (stream, id); a bare id is refused (it would address the
     same id in every stream)."""
@@ -741,6 +747,26 @@ class LogStore:
                 return entries, bytes([i]) + entries[-1][1]
         return entries, None
 
+    def entry_keys(self, after: bytes | None, limit: int) -> tuple[list[bytes], bytes | None]:
+        """Up to `limit` storage keys of transient then failed entries after cursor `after`
+        (None: from the start), and the next cursor (None: done). Keys only: what a
+        reconciliation compares."""
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        keys: list[bytes] = []
+        first = 0 if after is None else after[0]
+        for i in range(first, 2):
+            start = after[1:] + b"\x00" if after is not None and i == first else None
+            keys += self._ns[EXPORTED[i]].keys(start=start, limit=limit - len(keys))
+            if len(keys) >= limit:
+                return keys, bytes([i]) + keys[-1]
+        return keys, None
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each storage key: is it transient or failed here?"""
+        t_ns, f_ns = self._ns[NS_TRANSIENT], self._ns[NS_FAILED]
+        return [t_ns.get(k) is not None or f_ns.get(k) is not None for k in keys]
+
     def describe(self) -> dict[str, Any]:
         return {"path": str(self.path), "created": self.created, **self.counts()}
 
@@ -795,6 +821,8 @@ _WRITER_METHODS = frozenset(
         "counts",
         "scan_counts",
         "export",
+        "entry_keys",
+        "holds",
         "describe",
     }
 )
@@ -981,6 +1009,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         else:
             self.catching_up = flag == b"1"
         self._fence_dirty = False
+        self._replicas = replicas
         self._started = True
 
     def _writer_gave_up(self, reason: str) -> None:
@@ -1154,7 +1183,30 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         self._readable()
         return await self._op("export", after, limit)
 
+    async def entry_keys(self, after: bytes | None, limit: int) -> tuple[list[bytes], bytes | None]:
+        self._readable()
+        return await self._op("entry_keys", after, limit)
+
+    async def holds(self, keys: list[bytes]) -> list[bool]:
+        self._readable()
+        return await self._op("holds", keys)
+
+    async def _check_disk(self) -> None:
+        """A store without the catching-up flag lost its directory under this running
+        replica (the writer reopened an empty one): its contents must not pass for the
+        group's, so it is marked catching up (heal then promotes a peer and rebuilds it)."""
+        if self.catching_up or self._replicas < 2:
+            return
+        if await self._op("get_meta", CATCHING_UP_KEY) is None:
+            log.error(
+                "logger replica %s: store %s lost under it; catching up", self.name, self.path
+            )
+            self.catching_up = True
+            self._fence_dirty = True  # the fence went with the directory
+            await self._op("put_meta", {CATCHING_UP_KEY: b"1"})
+
     async def status(self) -> dict[str, Any]:
+        await self._check_disk()
         return {
             **self.heartbeat(),
             "group": self.group,
@@ -1207,6 +1259,19 @@ class LoggerGroup:
     primary: int = 0
     deadline_s: float = 5.0
     handles: list[Any] = field(default_factory=list)
+    # Adopt a newer epoch the replicas accepted (a promotion by `heal` in another holder)
+    # and retry once, for writes refused as fenced and reads of a primary that cannot serve.
+    follow_epochs: bool = True
+    # `heal` drops an entry a replica holds and the primary does not only when the primary
+    # lacked it on two checks this far apart: appends reach replicas one by one.
+    reconcile_grace_s: float = 30.0
+    reconcile_page: int = 5000
+    max_missed_forgets: int = 100_000
+    # per replica: forgets it missed while the others took them; keys absent from the
+    # primary -> when first seen; where the scan of its keys goes on
+    _missed: dict[int, dict[LogKey, None]] = field(default_factory=dict, init=False, repr=False)
+    _suspects: dict[int, dict[bytes, float]] = field(default_factory=dict, init=False, repr=False)
+    _scan_at: dict[int, bytes] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def of(cls, group: ReplicaGroup, *, deadline_s: float = 5.0) -> LoggerGroup:
@@ -1272,10 +1337,16 @@ class LoggerGroup:
         raise AssertionError("unreachable")
 
     async def _all(self, method: str, *args: Any, deadline_s: float | None) -> list[Any]:
-        results = await asyncio.gather(
-            *(self._call(i, method, *args, deadline_s=deadline_s) for i in range(self.size)),
-            return_exceptions=True,
-        )
+        """One fenced write on every replica; `args[0]` is the epoch. Refused as fenced,
+        a following client adopts the newer epoch and sends it once more (idempotent)."""
+        results = await self._gather(method, args, deadline_s)
+        fenced = any(isinstance(r, FencedError) for r in results)
+        follow = fenced and self.follow_epochs and bool(args) and args[0] == self.epoch
+        if follow and await self.refresh() > args[0]:
+            args = (self.epoch, *args[1:])
+            results = await self._gather(method, args, deadline_s)
+        if method == "forget":
+            self._note_missed_forgets(results, args[1])
         errors = [r for r in results if isinstance(r, BaseException)]
         for kind in (FencedError, LogFull, LogUnavailable):
             found = [e for e in errors if isinstance(e, kind)]
@@ -1287,6 +1358,25 @@ class LoggerGroup:
         if errors:
             raise errors[0]
         return results
+
+    async def _gather(
+        self, method: str, args: tuple[Any, ...], deadline_s: float | None
+    ) -> list[Any]:
+        return await asyncio.gather(
+            *(self._call(i, method, *args, deadline_s=deadline_s) for i in range(self.size)),
+            return_exceptions=True,
+        )
+
+    def _note_missed_forgets(self, results: Sequence[Any], keys: Sequence[LogKey]) -> None:
+        """A replica that missed a forget the others took keeps entries already published;
+        `heal` sends it again. Bounded: past the bound the key scan of `heal` finds them."""
+        if all(isinstance(r, BaseException) for r in results):
+            return  # nothing dropped anywhere: the caller retries the whole forget
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                missed = self._missed.setdefault(i, {})
+                room = self.max_missed_forgets - len(missed)
+                missed.update(dict.fromkeys(tuple(k) for k in list(keys)[: max(0, room)]))
 
     # -- writes ------------------------------------------------------------------------
 
@@ -1335,16 +1425,31 @@ class LoggerGroup:
         self, older_than_ms: int, now_ms: int | None = None, limit: int = 1000
     ) -> list[Event]:
         now = _now_ms() if now_ms is None else now_ms
-        raw = await self._call(self.primary, "pending", older_than_ms, now, limit, deadline_s=None)
+        raw = await self._read("pending", older_than_ms, now, limit)
         return decode_batch(raw)
 
     async def due_failed(self, now_ms: int | None = None, limit: int = 1000) -> list[Event]:
         now = _now_ms() if now_ms is None else now_ms
-        raw = await self._call(self.primary, "due_failed", now, limit, deadline_s=None)
+        raw = await self._read("due_failed", now, limit)
         return decode_batch(raw)
 
     async def token_status(self, token: str) -> dict[str, Any] | None:
-        return await self._call(self.primary, "token_status", token, deadline_s=None)
+        return await self._read("token_status", token)
+
+    async def _read(self, method: str, *args: Any) -> Any:
+        """A read of the primary. If it cannot serve (back on an empty disk, catching up)
+        a following client adopts a newer primary, promoting a healthy replica if none was,
+        and reads once more."""
+        try:
+            return await self._call(self.primary, method, *args, deadline_s=None)
+        except LogUnavailable:
+            if not self.follow_epochs:
+                raise
+            before = (self.epoch, self.primary)
+            await self._follow_primary(await self.status())
+            if (self.epoch, self.primary) == before:
+                raise
+        return await self._call(self.primary, method, *args, deadline_s=None)
 
     async def counts(self, index: int | None = None) -> dict[str, int]:
         i = self.primary if index is None else index
@@ -1397,6 +1502,8 @@ class LoggerGroup:
         src = self.primary if source is None else source
         if src == index:
             raise ValueError(f"replica {index} cannot catch up from itself")
+        for pending in (self._missed, self._suspects, self._scan_at):
+            pending.pop(index, None)
         call_deadline = max(self.deadline_s, 30.0)
         deadline = time.monotonic() + timeout_s
         await self._call(index, "begin_catch_up", self.epoch, deadline_s=call_deadline)
@@ -1426,14 +1533,119 @@ class LoggerGroup:
         here without an operator.
         """
         statuses = await self.status()
+        if await self._follow_primary(statuses):
+            statuses = await self.status()
         primary = statuses[self.primary] if self.primary < len(statuses) else {}
         if primary.get("error") or primary.get("catching_up"):
-            return {}  # nothing trustworthy to copy from; restart_group's business
+            return {}  # nothing trustworthy to copy from (no healthy replica: logged)
         healed: dict[int, int] = {}
         for i, st in enumerate(statuses):
             if i != self.primary and st.get("catching_up"):
                 healed[i] = await self.catch_up(i)
+        for i, st in enumerate(statuses):
+            ok = not st.get("error") and not st.get("catching_up")
+            if ok and i != self.primary and i not in healed:
+                await self._reconcile(i, primary, st)
         return healed
+
+    async def _follow_primary(self, statuses: Sequence[Mapping[str, Any]]) -> bool:
+        """Adopt the newest epoch the replicas report; if its primary came back empty
+        (catching up), promote a healthy replica. Returns whether the primary changed."""
+        before = (self.epoch, self.primary)
+        known = [s for s in statuses if not s.get("error") and s.get("primary") is not None]
+        if known and self.follow_epochs:
+            best = max(known, key=lambda s: s["epoch"])
+            if best["epoch"] > self.epoch:
+                self.epoch, self.primary = best["epoch"], best["primary"]
+        current = statuses[self.primary] if self.primary < len(statuses) else {}
+        if current.get("catching_up") and not current.get("error"):
+            await self.promote_healthy(statuses)
+        return (self.epoch, self.primary) != before
+
+    async def promote_healthy(self, statuses: Sequence[Mapping[str, Any]]) -> int | None:
+        """Make the lowest-indexed replica that answers and is not catching up the primary
+        under a new epoch (every holder picks the same one, so two promoting at once agree);
+        returns it, or None (logged) when no replica can lead: reads then keep failing and
+        writes keep needing every replica, so nothing is acknowledged on fewer copies."""
+        healthy = [
+            i for i, s in enumerate(statuses) if not s.get("error") and not s.get("catching_up")
+        ]
+        if not healthy:
+            log.error("%s: no healthy replica to promote: %s", self.name, statuses)
+            return None
+        index = healthy[0]
+        epoch = 1 + max([self.epoch, *(s.get("epoch", 0) for s in statuses if not s.get("error"))])
+        results = await asyncio.gather(
+            *(self._call(i, "set_epoch", epoch, index, deadline_s=None) for i in range(self.size)),
+            return_exceptions=True,
+        )
+        if results[index] != epoch:  # it went down, or another holder promoted further
+            log.warning("%s: promoting %d under epoch %d: %r", self.name, index, epoch, results)
+            await self.refresh()
+            return None
+        self.epoch, self.primary = epoch, index
+        log.warning(
+            "%s: replica %d promoted under epoch %d (the primary came back empty); "
+            "not acknowledged by %s",
+            self.name,
+            index,
+            epoch,
+            [i for i, r in enumerate(results) if r != epoch],
+        )
+        return index
+
+    async def _reconcile(
+        self, index: int, primary: Mapping[str, Any], status: Mapping[str, Any]
+    ) -> int:
+        """Drop from replica `index` the entries the primary no longer holds (forgets it
+        missed): first the ones this client saw it miss, then, when its counts differ from
+        the primary's, one page of a key scan compared with the primary. An entry absent
+        from the primary is dropped only when still absent `reconcile_grace_s` after it was
+        first seen (an append in flight may have reached this replica first). Returns the
+        entries dropped."""
+        dropped = 0
+        missed = self._missed.pop(index, None)
+        if missed:
+            try:
+                await self._call(index, "forget", self.epoch, list(missed), {}, deadline_s=None)
+            except (LogUnavailable, FencedError):
+                self._missed.setdefault(index, {}).update(missed)
+                return 0
+            dropped += len(missed)
+        now = time.monotonic()
+        suspects = self._suspects.setdefault(index, {})
+        ripe = [k for k, seen in suspects.items() if now - seen >= self.reconcile_grace_s]
+        if ripe:
+            held = await self._call(self.primary, "holds", ripe, deadline_s=None)
+            gone = [k for k, h in zip(ripe, held, strict=True) if not h]
+            if gone:
+                keys = [_split_key(k) for k in gone]
+                await self._call(index, "forget", self.epoch, keys, {}, deadline_s=None)
+                dropped += len(gone)
+            for k in ripe:
+                suspects.pop(k, None)
+        mine, theirs = status.get("counts", {}), primary.get("counts", {})
+        differ = any(mine.get(f) != theirs.get(f) for f in ("transient", "failed"))
+        if differ or index in self._scan_at:
+            page, cursor = await self._call(
+                index, "entry_keys", self._scan_at.get(index), self.reconcile_page, deadline_s=None
+            )
+            held = await self._call(self.primary, "holds", page, deadline_s=None) if page else []
+            for k, h in zip(page, held, strict=True):
+                if not h:
+                    suspects.setdefault(k, now)
+            if cursor is None:
+                self._scan_at.pop(index, None)
+            else:
+                self._scan_at[index] = cursor
+        if dropped:
+            log.warning(
+                "%s: replica %d reconciled: %d entries the primary dropped",
+                self.name,
+                index,
+                dropped,
+            )
+        return dropped
 
 
 # ----------------------------------------------------------------------------- group

@@ -217,6 +217,7 @@ async def test_group_restart_catches_up_an_empty_replica(ray_local: None, tmp_pa
 
 async def test_old_epoch_is_fenced_on_every_replica(ray_local: None, tmp_path: Path) -> None:
     group, client = await start("lgd", tmp_path, max_events=50)
+    client.follow_epochs = False  # a strict holder: adopts a new epoch only on purpose
     try:
         await client.append([ev(i) for i in range(10)])
         old = client.epoch
@@ -256,5 +257,12 @@ async def test_old_epoch_is_fenced_on_every_replica(ray_local: None, tmp_path: P
         # a stale client adopts the new epoch only on purpose
         assert await client.refresh() == new
         await client.append([ev(104)])
+        # a following one (the default) adopts it when fenced, and resends
+        follower = LoggerGroup.of(group)
+        follower.epoch, follower.primary = old, 0
+        await follower.append([ev(105)])
+        assert (follower.epoch, follower.primary) == (new, 1)
+        for handle in group.replicas:
+            assert "e000105" in await keys_of(handle)
     finally:
         group.shutdown()
