@@ -19,7 +19,14 @@ import pytest
 import ray
 
 from actors.events import Event
-from actors.logger import FAULT_SUFFIX, LoggerGroup, LogUnavailable, key_of, start_logger_group
+from actors.logger import (
+    FAULT_SUFFIX,
+    LogFull,
+    LoggerGroup,
+    LogUnavailable,
+    key_of,
+    start_logger_group,
+)
 from runtime.replication import ReplicaGroup
 from runtime.waiting import await_until
 from tests.support import fresh_ray
@@ -39,12 +46,14 @@ def ev(i: int, *, token: str = "") -> Event:
     return Event(f"e{i:04d}", "s", "s.raw", b'{"n": %d}' % i, 1_000, token=token)
 
 
-async def start(name: str, state_dir: Path) -> tuple[ReplicaGroup, LoggerGroup]:
+async def start(
+    name: str, state_dir: Path, max_events: int = 100_000
+) -> tuple[ReplicaGroup, LoggerGroup]:
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(
         None,
         lambda: start_logger_group(
-            name, 1, state_dir, NAMESPACE, max_events=100_000, max_bytes=BIG
+            name, 1, state_dir, NAMESPACE, max_events=max_events, max_bytes=BIG
         ),
     )
 
@@ -78,6 +87,28 @@ async def test_forget_missed_by_a_replica_is_retried_by_heal(
         await client.heal()
         assert await transient(group) == [0, 0]
         assert await client.drained()
+    finally:
+        group.shutdown()
+
+
+async def test_missed_forgets_stop_counting_against_the_bound_once_healed(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """Entries a replica kept after a missed forget fill its bound: every append is refused
+    (LogFull) although the primary is empty, until heal reconciles the replica."""
+    group, client = await start("lr4c", tmp_path, max_events=20)
+    try:
+        events = [ev(i) for i in range(20)]
+        await client.append(events)
+        broken = fault(tmp_path, "lr4c-1")
+        with pytest.raises(LogUnavailable):
+            await client.forget([key_of(e) for e in events])
+        broken.unlink()
+        with pytest.raises(LogFull):
+            await client.append([ev(100)])
+        await client.heal()
+        await client.append([ev(100)])
+        assert await transient(group) == [1, 1]
     finally:
         group.shutdown()
 
