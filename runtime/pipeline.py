@@ -39,7 +39,10 @@ class CollectionTier:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.collector_port}"
+        """The collectors' base URL as clients reach it (https when `[tls]` is on)."""
+        from runtime.tls import http_scheme
+
+        return f"{http_scheme(self.cfg)}://127.0.0.1:{self.collector_port}"
 
     nats_url: str = ""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -235,9 +235,11 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
             polls[0] += 1
             if polls[0] % 15 == 0:  # fail fast, with the reason, once a job keeps failing
                 listed = run(["jobs", "list", "--json", "--config", str(path)], env)
-                failing = [
-                    r for r in json.loads(listed.stdout or "[]") if (r.get("restarts") or 0) >= 2
-                ]
+                failing = {
+                    r["name"]: (r.get("error") or "")[-800:]
+                    for r in json.loads(listed.stdout or "[]")
+                    if (r.get("restarts") or 0) >= 2
+                }
                 assert not failing, f"jobs keep failing: {failing}"
             body = http(f"{gateway}/v1/kv/results", CONSUMER, ctx)
             got.clear()
@@ -246,7 +248,7 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
 
         def why() -> str:
             listed = run(["jobs", "list", "--json", "--config", str(path)], env)
-            return f"results {got}; jobs {listed.stdout[-3000:]} {listed.stderr[-2000:]}"
+            return f"results {got}; jobs {listed.stdout[-3000:]} {listed.stderr[-1000:]}"
 
         try:
             wait_until(answered, timeout=600, interval=2, what="every job's exact answer")

@@ -28,6 +28,7 @@ from jobs.library import (
     NatsTarget,
     Step,
     WindowSpec,
+    checkpoint_run_id,
     decode_spec,
     duration_ms,
     extract,
@@ -415,3 +416,25 @@ def test_custom_job_and_dead_letters(sp: Any, nats_url: str, tmp_path: Path) -> 
     (msg,) = with_nats(dead, nats_url)
     assert msg.subject == "deadletter.lib" and msg.data == b'{"user": '
     assert msg.headers[SOURCE_SEQ_HEADER] == str(N_EVENTS + 1)
+
+
+def test_a_reset_checkpoint_fails_the_job_clearly_and_kv_keeps_its_answer(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    """Hole 16: the same job started over a new (reset) checkpoint would restart batch ids at
+    0, so its results would be dropped as the old run's duplicates while its first small
+    batch rolled KV back; it fails with the reason instead, and KV keeps the full answer."""
+    import shutil
+
+    spec = base("lib_reset", "count", by=["response"], max_events_per_trigger=100)
+    run_job(sp, nats_url, spec, tmp_path)
+    want = Counter(e["response"] for e in EVENTS)
+    before = kv_results(nats_url, "lib_reset")
+    assert {k: v["count"] for k, v in before.items()} == dict(want)
+    assert checkpoint_run_id(tmp_path / "lib_reset")  # Spark's query id names the run
+
+    shutil.rmtree(tmp_path / "lib_reset")  # the reset
+    query = start_job(sp, spec, NatsTarget(nats_url), tmp_path, trigger={"availableNow": True})
+    with pytest.raises(Exception, match="checkpoint was reset"):
+        query.awaitTermination(240)
+    assert kv_results(nats_url, "lib_reset") == before
