@@ -224,3 +224,27 @@ async def test_store_wiped_under_a_running_primary_is_rebuilt_not_trusted(
         assert [e.id for e in pending] == [e.id for e in events]
     finally:
         group.shutdown()
+
+
+async def test_scale_down_waits_for_every_replica_to_drain(ray_local: None, tmp_path: Path) -> None:
+    """`tierflow scale logger` shuts a group down once it is drained: while a replica still
+    holds entries (a forget it missed), the wait must not see the group drained from the
+    primary's counts alone."""
+    from runtime.pipeline import _wait_logger_empty
+    from runtime.waiting import WaitTimeout
+
+    group, client = await start("lr4d", tmp_path)
+    loop = asyncio.get_running_loop()
+    try:
+        events = [ev(i) for i in range(10)]
+        await client.append(events)
+        broken = fault(tmp_path, "lr4d-1")
+        with pytest.raises(LogUnavailable):
+            await client.forget([key_of(e) for e in events])
+        broken.unlink()
+        with pytest.raises(WaitTimeout):  # nothing changes the replica until heal runs
+            await loop.run_in_executor(None, lambda: _wait_logger_empty(client, timeout_s=3))
+        await client.heal()
+        await loop.run_in_executor(None, lambda: _wait_logger_empty(client, timeout_s=60))
+    finally:
+        group.shutdown()
