@@ -271,10 +271,11 @@ async def drive_mixed(
     report = MixedReport()
     units = _units(plan, batch)
     report.expected = sum(1 for p in plan if p.kind in EXPECT_ACCEPTED)
-    starts, seen = [], 0
-    for u in units:
-        starts.append(seen)
-        seen += len(u)
+    # A unit is due when its first event's turn in the plan comes, so the batches that
+    # carry the same ids on different streams go out together (in flight at once).
+    turn = {id(p): k for k, p in enumerate(plan)}
+    units.sort(key=lambda u: turn[id(u[0])])
+    starts = [turn[id(u[0])] for u in units]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for idx in range(len(units)):
         queue.put_nowait(idx)
