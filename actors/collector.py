@@ -20,6 +20,11 @@ Interaction patterns:
   any producer's events, and answered when the message has a reply subject.
 The stream pattern (the collector as client of a source) lives in `actors/stream_ingest.py`.
 
+Every refusal names its reason: 403 for a system stream (`results`, `deadletter`: only the
+runtime writes them), 413 for an event JetStream could never take (the server's
+`max_payload` less the headers, see `_fit`), 503 with the assigned `ids` (and `token`)
+when nothing was acknowledged, so the producer resends exactly those ids.
+
 The HTTP/UDP/NATS data plane runs on a `LoopThread` started in `__init__`, so a
 replica Ray restarts serves again by itself.
 """

@@ -228,39 +228,70 @@ async def test_partial_write_503_carries_ids_and_the_resend_is_stored_once(
 # it moves the logger group's epoch)
 
 
-async def test_fenced_logger_answers_503_on_every_producer_path(
+async def test_fenced_logger_answers_503_and_the_resend_is_accepted(
     tier: CollectionTier, nats_server: NatsServer
 ) -> None:
-    """After a promotion the collector's writes are fenced: HTTP, WebSocket and NATS
-    producers get a 503 with the reason (not a 500 or a dead socket), and a resend with
-    the same ids is accepted once the collector adopted the new epoch."""
+    """A write refused as fenced reaches the collector (a logger client that does not
+    follow epochs by itself, as when the epoch moves again under its retry): HTTP and
+    WebSocket producers get a 503 with the reason and the ids (not a 500 or a dead
+    socket), and a resend with the same ids is accepted once the collector adopted the
+    new epoch."""
     import asyncio
+    import dataclasses
+
+    import ray
+
+    from actors.collector import Collector
 
     group = tier.logger_groups[0]
+    stale = dataclasses.replace(tier.loggers[0], follow_epochs=False, handles=[])
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, lambda: group.promote(group.primary or 0))
-    url = f"{tier.url}/v1/streams/meetup/events"
-    st, answer = await post(url, {"id": "fenced-http"})
-    assert st == 503 and "fenced" in answer["error"] and answer["ids"] == ["fenced-http"]
-    async with aiohttp.ClientSession() as s, s.ws_connect(f"{tier.url}/v1/streams/meetup/ws") as ws:
-        await ws.send_str('{"id": "fenced-ws"}')
-        frame = await ws.receive_json(timeout=60)
-        assert frame.get("status") in (503, None), frame
-        if frame.get("status") == 503:
-            assert frame["ids"] == ["fenced-ws"]
-        await ws.send_str('{"id": "fenced-ws-2"}')  # the socket is still open
-        assert (await ws.receive_json(timeout=60))["frame"] == 2
-    nc = await connect(nats_server.url)
+    name = "collector-fenced"
+    actor = (
+        ray.remote(Collector)
+        .options(name=name, namespace=NS, num_cpus=0)
+        .remote(
+            str(tier.cfg.state_path),
+            name=name,
+            config=tier.cfg.to_dict(),
+            logger=stale,
+            bridges=tier.bridges,
+            nats_url=nats_server.url,
+            port=0,
+            namespace=NS,
+            nats_ingest=False,
+        )
+    )
     try:
-        reply = await nc.request("ingest.meetup", b'{"id": "fenced-nats"}', timeout=30)
-        assert msgspec.json.decode(reply.data).get("status") in (503, None)
+        base = (await actor.endpoints.remote())["url"]
+        url = f"{base}/v1/streams/meetup/events"
+        st, answer = await post(url, {"id": "fenced-http"})
+        assert st == 503, answer
+        assert "fenced" in answer["error"] and answer["ids"] == ["fenced-http"]
+
+        async def adopted() -> bool:
+            return (await post(url, {"id": "fenced-probe"}))[0] == 200
+
+        await await_until(adopted, timeout=120, interval=1.0, what="the new epoch adopted")
+        # a second promotion: the WebSocket producer's next write is fenced too
+        await loop.run_in_executor(None, lambda: group.promote(group.primary or 0))
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"{base}/v1/streams/meetup/ws") as ws:
+            await ws.send_str('{"id": "fenced-ws"}')
+            frame = await ws.receive_json(timeout=60)
+            assert frame["frame"] == 1 and frame["status"] == 503, frame
+            assert "fenced" in frame["error"] and frame["ids"] == ["fenced-ws"]
+            await ws.send_str('{"id": "fenced-ws-2"}')  # the socket is still open
+            assert (await ws.receive_json(timeout=60))["frame"] == 2
+        ids = ["fenced-http", "fenced-probe", "fenced-ws", "fenced-ws-2"]
+
+        async def resent() -> bool:
+            st, _ = await post(url, [{"id": i} for i in ids])
+            return st == 200
+
+        await await_until(resent, timeout=120, interval=1.0, what="the resend accepted")
+        assert (await actor.stats.remote())["fenced"] >= 2
     finally:
-        await nc.close()
-    ids = ["fenced-http", "fenced-ws", "fenced-ws-2", "fenced-nats"]
-
-    async def resent() -> bool:
-        st, _ = await post(url, [{"id": i} for i in ids])
-        return st == 200
-
-    await await_until(resent, timeout=120, interval=1.0, what="the resend accepted")
+        await actor.shutdown.remote()
+        ray.kill(actor)
     await landed_once(nats_server, "meetup", ids)

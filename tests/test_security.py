@@ -434,6 +434,7 @@ def test_permission_names_match_the_modules_that_use_them() -> None:
     perms = role_permissions(load(environ={}))
     assert perms["admin"]["publish"]["allow"] == [">"]
     assert "raw.meetup" in perms["bridge"]["publish"]["allow"]
+    assert "results.>" not in perms["bridge"]["publish"]["allow"]
     for role in ("gateway", "collector", "analysis", "producer"):
         assert "raw.meetup" not in perms[role]["publish"]["allow"]
         assert ">" not in perms[role]["publish"]["allow"]
