@@ -444,6 +444,7 @@ class ReplicaGroup:
         self._check_index(index)
         timeout = self._ready_timeout if timeout is None else timeout
         name = self.name(index)
+        self.sync(exclude=(index,), timeout=timeout)
         try:
             ray.kill(self._replicas[index], no_restart=True)
         except Exception as exc:  # already gone: nothing to kill
@@ -463,6 +464,25 @@ class ReplicaGroup:
         if index in self.unacknowledged:
             self.unacknowledged.remove(index)
         return handle
+
+    def sync(self, exclude: Iterable[int] = (), timeout: float | None = None) -> int:
+        """Adopt the newest epoch (and the primary it names) the replicas accepted, when it
+        is newer than this controller's: a holder of the group may have promoted a replica
+        at run time (the logger's `heal`). Replicas in `exclude` or not answering within
+        `timeout` are not asked. Returns the controller's epoch."""
+        timeout = self._call_timeout if timeout is None else timeout
+        asked = [i for i in range(len(self._replicas)) if i not in set(exclude)]
+        epochs = self._gather([self._replicas[i].epoch.remote() for i in asked], timeout)
+        primaries = self._gather([self._replicas[i].primary_index.remote() for i in asked], timeout)
+        best: tuple[int, int] | None = None
+        for epoch, primary in zip(epochs, primaries, strict=True):
+            known = isinstance(epoch, int) and isinstance(primary, int)
+            if known and (best is None or epoch > best[0]):
+                best = (epoch, primary)
+        if best is not None and best[0] > self._epoch:
+            logger.info("%r: adopting epoch %d (primary %d) from the replicas", self.role, *best)
+            self._epoch, self._primary = best
+        return self._epoch
 
     def shutdown(self) -> None:
         """Kill every replica for good and release the placement group. Idempotent."""

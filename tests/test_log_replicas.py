@@ -25,6 +25,7 @@ from actors.logger import (
     LoggerGroup,
     LogUnavailable,
     key_of,
+    replace_replica,
     start_logger_group,
 )
 from runtime.replication import ReplicaGroup
@@ -186,6 +187,13 @@ async def test_primary_back_on_an_empty_disk_is_replaced_by_a_promoted_replica(
         # writes from either client land on both replicas (k+1)
         await asyncio.wait_for(collector_client.append([ev(100)]), HANG_GUARD_S)
         await asyncio.wait_for(client.append([ev(101)]), HANG_GUARD_S)
+        assert await transient(group) == [47, 47]
+
+        # the controller (driver side) did not make that promotion: replacing a replica
+        # through it copies from the primary the replicas name, not its stale one
+        assert group.primary == 0
+        copied = await asyncio.wait_for(replace_replica(group, 0), HANG_GUARD_S)
+        assert copied == 47 + 1
         assert await transient(group) == [47, 47]
 
         # a replica that cannot come back: writes are refused with a reason, never hang
