@@ -1171,7 +1171,11 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         self._readable()
         return await self._op("token_status", token)
 
-    async def counts(self) -> dict[str, int]:
+    async def counts(self, readable: bool = False) -> dict[str, int]:
+        """This store's counts; with `readable`, refused while catching up (they are not
+        the group's then)."""
+        if readable:
+            self._readable()
         return await self._op("counts")
 
     async def scan_counts(self) -> dict[str, int]:
@@ -1452,8 +1456,11 @@ class LoggerGroup:
         return await self._call(self.primary, method, *args, deadline_s=None)
 
     async def counts(self, index: int | None = None) -> dict[str, int]:
-        i = self.primary if index is None else index
-        return await self._call(i, "counts", deadline_s=None)
+        """Replica `index`'s counts, or the group's: the primary's, following a promotion
+        when the primary came back empty (its zeros are not the group's)."""
+        if index is None:
+            return await self._read("counts", True)
+        return await self._call(index, "counts", deadline_s=None)
 
     async def status(self) -> list[dict[str, Any]]:
         """Every replica's status, or {"replica", "error"} for one that did not answer."""

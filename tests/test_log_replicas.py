@@ -172,6 +172,9 @@ async def test_primary_back_on_an_empty_disk_is_replaced_by_a_promoted_replica(
         status = await asyncio.wait_for(collector_client.token_status("T"), HANG_GUARD_S)
         assert status is not None and status["state"] == "logged" and status["acked"] == 5
         assert collector_client.primary == 1 and collector_client.epoch > old_epoch
+        # the group's counts (status, autoscaling, scale-down) come from a primary that
+        # holds the data, never from the empty one
+        assert (await LoggerGroup.of(group).counts())["transient"] == 45
 
         # the bridge's heal adopts that epoch and rebuilds the empty replica from the new primary
         healed = await asyncio.wait_for(client.heal(), HANG_GUARD_S)
