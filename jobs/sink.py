@@ -10,6 +10,11 @@ JetStream's duplicate window drops, and puts the same values: with the jetstream
 sequence offsets the pipeline is exactly-once end to end (the results stream's dedup window
 must outlast a restart).
 
+KV is written only after the batch's results are acknowledged, and each put is conditional
+(`_put_latest`): a value carries its run (the query's checkpoint id) and batch id, so an older
+batch never overwrites a newer value, and a run whose checkpoint was reset (batch ids back at
+0) is refused with a SinkError naming the cause instead of rolling KV back.
+
 Malformed events read by the jetstream source (``valid`` false) go to
 ``<deadletter_prefix>.<stream>`` with their original bytes, the reason and their origin in
 headers, and ``Nats-Msg-Id = "dl:<stream>:<seq>"``, so replays do not duplicate them either.
@@ -330,7 +335,13 @@ class ResultSink:
             await self._ensure_bucket(nc)
         acks = await self._publish_all(nc, results)  # KV shows only what results hold
         dups = sum(1 for a in acks if a.duplicate)
-        done = await asyncio.gather(*(self._put_latest(nc, p, batch_id) for p in puts))
+        sem = asyncio.Semaphore(self.max_in_flight)
+
+        async def put(p: Outgoing) -> bool:
+            async with sem:
+                return await self._put_latest(nc, p, batch_id)
+
+        done = await asyncio.gather(*(put(p) for p in puts))
         report = BatchReport(
             published=len(results),
             duplicates=dups,
