@@ -25,6 +25,7 @@ from runtime.chaos.injectors import FaultRecord
 from runtime.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
 from runtime.chaos.runner import load_streams
 from runtime.chaos.schedule import (
+    ACK_LOSS,
     ACTIONS,
     KILL,
     NATS_DOWN,
@@ -124,15 +125,18 @@ def test_the_issue_scenarios_exist() -> None:
         "nemesis",
     } <= names
     assert set(scenarios.SHORT) <= names
-    # at least one outage outlasts a shortened JetStream duplicate window
-    past = [
-        s
+    # outages (NATS down; acks lost on the link) outlast a shortened duplicate window
+    past = {
+        f.action: s.name
         for s in scenarios.SCENARIOS.values()
-        if s.duplicate_window_s
-        and any(f.action == NATS_DOWN and f.duration_s > s.duplicate_window_s for f in s.faults)
-    ]
-    assert [s.name for s in past] == ["nats-down-past-dup-window"]
-    assert "nats-down-past-dup-window" in scenarios.SHORT
+        for f in s.faults
+        if s.duplicate_window_s and f.duration_s > s.duplicate_window_s
+    }
+    assert past == {
+        NATS_DOWN: "nats-down-past-dup-window",
+        ACK_LOSS: "acks-lost-past-dup-window",
+    }
+    assert "acks-lost-past-dup-window" in scenarios.SHORT
     assert {f.action for s in scenarios.SCENARIOS.values() for f in s.faults} <= set(ACTIONS)
     assert [s.name for s in scenarios.resolve("all")] == list(scenarios.SCENARIOS)
     with pytest.raises(KeyError, match="unknown scenario"):

@@ -299,9 +299,13 @@ async def _disk(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
 
 
 async def _link(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
-    from runtime.chaos.proxy import Latency, ResetPeer
+    from runtime.chaos.proxy import Blackhole, Latency, ResetPeer
 
-    toxic = Latency(200, 100) if f.action == s.LATENCY else ResetPeer(0)
+    toxic: Any = {
+        s.LATENCY: Latency(200, 100),
+        s.RESETS: ResetPeer(0),
+        s.ACK_LOSS: Blackhole(direction="downstream"),  # publishes land, acks never return
+    }[f.action]
     toxic_id = await asyncio.to_thread(d.proxy.add, toxic)
     try:
         rec.detail = f"{toxic} between collection tier and NATS for {f.duration_s:g}s"
@@ -322,6 +326,7 @@ _INJECTORS = {
     s.DISK_FULL: _disk,
     s.LATENCY: _link,
     s.RESETS: _link,
+    s.ACK_LOSS: _link,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from runtime.chaos.schedule import (
+    ACK_LOSS,
     DISK_ERROR,
     DISK_FULL,
     KILL,
@@ -79,6 +80,16 @@ _ALL = (
         duplicate_window_s=SHORT_DUP_WINDOW_S,
     ),
     Scenario(
+        "acks-lost-past-dup-window",
+        f"streams with a {SHORT_DUP_WINDOW_S:g} s duplicate window; for 10 s the link from "
+        "NATS to the collection tier drops everything (TCP proxy): publishes are stored, "
+        "their acks never arrive, and a blind resend past the window would store twice",
+        (Fault(0.3, ACK_LOSS, "link", 10.0),),
+        min_span_s=16.0,
+        proxy=True,
+        duplicate_window_s=SHORT_DUP_WINDOW_S,
+    ),
+    Scenario(
         "pause-each-role",
         "SIGSTOP each role's process for 3 s in turn, then SIGCONT",
         tuple(Fault(0.05 + 0.14 * i, PAUSE, t, 3.0) for i, t in enumerate(ROLE_TARGETS)),
@@ -120,7 +131,7 @@ _ALL = (
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 # The short form `make test` runs (each well under a minute at small N).
-SHORT = ("kill-each-role", "logger-disk-errors", "nats-down-10s", "nats-down-past-dup-window")
+SHORT = ("kill-each-role", "logger-disk-errors", "nats-down-10s", "acks-lost-past-dup-window")
 
 
 def get(name: str) -> Scenario:

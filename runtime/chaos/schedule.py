@@ -22,6 +22,7 @@ DISK_ERROR = "disk_error"  # the logger replica's LevelDB writes fail with EIO
 DISK_FULL = "disk_full"  # ... with ENOSPC
 LATENCY = "latency"  # proxy between collection tier and NATS: added latency
 RESETS = "resets"  # proxy: every connection is reset while active
+ACK_LOSS = "ack_loss"  # proxy: server-to-client bytes dropped (stored, never acknowledged)
 
 ACTIONS = (
     KILL,
@@ -34,6 +35,7 @@ ACTIONS = (
     DISK_FULL,
     LATENCY,
     RESETS,
+    ACK_LOSS,
 )
 # Targets: role replicas ("collector-0"), the logger group's current primary or backup,
 # "gateway-client" (the gateway replica serving the run's subscriber), "driver" (the Spark
