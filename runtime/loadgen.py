@@ -169,6 +169,7 @@ class MixedReport(LoadReport):
     refused_digests: dict[str, set[str]] = field(default_factory=dict)  # answered 4xx
     blind: dict[str, dict[str, int]] = field(default_factory=dict)  # resends with no answer
     adopted: int = 0  # events without id resent under the ids an error answer gave
+    retried: dict[int, int] = field(default_factory=dict)  # resent requests by status (0: none)
     wrongly_accepted: list[str] = field(default_factory=list)  # invalid/oversized taken
     wrongly_refused: list[str] = field(default_factory=list)  # valid events answered 4xx
 
@@ -338,6 +339,7 @@ async def drive_mixed(
                     break
                 if status == 0 or status >= 500:
                     report.refused += status == 503
+                    report.retried[status] = report.retried.get(status, 0) + 1
                     adopt_or_count_blind(items, status, payload)
                     attempt += 1
                     await asyncio.sleep(min(1.0, 0.05 * 2**attempt))

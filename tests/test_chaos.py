@@ -298,6 +298,8 @@ async def test_short_scenario_loses_and_duplicates_nothing(
     assert rep.gateway is not None and rep.gateway.received == rep.gateway.expected > 0
     if name == "logger-disk-errors":
         assert rep.refused > 0  # the logger refused (503) rather than ack unpersisted data
+        # the 503s named the ids they assigned: producers without ids resent under them
+        assert rep.adopted_ids > 0, _explain(rep)
     if name == "nats-down-10s":
         assert rep.faults[0].recovered_s >= 10.0
 

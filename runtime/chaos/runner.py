@@ -432,7 +432,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
         rep.sent, rep.acknowledged, rep.refused = load.sent, len(load.acknowledged), load.refused
         rep.rejected = dict(load.rejected)
         rep.wrongly_accepted, rep.wrongly_refused = load.wrongly_accepted, load.wrongly_refused
-        rep.adopted_ids = load.adopted
+        rep.adopted_ids, rep.retried = load.adopted, dict(load.retried)
         rep.faults = fault_reports(records, timeline)
         rep.throughput_eps = rate_between(timeline, 0.0, load_s)
         try:
