@@ -76,6 +76,7 @@ __all__ = [
     "inspect",
     "key_of",
     "replace_replica",
+    "settle_parked",
     "start_logger_group",
 ]
 
@@ -678,6 +679,52 @@ class LogStore:
                 out.append(_failed_dec.decode(raw).event)
         return out
 
+    def parked(self, limit: int) -> list[dict[str, Any]]:
+        """Parked failed entries (never due, see PARKED_MS): what an operator settles."""
+        f_ns = self._ns[NS_FAILED]
+        out: list[dict[str, Any]] = []
+        for key in self._ns[NS_BY_RETRY].keys(start=_be(PARKED_MS), limit=limit):
+            raw = f_ns.get(key[8:])
+            if raw is None:
+                continue
+            fe = _failed_dec.decode(raw)
+            stream, _, id_ = key[8:].partition(b"\x00")
+            out.append(
+                {
+                    "stream": stream.decode(),
+                    "id": id_.decode(),
+                    "error": fe.error,
+                    "attempts": fe.attempts,
+                    "bytes": len(fe.raw),
+                }
+            )
+        return out
+
+    def parked_count(self) -> int:
+        return self._ns[NS_BY_RETRY].count(start=_be(PARKED_MS))
+
+    def settle(self, keys: Sequence[LogKey], action: str, now_ms: int) -> int:
+        """An operator's decision on parked entries, in one synced batch: "retry" makes
+        them due now (the bridge checks again and resends only what it proves absent),
+        "forget" drops them (seen stored, or given up on purpose). Entries that are not
+        parked are left alone. Returns how many changed."""
+        if action not in ("retry", "forget"):
+            raise ValueError(f"settle action must be retry or forget, not {action!r}")
+        n = 0
+        with self._txn() as tx:
+            for key in dict.fromkeys(tuple(k) for k in keys):
+                k = _log_key(key)  # type: ignore[arg-type]
+                cur = tx.lookup(k)
+                if cur is None or cur[0] != "f" or cur[1].next_retry_ms < PARKED_MS:
+                    continue
+                fe: FailedEntry = cur[1]
+                tx.drop_failed(k, fe)
+                if action == "retry":
+                    error = f"settled for retry: {fe.error}"
+                    tx.add_failed(k, msgspec.structs.replace(fe, error=error, next_retry_ms=now_ms))
+                n += 1
+        return n
+
     def failed_entry(self, key: LogKey) -> FailedEntry | None:
         raw = self._ns[NS_FAILED].get(_log_key(key))
         return None if raw is None else _failed_dec.decode(raw)
@@ -807,6 +854,9 @@ class _Crash:
 _WRITER_METHODS = frozenset(
     {
         "append",
+        "parked",
+        "parked_count",
+        "settle",
         "forget",
         "fail",
         "import_",
@@ -1138,6 +1188,14 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         delay = _park_delay if park else self._retry_delay_ms
         return await self._op("fail", items, now_ms, delay, epoch=epoch)
 
+    async def settle(self, epoch: int, keys: list[LogKey], action: str, now_ms: int) -> int:
+        """Parked entries: "retry" (due now) or "forget"; see LogStore.settle."""
+        return await self._op("settle", [tuple(k) for k in keys], action, now_ms, epoch=epoch)
+
+    async def parked(self, limit: int = 1000) -> list[dict[str, Any]]:
+        self._readable()
+        return await self._op("parked", limit)
+
     async def import_(self, epoch: int, entries: list[tuple[str, bytes, bytes]]) -> int:
         return await self._op("import_", entries, epoch=epoch)
 
@@ -1219,6 +1277,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
             "primary": self.fence.primary,
             "catching_up": self.catching_up,
             "counts": await self._op("counts"),
+            "parked": await self._op("parked_count"),
         }
 
     async def crash_writer(self) -> None:
@@ -1422,6 +1481,18 @@ class LoggerGroup:
         errors = [str(err) for _, err in items]
         now = _now_ms() if now_ms is None else now_ms
         await self._all("fail", self.epoch, batch, errors, now, park, deadline_s=deadline_s)
+
+    async def settle(
+        self, keys: Sequence[LogKey], action: str, *, deadline_s: float | None = None
+    ) -> None:
+        """An operator's decision on parked (stream, id) entries: "retry" or "forget"."""
+        if keys:
+            keys = [tuple(k) for k in keys]  # type: ignore[misc]
+            await self._all("settle", self.epoch, keys, action, _now_ms(), deadline_s=deadline_s)
+
+    async def parked(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The primary's parked entries (stream, id, error, attempts, bytes)."""
+        return await self._call(self.primary, "parked", limit, deadline_s=None)
 
     # -- reads (primary) ---------------------------------------------------------------
 
@@ -1743,6 +1814,41 @@ async def replace_replica(
 # ----------------------------------------------------------------------------- inspect
 
 
+def settle_parked(
+    state_dir: str | os.PathLike[str],
+    group: str,
+    action: str,
+    keys: Sequence[LogKey] | None = None,
+    *,
+    now_ms: int | None = None,
+) -> dict[str, int]:
+    """Settle parked entries of logger group `group` in its stopped stores (every replica
+    directory `state_dir/logger/<group>-<i>`, so the replicas stay identical): `keys`, or
+    every entry parked on any replica when None. Returns {replica: entries changed}. A
+    running replica's store is locked: CheckpointLockedError (stop tierflow first)."""
+    import re
+
+    root = pathlib.Path(state_dir) / "logger"
+    pattern = re.compile(rf"{re.escape(group)}-\d+")
+    paths = sorted(p for p in root.glob(f"{group}-*") if p.is_dir() and pattern.fullmatch(p.name))
+    if not paths:
+        raise FileNotFoundError(f"no logger group {group!r} under {root}")
+    stores = []
+    try:
+        for path in paths:
+            stores.append(LogStore(path, max_events=1 << 62, max_bytes=1 << 62, open_timeout_s=1))
+        if keys is None:
+            found: dict[LogKey, None] = {}
+            for store in stores:
+                found.update((p["stream"], p["id"]) for p in store.parked(1 << 62))
+            keys = list(found)
+        now = _now_ms() if now_ms is None else now_ms
+        return {st.path.name: st.settle(keys, action, now) for st in stores}
+    finally:
+        for store in stores:
+            store.close()
+
+
 def inspect(state_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Per replica directory under `state_dir/logger/`: counts, epoch, catching_up. A store
     held by a running replica is reported as "locked (running)", never opened twice."""
@@ -1769,6 +1875,7 @@ def inspect(state_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 state="ok",
                 transient=c.transient,
                 failed=c.failed,
+                parked=store.namespace(NS_BY_RETRY).count(start=_be(PARKED_MS)),
                 bytes=c.bytes,
                 tokens=c.tokens,
                 epoch=Fence.from_bytes(fence).epoch if fence else 0,

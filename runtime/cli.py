@@ -492,8 +492,9 @@ def logger_inspect(
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Pending (transient) and failed counts per logger replica: asked of the live replicas
-    when tierflow runs, read from their LevelDB stores when it does not."""
+    """Pending (transient), failed and parked counts per logger replica: asked of the live
+    replicas when tierflow runs, read from their LevelDB stores when it does not. Parked
+    entries are never retried on their own: settle them with `tierflow logger settle`."""
     from actors.logger import inspect
 
     cfg = _load(config)
@@ -508,6 +509,7 @@ def logger_inspect(
         "state",
         "pending",
         "failed",
+        "parked",
         "bytes",
         "epoch",
         "catching up",
@@ -519,11 +521,65 @@ def logger_inspect(
             str(r.get("state")),
             str(r.get("transient", "")),
             str(r.get("failed", "")),
+            str(r.get("parked", "")),
             str(r.get("bytes", "")),
             str(r.get("epoch", "")),
             str(r.get("catching_up", "")),
         )
     console.print(table)
+    if any(r.get("parked") for r in rows):
+        console.print(
+            "Parked entries are not retried on their own (poison dead-lettered with its body "
+            "cut, or past the dedup window with absence unproven). With tierflow stopped: "
+            "`tierflow logger settle GROUP --list`, then `--retry` (the bridge checks again "
+            "and resends only what it proves absent) or `--forget` (seen stored, or given up)."
+        )
+
+
+@logger_app.command("settle")
+def logger_settle(
+    group: Annotated[str, typer.Argument(help="logger group, e.g. logger")],
+    keys: Annotated[
+        list[str] | None, typer.Argument(help="STREAM/ID of parked entries (default: all)")
+    ] = None,
+    retry: Annotated[bool, typer.Option("--retry", help="make them due now")] = False,
+    forget: Annotated[bool, typer.Option("--forget", help="drop them from the log")] = False,
+    list_only: Annotated[bool, typer.Option("--list", help="only list them")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """List or settle the parked entries of a logger group in its stopped stores."""
+    from actors.logger import LogStore, settle_parked
+    from runtime.checkpoint import CheckpointLockedError
+
+    cfg = _load(config)
+    if list_only + retry + forget != 1:
+        err_console.print("give exactly one of --list, --retry, --forget")
+        raise typer.Exit(2)
+    try:
+        if list_only:
+            rows: list[dict[str, Any]] = []
+            root = cfg.state_path / "logger"
+            for path in sorted(root.glob(f"{group}-*")):
+                store = LogStore(path, max_events=1 << 62, max_bytes=1 << 62, open_timeout_s=1)
+                try:
+                    rows += [{"replica": path.name, **p} for p in store.parked(1 << 62)]
+                finally:
+                    store.close()
+            print(json.dumps(rows))
+            return
+        chosen = [tuple(k.split("/", 1)) for k in keys] if keys else None
+        if chosen is not None and any(len(k) != 2 for k in chosen):
+            err_console.print("keys are STREAM/ID")
+            raise typer.Exit(2)
+        action = "retry" if retry else "forget"
+        done = settle_parked(cfg.state_path, group, action, chosen)  # type: ignore[arg-type]
+    except CheckpointLockedError:
+        err_console.print("the logger stores are in use: stop tierflow first (tierflow down)")
+        raise typer.Exit(3) from None
+    except FileNotFoundError as err:
+        err_console.print(str(err))
+        raise typer.Exit(1) from None
+    print(json.dumps(done))
 
 
 def _jobs_call(fn_name: str, config: Path | None, *args: Any) -> list[dict[str, Any]]:

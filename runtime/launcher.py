@@ -368,6 +368,7 @@ class Runtime:
                         "state": "error" if "error" in r else "running",
                         "transient": c.get("transient"),
                         "failed": c.get("failed"),
+                        "parked": r.get("parked"),
                         "bytes": c.get("bytes"),
                         "epoch": r.get("epoch"),
                         "catching_up": r.get("catching_up"),
