@@ -169,6 +169,7 @@ class MixedReport(LoadReport):
     refused_digests: dict[str, set[str]] = field(default_factory=dict)  # answered 4xx
     blind: dict[str, dict[str, int]] = field(default_factory=dict)  # resends with no answer
     adopted: int = 0  # events without id resent under the ids an error answer gave
+    ws_requests: int = 0  # requests sent as a frame on a producer WebSocket
     retried: dict[int, int] = field(default_factory=dict)  # resent requests by status (0: none)
     wrongly_accepted: list[str] = field(default_factory=list)  # invalid/oversized taken
     wrongly_refused: list[str] = field(default_factory=list)  # valid events answered 4xx
@@ -251,6 +252,32 @@ def _units(plan: Sequence[Planned], batch: int) -> list[list[Planned]]:
     return units
 
 
+async def _ws_frame(
+    session: aiohttp.ClientSession, url: str, items: Sequence[Planned]
+) -> tuple[int, bytes]:
+    """Send `items` as one JSON-array frame on a fresh producer WebSocket; (status, the
+    answer) as for HTTP: 200 when accepted, the answer's `status` otherwise, 0 when no
+    answer came."""
+    target = f"{url}/v1/streams/{items[0].stream}/ws"
+    frame = b"[" + b",".join(p.encode() for p in items) + b"]"
+    try:
+        async with session.ws_connect(target, max_msg_size=0) as ws:
+            await ws.send_str(frame.decode())
+            msg = await ws.receive(timeout=30)
+    except (TimeoutError, aiohttp.ClientError):
+        return 0, b""
+    if msg.type != aiohttp.WSMsgType.TEXT:
+        return 0, b""
+    data = msg.data.encode()
+    try:
+        answer = _dec.decode(data)
+    except msgspec.DecodeError:
+        return 0, b""
+    if "accepted" in answer:
+        return 200, data
+    return int(answer.get("status") or 0), data
+
+
 async def drive_mixed(
     url: str,
     plan: Sequence[Planned],
@@ -260,6 +287,7 @@ async def drive_mixed(
     rate: float = 0.0,
     deadline_s: float = 120.0,
     on_batch: Callable[[int], None] | None = None,
+    ws_every: int = 0,
 ) -> MixedReport:
     """Send `plan` as NDJSON requests, `concurrency` in flight, paced at `rate` events/s.
 
@@ -267,7 +295,9 @@ async def drive_mixed(
     `ids` an error answer carries (the collector assigned and maybe logged them), so the
     resend cannot store them twice; a resend after no answer at all is blind and
     counted per payload. A 4xx is final: its payloads must never be stored. `on_batch`
-    gets the number of events each acknowledged request carried.
+    gets the number of events each acknowledged request carried. With `ws_every` k,
+    every k-th request of valid events goes as one frame on a producer WebSocket (its
+    answer carries the same `ids` and `status`).
     """
     report = MixedReport()
     units = _units(plan, batch)
@@ -323,16 +353,22 @@ async def drive_mixed(
             if rate:
                 await asyncio.sleep(max(0.0, start + starts[idx] / rate - time.monotonic()))
             target = f"{url}/v1/streams/{items[0].stream}/events"
+            over_ws = bool(ws_every) and idx % ws_every == ws_every - 1
+            over_ws = over_ws and all(p.kind in EXPECT_ACCEPTED for p in items)
+            report.ws_requests += over_ws
             attempt = 0
             while time.monotonic() < stop_at:
-                body = b"\n".join(p.encode() for p in items)  # adopted ids included
                 t0 = time.monotonic()
-                try:
-                    async with session.post(target, data=body, headers=headers) as resp:
-                        payload, status = await resp.read(), resp.status
-                except (TimeoutError, aiohttp.ClientError):
-                    report.errors += 1
-                    status, payload = 0, b""
+                if over_ws:
+                    status, payload = await _ws_frame(session, url, items)
+                else:
+                    body = b"\n".join(p.encode() for p in items)  # adopted ids included
+                    try:
+                        async with session.post(target, data=body, headers=headers) as resp:
+                            payload, status = await resp.read(), resp.status
+                    except (TimeoutError, aiohttp.ClientError):
+                        status, payload = 0, b""
+                report.errors += status == 0
                 report.sent += len(items)
                 if 200 <= status < 300:
                     settle_ok(items, payload, t0)

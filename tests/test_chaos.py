@@ -293,6 +293,7 @@ async def test_short_scenario_loses_and_duplicates_nothing(
     assert rep.stored == 600 + rep.unacknowledged_stored
     assert rep.unacknowledged_stored == rep.blind_duplicates
     assert rep.expected_refused == 6 and rep.rejected == {400: 4, 413: 2}, _explain(rep)
+    assert rep.ws_requests > 0  # some batches went as producer WebSocket frames
     assert len(rep.faults) == len(scn.faults)
     assert all(f.recovered_s is not None for f in rep.faults), _explain(rep)
     assert rep.gateway is not None and rep.gateway.received == rep.gateway.expected > 0

@@ -75,6 +75,7 @@ class FakeCollector:
     def __init__(self) -> None:
         self.stored: dict[str, list[tuple[str, bytes]]] = {}
         self.no_id_requests = 0
+        self.ws_frames = 0
         self.next_id = 0
 
     def _assign(self, line: dict[str, Any]) -> str:
@@ -111,12 +112,36 @@ class FakeCollector:
                 return web.Response(status=500)
         return web.json_response({"accepted": len(ids), "ids": ids})
 
+    async def ws(self, request: web.Request) -> web.StreamResponse:
+        """One frame per connection: a 503 answer with the assigned ids the first time a
+        frame holds an event without id (they are 'logged'), else accepted."""
+        stream = request.match_info["stream"]
+        ws = web.WebSocketResponse(max_msg_size=0)
+        await ws.prepare(request)
+        msg = await ws.receive()
+        items = msgspec.json.decode(msg.data)
+        without = any(i.get("id") is None for i in items)
+        ids = [self._assign(i) for i in items]
+        log = self.stored.setdefault(stream, [])
+        known = {eid for eid, _ in log}
+        log.extend(
+            (e, msgspec.json.encode(i)) for e, i in zip(ids, items, strict=True) if e not in known
+        )
+        self.ws_frames += 1
+        if without:
+            await ws.send_json({"frame": 1, "status": 503, "error": "busy", "ids": ids})
+        else:
+            await ws.send_json({"frame": 1, "accepted": len(ids), "ids": ids})
+        await ws.close()
+        return ws
+
 
 @pytest_asyncio.fixture
 async def fake() -> AsyncIterator[tuple[str, FakeCollector]]:
     fc = FakeCollector()
     app = web.Application(client_max_size=16 << 20)
     app.router.add_post("/v1/streams/{stream}/events", fc.post)
+    app.router.add_get("/v1/streams/{stream}/ws", fc.ws)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -163,3 +188,19 @@ async def test_a_refusal_accepted_is_reported(fake: tuple[str, FakeCollector], k
     url, _ = fake
     rep = await drive_mixed(url, [Planned("s1", {"u": "z"}, "fine-id", kind)], deadline_s=30)
     assert rep.wrongly_accepted == [f"s1/{kind}/fine-id"]
+
+
+async def test_producer_websocket_frames_adopt_the_ids_of_a_503(
+    fake: tuple[str, FakeCollector],
+) -> None:
+    """Every request of valid events as a WebSocket frame: the 503 answer's ids are
+    reused by the resend, so each event is stored once."""
+    url, fc = fake
+    plan = [Planned("s1", {"u": "a"}, None), Planned("s1", {"u": "b"}, "w-1")]
+    rep = await drive_mixed(url, plan, batch=2, concurrency=1, deadline_s=60, ws_every=1)
+    assert rep.ws_requests == 1 and fc.ws_frames == 2 and fc.no_id_requests == 0
+    assert rep.adopted == 1 and rep.retried == {503: 1} and len(rep.acknowledged) == 2
+    from runtime.verify import payload_digest
+
+    stored = [(i, payload_digest(b)) for i, b in fc.stored["s1"]]
+    assert len(stored) == 2 and judge_streams(rep.acked, {"s1": stored})["s1"].ok

@@ -66,6 +66,7 @@ class ScenarioReport:
     wrongly_refused: list[str] = field(default_factory=list)  # valid events answered 4xx
     adopted_ids: int = 0  # events without id resent under the ids an error answer gave
     retried: dict[int, int] = field(default_factory=dict)  # resent requests by status
+    ws_requests: int = 0  # requests sent as producer WebSocket frames
     blind_duplicates: int = 0  # copies explained by a resend after no answer (no id)
     streams: dict[str, str] = field(default_factory=dict)  # per-stream verdict lines
     unacknowledged_stored: int = 0

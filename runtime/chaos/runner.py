@@ -417,6 +417,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
         load = await drive_mixed(
             d.tier.url,
             events,
+            ws_every=4,  # every fourth valid request as a producer WebSocket frame
             batch=opts.batch,
             concurrency=opts.concurrency,
             rate=rate,
@@ -433,6 +434,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
         rep.rejected = dict(load.rejected)
         rep.wrongly_accepted, rep.wrongly_refused = load.wrongly_accepted, load.wrongly_refused
         rep.adopted_ids, rep.retried = load.adopted, dict(load.retried)
+        rep.ws_requests = load.ws_requests
         rep.faults = fault_reports(records, timeline)
         rep.throughput_eps = rate_between(timeline, 0.0, load_s)
         try:
