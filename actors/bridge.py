@@ -266,6 +266,8 @@ class BrokerBridge(SupervisedActor):
         hit = self._targets.get(subject)
         if hit is not None and loop.time() - hit[2] < _STREAM_CACHE_S:
             return hit[0], hit[1]
+        if not self._nc.is_connected:  # nothing to ask; the publish fails at once anyway
+            return None, self._fallback_window_s
         try:
             js = self._nc.jetstream()
             stream = await asyncio.wait_for(js.find_stream_name_by_subject(subject), 5.0)
@@ -286,8 +288,11 @@ class BrokerBridge(SupervisedActor):
         send: list[Event] = []
         stale: dict[str, list[Event]] = {}
         unproven: list[Failed] = []
+        targets: dict[str, tuple[str | None, float]] = {}
         for e in events:
-            stream, window = await self._target(e.subject)
+            if e.subject not in targets:
+                targets[e.subject] = await self._target(e.subject)
+            stream, window = targets[e.subject]
             if now - e.received_ms < blind_retry_horizon(window) * 1000:
                 send.append(e)
             elif stream is None:
