@@ -132,7 +132,7 @@ async def find_stored(
     ids: set[str],
     since_ms: int,
     *,
-    max_messages: int = 500_000,
+    max_messages: int = 200_000,
     timeout_s: float = 30.0,
     batch: int = 2000,
 ) -> dict[str, int]:
