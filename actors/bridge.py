@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from actors.events import Event, decode_batch
 from actors.ingest import LogicResult, StreamLogic, compile_logic
 from actors.logger import LoggerGroup, key_of
@@ -364,26 +366,28 @@ class BrokerBridge(SupervisedActor):
         """Publish each event to `deadletter.<stream>` with its reason; forget the ones
         recorded whole, park the ones whose body had to be cut (the log keeps the full
         event), move failed dead-letter publishes to the failed store (retried with
-        backoff) or, when they can never succeed, park them. Returns {id: reason} of the
-        events recorded. `items` carry each id in one stream only."""
+        backoff) or, when they can never succeed, park them. Past the deadletter stream's
+        blind-retry horizon a record is first looked for, as for any resend. Returns
+        {id: reason} of the events recorded. `items` carry each id in one stream only."""
         assert self._pub is not None
         max_payload = self._nc.max_payload
-        out: list[Outgoing] = []
-        cut: set[str] = set()
-        for e, reason in items:
-            headers = {"Tf-Error": reason[:200], "Tf-Subject": e.subject}
-            data = e.data
-            room = max_payload - header_bytes(
-                {**headers, "Tf-Truncated": str(len(data)), MSG_ID_HEADER: e.id}
-            )
-            if len(data) > room:
-                headers["Tf-Truncated"] = str(len(data))
-                data = data[: max(0, room)]
-                cut.add(e.id)
-            subject = f"{DEADLETTER_PREFIX}.{e.stream}"
-            out.append(Outgoing(id=e.id, subject=subject, data=data, headers=headers))
-        published, failed = await self._pub.publish_batch(out)
         by_id = {e.id: (e, reason) for e, reason in items}
+        send, found, unproven, unprovable = await self._check_horizon(
+            [
+                msgspec.structs.replace(e, subject=f"{DEADLETTER_PREFIX}.{e.stream}")
+                for e, _ in items
+            ]
+        )
+        records = {d.id: _dead_record(*by_id[d.id], d.subject, max_payload) for d in send}
+        published, failed = await self._pub.publish_batch([r for r, _ in records.values()])
+        published += found
+        failed += unproven
+        # a body too big for a record was cut, now or when an earlier attempt recorded it
+        cut = {
+            p.id
+            for p in published
+            if _dead_record(*by_id[p.id], f"{DEADLETTER_PREFIX}.x", max_payload)[1]
+        }
         whole = [by_id[p.id][0] for p in published if p.id not in cut]
         if whole:
             await group.forget([key_of(e) for e in whole], None)
@@ -404,6 +408,7 @@ class BrokerBridge(SupervisedActor):
             for f in failed
             if not f.retryable
         ]
+        to_park += [(by_id[f.id][0], f"{f.error} (for: {by_id[f.id][1]})") for f in unprovable]
         retry = [
             (by_id[f.id][0], f"dead-letter publish failed: {f.error} (for: {by_id[f.id][1]})")
             for f in failed
@@ -504,6 +509,20 @@ def _one_stream_per_id(events: Sequence[Event]) -> list[list[Event]]:
         else:
             parts.append(([e], {e.id: e.stream}))
     return [part for part, _ in parts]
+
+
+def _dead_record(e: Event, reason: str, subject: str, max_payload: int) -> tuple[Outgoing, bool]:
+    """The dead-letter message of `e` and whether its body had to be cut to fit the
+    server's max_payload (headers included): then `Tf-Truncated` holds its real size."""
+    headers = {"Tf-Error": reason[:200], "Tf-Subject": e.subject}
+    room = max_payload - header_bytes(
+        {**headers, "Tf-Truncated": str(len(e.data)), MSG_ID_HEADER: e.id}
+    )
+    cut = len(e.data) > room
+    if cut:
+        headers["Tf-Truncated"] = str(len(e.data))
+    data = e.data[: max(0, room)] if cut else e.data
+    return Outgoing(id=e.id, subject=subject, data=data, headers=headers), cut
 
 
 def _now_ms() -> int:

@@ -64,7 +64,7 @@ def rig(
                     "duplicate_window_s": WINDOW_S,
                     "logic": {"validate": {"n": "int"}},
                 },
-                "deadletter": {"subjects": ["deadletter.>"]},
+                "deadletter": {"subjects": ["deadletter.>"], "duplicate_window_s": WINDOW_S},
             },
         },
     )
@@ -280,3 +280,23 @@ async def test_one_unreachable_logger_group_does_not_stop_the_others(
         bridge.loggers = {group.name: group}
     assert (await stream_ids(nc, "s"))[orphan.id] == 1
     assert (await bridge.stats())["replay_errors"] >= 1
+
+
+async def test_dead_letter_recorded_before_ack_loss_past_window_is_not_recorded_twice(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Hole 3 for dead letters: the dead-letter record of an invalid event landed but the
+    log kept the event (ack lost); resent after the deadletter stream's duplicate window,
+    it must be found, not recorded twice."""
+    bridge, group, _ = rig
+    bad = event(b'{"x": "late"}', processed=False)
+    await group.append([bad])
+    headers = {MSG_ID_HEADER: bad.id, "Tf-Error": "earlier attempt"}
+    await nc.jetstream().publish(f"deadletter.{bad.stream}", bad.data, headers=headers)
+    await await_until(
+        lambda: now_ms() - bad.received_ms > (2 * WINDOW_S + 1) * 1000,
+        timeout=30,
+        what="past the deadletter stream's duplicate window",
+    )
+    await drain(bridge, group, [bad])
+    assert (await stream_ids(nc, "deadletter"))[bad.id] == 1
