@@ -300,3 +300,21 @@ async def test_dead_letter_recorded_before_ack_loss_past_window_is_not_recorded_
     )
     await drain(bridge, group, [bad])
     assert (await stream_ids(nc, "deadletter"))[bad.id] == 1
+
+
+async def test_live_group_lists_parked_and_settle_retry_lets_the_bridge_publish(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """A parked entry stays put through replay passes until settled; "retry" makes it due
+    and the next pass publishes it (fresh, so without a scan) exactly once."""
+    bridge, group, _ = rig
+    ev = event(b'{"n": 9}')
+    await group.append([ev])
+    await group.fail([(ev, f"{PARKED}: test")], park=True)
+    await bridge.replay_now()
+    assert ev.id in {p["id"] for p in await group.parked()}
+    assert (await stream_ids(nc, "s"))[ev.id] == 0
+    await group.settle([(ev.stream, ev.id)], "retry")
+    assert ev.id not in {p["id"] for p in await group.parked()}
+    await drain(bridge, group, [ev])
+    assert (await stream_ids(nc, "s"))[ev.id] == 1
