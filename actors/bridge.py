@@ -20,7 +20,8 @@ already forgotten by the window, so the bridge first proves the id absent: it re
 `verify_timeout_s`). Found: the entry is forgotten as published, with its sequence.
 Absent: resent. Not provable because the server did not answer: stays failed and is
 checked again at its next retry, never resent blind. Not provable because the range is
-too big: parked (never retried automatically; `tierflow logger inspect` counts it).
+too big: parked (never retried automatically; `tierflow logger inspect` counts it,
+`tierflow logger settle` retries or forgets it).
 
 Poison (hole 8) and dead letters (hole 9): an event JetStream refuses for good (too big
 for the server's max_payload, headers included; a 4xx API error) goes to
