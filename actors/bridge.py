@@ -372,11 +372,12 @@ class BrokerBridge(SupervisedActor):
         {id: reason} of the events recorded. `items` carry each id in one stream only."""
         assert self._pub is not None
         max_payload = self._nc.max_payload
-        by_id = {e.id: (e, reason) for e, reason in items}
+        # one deadletter stream holds every stream's records: its ids carry the stream
+        by_id = {dead_letter_id(e.stream, e.id): (e, reason) for e, reason in items}
         send, found, unproven, unprovable = await self._check_horizon(
             [
-                msgspec.structs.replace(e, subject=f"{DEADLETTER_PREFIX}.{e.stream}")
-                for e, _ in items
+                msgspec.structs.replace(e, id=dl_id, subject=f"{DEADLETTER_PREFIX}.{e.stream}")
+                for dl_id, (e, _) in by_id.items()
             ]
         )
         records = {d.id: _dead_record(*by_id[d.id], d.subject, max_payload) for d in send}
@@ -422,7 +423,7 @@ class BrokerBridge(SupervisedActor):
             log.warning("dead-letter publish failed for %d events", len(retry))
             await group.fail(retry, _now_ms())
         self.counters["deadlettered"] += len(published)
-        return {p.id: by_id[p.id][1] for p in published}
+        return {by_id[p.id][0].id: by_id[p.id][1] for p in published}
 
     # ------------------------------------------------------------------ replay
 
@@ -512,18 +513,25 @@ def _one_stream_per_id(events: Sequence[Event]) -> list[list[Event]]:
     return [part for part, _ in parts]
 
 
+def dead_letter_id(stream: str, id_: str) -> str:
+    """The `Nats-Msg-Id` of a dead-letter record: the same event id may be invalid in two
+    streams, and one deadletter stream deduplicates both, so the id names its stream."""
+    return f"{stream}:{id_}"
+
+
 def _dead_record(e: Event, reason: str, subject: str, max_payload: int) -> tuple[Outgoing, bool]:
     """The dead-letter message of `e` and whether its body had to be cut to fit the
     server's max_payload (headers included): then `Tf-Truncated` holds its real size."""
-    headers = {"Tf-Error": reason[:200], "Tf-Subject": e.subject}
+    dl_id = dead_letter_id(e.stream, e.id)
+    headers = {"Tf-Error": reason[:200], "Tf-Subject": e.subject, "Tf-Id": e.id}
     room = max_payload - header_bytes(
-        {**headers, "Tf-Truncated": str(len(e.data)), MSG_ID_HEADER: e.id}
+        {**headers, "Tf-Truncated": str(len(e.data)), MSG_ID_HEADER: dl_id}
     )
     cut = len(e.data) > room
     if cut:
         headers["Tf-Truncated"] = str(len(e.data))
     data = e.data[: max(0, room)] if cut else e.data
-    return Outgoing(id=e.id, subject=subject, data=data, headers=headers), cut
+    return Outgoing(id=dl_id, subject=subject, data=data, headers=headers), cut
 
 
 def _now_ms() -> int:

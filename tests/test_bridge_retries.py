@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from actors.bridge import PARKED, BrokerBridge
+from actors.bridge import PARKED, BrokerBridge, dead_letter_id
 from actors.events import Event, encode_batch, new_event_id
 from actors.logger import LoggerGroup, LogUnavailable, start_logger_group
 from runtime.config import load
@@ -64,6 +65,7 @@ def rig(
                     "duplicate_window_s": WINDOW_S,
                     "logic": {"validate": {"n": "int"}},
                 },
+                "s2": {"subjects": ["raw.s2"], "logic": {"validate": {"n": "int"}}},
                 "deadletter": {"subjects": ["deadletter.>"], "duplicate_window_s": WINDOW_S},
             },
         },
@@ -210,7 +212,8 @@ async def test_poison_event_mid_batch_is_dead_lettered_others_land_once(
     assert all(stored[e.id] == 1 for e in good)
     assert stored[poison.id] == 0
     dead = await nc.jetstream().get_last_msg("deadletter", f"deadletter.{poison.stream}")
-    assert dead.headers[MSG_ID_HEADER] == poison.id
+    assert dead.headers[MSG_ID_HEADER] == dead_letter_id(poison.stream, poison.id)
+    assert dead.headers["Tf-Id"] == poison.id
     assert "max_payload" in dead.headers["Tf-Error"]
     assert dead.headers["Tf-Truncated"] == str(len(poison.data))
     fe = await failed_entry(group, poison)
@@ -248,7 +251,7 @@ async def test_failing_dead_letters_move_to_failed_store_and_do_not_starve_orpha
         await ensure_streams(nc, cfg)
     await drain(bridge, group, invalid)
     dead = await stream_ids(nc, "deadletter")
-    assert all(dead[e.id] == 1 for e in invalid)
+    assert all(dead[dead_letter_id(e.stream, e.id)] == 1 for e in invalid)
 
 
 class _DownGroup:
@@ -291,7 +294,7 @@ async def test_dead_letter_recorded_before_ack_loss_past_window_is_not_recorded_
     bridge, group, _ = rig
     bad = event(b'{"x": "late"}', processed=False)
     await group.append([bad])
-    headers = {MSG_ID_HEADER: bad.id, "Tf-Error": "earlier attempt"}
+    headers = {MSG_ID_HEADER: dead_letter_id(bad.stream, bad.id), "Tf-Error": "earlier attempt"}
     await nc.jetstream().publish(f"deadletter.{bad.stream}", bad.data, headers=headers)
     await await_until(
         lambda: now_ms() - bad.received_ms > (2 * WINDOW_S + 1) * 1000,
@@ -299,7 +302,7 @@ async def test_dead_letter_recorded_before_ack_loss_past_window_is_not_recorded_
         what="past the deadletter stream's duplicate window",
     )
     await drain(bridge, group, [bad])
-    assert (await stream_ids(nc, "deadletter"))[bad.id] == 1
+    assert (await stream_ids(nc, "deadletter"))[dead_letter_id(bad.stream, bad.id)] == 1
 
 
 async def test_live_group_lists_parked_and_settle_retry_lets_the_bridge_publish(
@@ -318,3 +321,21 @@ async def test_live_group_lists_parked_and_settle_retry_lets_the_bridge_publish(
     assert ev.id not in {p["id"] for p in await group.parked()}
     await drain(bridge, group, [ev])
     assert (await stream_ids(nc, "s"))[ev.id] == 1
+
+
+async def test_same_id_invalid_in_two_streams_gets_two_dead_letter_records(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """One deadletter stream holds every stream's records: the same event id refused in
+    two streams is two records, neither taken for a duplicate of the other."""
+    bridge, group, _ = rig
+    a = event(b'{"x": "a"}', processed=False)
+    b = msgspec.structs.replace(a, stream="s2", subject="raw.s2", data=b'{"x": "b"}')
+    await group.append([a, b])
+    await drain(bridge, group, [a, b])
+    dead = await stream_ids(nc, "deadletter")
+    assert dead[dead_letter_id("s", a.id)] == 1
+    assert dead[dead_letter_id("s2", a.id)] == 1
+    for stream, body in (("s", a.data), ("s2", b.data)):
+        msg = await nc.jetstream().get_last_msg("deadletter", f"deadletter.{stream}")
+        assert msg.data == body and msg.headers["Tf-Id"] == a.id
