@@ -18,6 +18,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from actors.bridge import dead_letter_id
 from runtime.config import Config, load
 from runtime.loadgen import drive, known_events
 from runtime.nats import NatsServer, connect
@@ -187,7 +188,9 @@ async def test_logic_filters_and_dead_letters(
     assert st == 200
     # The bridge dead-letters rejects before it publishes the kept events: wait for both.
     await await_until(
-        lambda: _has(nats_server, "deadletter", ["c-3"]), timeout=30, what="dead letter"
+        lambda: _has(nats_server, "deadletter", [dead_letter_id("clicks", "c-3")]),
+        timeout=30,
+        what="dead letter",
     )
     await await_until(lambda: _has(nats_server, "clicks", ["c-1"]), timeout=30, what="kept")
     clicks = await ids_in(nats_server, "clicks")
