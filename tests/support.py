@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from runtime.config import Config, load
+
 
 @contextlib.contextmanager
 def fresh_ray(namespace: str) -> Iterator[None]:
@@ -154,3 +156,27 @@ async def assert_all_landed(t: Any, server: Any, report: Any) -> None:
     finally:
         await nc.close()
     assert verdict.ok, str(verdict)
+
+
+MEETUP_ONLY = {"meetup": {"subjects": ["raw.meetup"]}}
+
+
+def tier_config(
+    state: Path,
+    namespace: str,
+    streams: dict[str, Any] | None = None,
+    roles: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Config:
+    """A collection tier's config for a test module: its own state dir and Ray namespace,
+    logger k=1, the given streams (meetup alone by default) and any other keys."""
+    return load(
+        environ={},
+        overrides={
+            "state_dir": str(state),
+            "ray": {"namespace": namespace},
+            "roles": {"logger": {"k": 1}, **(roles or {})},
+            "streams": streams if streams is not None else MEETUP_ONLY,
+            **overrides,
+        },
+    )

@@ -30,12 +30,13 @@ from hypothesis import strategies as st
 
 from actors.gateway import start_gateways, stop_gateways
 from actors.ingest import BadInput, compile_where, parse_body
-from runtime.config import Config, ConfigError, load
+from runtime.config import Config, ConfigError
 from runtime.filters import MAX_FILTER_CHARS, FilterError, compile_filter
 from runtime.nats import NatsServer, connect, free_port
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
+from tests.support import tier_config
 
 NS = "tf-bad-input"
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -301,17 +302,11 @@ def test_deeply_nested_filter_is_a_filter_error(text: str) -> None:
 
 
 def _config(state: Path) -> Config:
-    return load(
-        environ={},
-        overrides={
-            "state_dir": str(state),
-            "ray": {"namespace": NS},
-            "roles": {"logger": {"k": 1}, "collector": {"replicas": 1}, "bridge": {"replicas": 1}},
-            "streams": {
-                "meetup": {"subjects": ["raw.meetup"]},
-                "deadletter": {"subjects": ["deadletter.>"]},
-            },
-        },
+    return tier_config(
+        state,
+        NS,
+        {"meetup": {"subjects": ["raw.meetup"]}, "deadletter": {"subjects": ["deadletter.>"]}},
+        {"collector": {"replicas": 1}, "bridge": {"replicas": 1}},
     )
 
 

@@ -26,6 +26,7 @@ from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
+from tests.support import tier_config
 
 NS = "tf-faults"
 BOUND = 3000  # events the log holds before it refuses (503 + Retry-After)
@@ -36,15 +37,11 @@ OUTAGE_S = 10.0  # the scenario: NATS fully down for 10 s
 def tier(
     ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CollectionTier]:
-    cfg = load(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path_factory.mktemp("state")),
-            "ray": {"namespace": NS},
-            "roles": {"logger": {"k": 1}, "collector": {"replicas": 2}},
-            "logging": {"max_pending_events": BOUND},
-            "streams": {"meetup": {"subjects": ["raw.meetup"]}},
-        },
+    cfg = tier_config(
+        tmp_path_factory.mktemp("state"),
+        NS,
+        roles={"collector": {"replicas": 2}},
+        logging={"max_pending_events": BOUND},
     )
     t = start_collection_tier(cfg, nats_url=nats_server.url)
     yield t

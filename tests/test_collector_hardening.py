@@ -18,11 +18,11 @@ import msgspec
 import pytest
 
 from actors.collector import HEADER_RESERVE, wire_overhead
-from runtime.config import load
 from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
+from tests.support import tier_config
 
 NS = "tf-hardening"
 STREAMS = {
@@ -36,15 +36,7 @@ STREAMS = {
 def tier(
     ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CollectionTier]:
-    cfg = load(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path_factory.mktemp("state")),
-            "ray": {"namespace": NS},
-            "roles": {"logger": {"k": 1}, "collector": {"port": 0}},
-            "streams": STREAMS,
-        },
-    )
+    cfg = tier_config(tmp_path_factory.mktemp("state"), NS, STREAMS, {"collector": {"port": 0}})
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         udp = s.getsockname()[1]

@@ -20,28 +20,23 @@ import ray
 
 from actors.events import Event, encode_batch
 from actors.logger import LoggerGroup
-from runtime.config import Config, load
+from runtime.config import Config
 from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.verify import stream_ids
 from runtime.waiting import await_until
+from tests.support import tier_config
 
 NS = "tf-log-keys"
 FAR_FUTURE_MS = 1 << 50
 
 
-def tier_config(state: Path) -> Config:
-    return load(
-        environ={},
-        overrides={
-            "state_dir": str(state),
-            "ray": {"namespace": NS},
-            "roles": {"logger": {"k": 1}, "collector": {"replicas": 1}, "bridge": {"replicas": 1}},
-            "streams": {
-                "meetup": {"subjects": ["raw.meetup"]},
-                "clicks": {"subjects": ["raw.clicks"]},
-            },
-        },
+def two_streams(state: Path) -> Config:
+    return tier_config(
+        state,
+        NS,
+        {"meetup": {"subjects": ["raw.meetup"]}, "clicks": {"subjects": ["raw.clicks"]}},
+        {"collector": {"replicas": 1}, "bridge": {"replicas": 1}},
     )
 
 
@@ -50,7 +45,7 @@ def tier(
     ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CollectionTier]:
     t = start_collection_tier(
-        tier_config(tmp_path_factory.mktemp("state")),
+        two_streams(tmp_path_factory.mktemp("state")),
         nats_url=nats_server.url,
         collector_options={"max_handoff_events": 0},
         bridge_options={"stale_after_s": 3600.0},

@@ -17,24 +17,19 @@ from typing import Any
 import pytest
 import ray
 
-from runtime.config import load
 from runtime.nats import NatsServer, connect
 from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.waiting import await_until
-from tests.support import assert_all_landed, under_load
+from tests.support import assert_all_landed, tier_config, under_load
 
 
 @pytest.fixture(scope="module")
 def tier(ray_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        cfg = load(
-            environ={},
-            overrides={
-                "state_dir": str(tmp_path_factory.mktemp("state")),
-                "ray": {"namespace": "tf-scaling"},
-                "roles": {"logger": {"k": 1}, "collector": {"replicas": 1, "port": 0}},
-                "streams": {"meetup": {"subjects": ["raw.meetup"]}},
-            },
+        cfg = tier_config(
+            tmp_path_factory.mktemp("state"),
+            "tf-scaling",
+            roles={"collector": {"replicas": 1, "port": 0}},
         )
         t = start_collection_tier(cfg, nats_url=server.url)
         yield t, server
