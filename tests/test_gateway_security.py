@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import shutil
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import msgspec
@@ -36,7 +35,6 @@ NS = "tf-gwsec"
 ALICE = "tok-alice"
 BOB = "tok-bob"
 LIMITED = "tok-results-only"
-CURL = shutil.which("curl")
 _json = msgspec.json.Encoder()
 OPTIONS: dict[str, Any] = {
     "cursor_flush_s": 0.05,
@@ -140,24 +138,25 @@ async def receiver(host: str = "127.0.0.1") -> AsyncIterator[tuple[str, dict[str
         await runner.cleanup()
 
 
-async def curl_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """GET exactly this path (curl --path-as-is: no client-side normalisation)."""
-    assert CURL, "curl is needed (apt-get install curl)"
-    args = [CURL, "-s", "--path-as-is", "-o", "-", "-w", "\n%{http_code}", "--max-time", "30"]
-    for k, v in (headers or {}).items():
-        args += ["-H", f"{k}: {v}"]
-    proc = await asyncio.create_subprocess_exec(
-        *args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-    out, _ = await proc.communicate()
-    body, _, code = out.rpartition(b"\n")
-    return int(code), body
+async def raw_get(url: str) -> tuple[int, bytes]:
+    """GET exactly this path over a plain socket: HTTP clients normalise or re-encode a
+    path, and the attack is in the bytes of the request line."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        request = f"GET {parts.path} HTTP/1.0\r\nHost: {parts.netloc}\r\n\r\n"
+        writer.write(request.encode("ascii"))
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout=30)  # HTTP/1.0: until close
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 # --------------------------------------------------------------------------- hole 11
 
 
-@pytest.mark.skipif(CURL is None, reason="curl not installed")
 async def test_dashboard_static_serves_no_file_outside_its_directory(
     gw: str, tmp_path: Path
 ) -> None:
@@ -172,10 +171,10 @@ async def test_dashboard_static_serves_no_file_outside_its_directory(
         "/static/..%2F..%2Fgateway.py",
         "/static/%2E%2E%2Fdashboard_server.py",
     ]:
-        status, body = await curl_get(gw + path)
+        status, body = await raw_get(gw + path)
         assert b"host secret" not in body, path
         assert status == 404, (path, status, body[:200])
-    status, body = await curl_get(gw + "/static/app.js")  # its own files still load
+    status, body = await raw_get(gw + "/static/app.js")  # its own files still load
     assert status == 200 and b"subscribe" in body
 
 
