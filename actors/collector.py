@@ -57,6 +57,7 @@ from actors.ingest import (
 from actors.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
+from runtime.publisher import MSG_ID_HEADER, header_bytes
 from runtime.ray_supervisor import SupervisedActor
 from runtime.replication import FencedError
 from runtime.services import connect_nats
@@ -71,12 +72,12 @@ _json = msgspec.json.Encoder()
 # for the headers it adds when it dead-letters an event (`Tf-Error`, up to 200 characters
 # of UTF-8) or others it may add, so an accepted event can always be published somewhere.
 HEADER_RESERVE = 1024
-_HEADER_FRAME = len(b"NATS/1.0\r\n") + len(b"\r\n")
 
 
 def wire_overhead(event_id: str) -> int:
-    """Bytes besides the event's JSON that count against the server's `max_payload`."""
-    return _HEADER_FRAME + len(f"Nats-Msg-Id: {event_id}\r\n") + HEADER_RESERVE
+    """Bytes besides the event's JSON that count against the server's `max_payload`: the
+    headers the bridge sends (counted as the publisher counts them) and a reserve."""
+    return header_bytes({MSG_ID_HEADER: event_id}) + HEADER_RESERVE
 
 
 # Streams the runtime writes (analysis results, dead letters): no producer path may.
