@@ -55,7 +55,7 @@ from actors.ingest import (
     parse_body,
 )
 from actors.logger import LogFull, LoggerGroup, LogUnavailable
-from runtime.config import Config, validate
+from runtime.config import Config, system_streams, validate
 from runtime.loop_thread import LoopThread
 from runtime.publisher import MSG_ID_HEADER, header_bytes
 from runtime.ray_supervisor import SupervisedActor
@@ -81,8 +81,10 @@ def wire_overhead(event_id: str) -> int:
 
 
 # Streams the runtime writes (analysis results, dead letters): no producer path may.
-SYSTEM_STREAMS = frozenset({"results", "deadletter"})
-_SYSTEM_PREFIXES = ("results.", "deadletter.")
+SYSTEM_STREAMS = frozenset(system_streams())
+_SYSTEM_PREFIXES = tuple(
+    subj.removesuffix(">") for sc in system_streams().values() for subj in sc["subjects"]
+)
 
 
 def is_system_stream(cfg: Config, stream: str) -> bool:

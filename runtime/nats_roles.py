@@ -29,7 +29,7 @@ CURSOR_BUCKET = "tierflow_cursors"  # runtime.cursors.BUCKET
 WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.webhooks.BUCKET
 WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.webhooks.DEADLETTER_SUBJECT
 RESULTS_BUCKET = "results"
-# Subjects only the analysis tier writes (actors.collector.SYSTEM_STREAMS' results stream):
+# Subjects only the analysis tier writes (the results stream of runtime.config.system_streams):
 # the bridge publishes what producers sent, so it must not reach them.
 ANALYSIS_ONLY = ("results.",)
 
