@@ -59,6 +59,7 @@ chaos: $(STAMP) java
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m tests.layers
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -23,6 +23,9 @@ import msgspec
 
 from runtime.autoscaling import AutoscalingConfig
 from runtime.autoscaling import validate as validate_autoscaling
+from runtime.errors import ConfigError
+from runtime.logic import LogicConfig, compile_logic
+from runtime.query import FilterError, compile_filter
 
 ENV_PREFIX = "TIERFLOW_"
 DEFAULT_FILE = "tierflow.toml"
@@ -34,10 +37,6 @@ PositiveF = Annotated[float, msgspec.Meta(gt=0)]
 StreamName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
 LoggingMode = Literal["none", "rbml", "sbml", "hml"]
 SyncInterval = Annotated[str, msgspec.Meta(pattern=r"^(always|\d+(ms|s|m|h))$")]
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and the expected form."""
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -136,32 +135,6 @@ class RolesConfig(_Strict):
     gateway: RoleConfig = _role(port=8080)
 
 
-class LogicConfig(_Strict, frozen=True):
-    """A stream's `[streams.NAME.logic]` table; every key optional (default: no logic).
-
-    ```toml
-    [streams.meetup.logic]
-    validate = { response = "str", guests = "int", "group.group_city" = "str" }
-    validate_hook = "mypkg.rules:check"      # fn(data) -> None/True ok, False/str invalid
-    enrich = ["received_at", "collector", "mypkg.rules:add_geo"]  # hook: fn(data) -> dict|None
-    filter = "response = 'yes' AND guests >= 0"   # keep where true; or "mypkg.rules:keep"
-    route = "raw.meetup.{group.group_country}"    # subject template over dotted paths
-    route_default = "unknown"                     # token for a missing field
-    ```
-
-    `validate` maps dotted paths (quoted, or as TOML dotted keys) to a type: str, int,
-    float (any number), number, bool, object, array, any (present, not null); a `?`
-    suffix makes the field optional (absent or null is fine).
-    """
-
-    validate: dict[str, Any] = {}
-    validate_hook: str = ""
-    enrich: list[str] = []
-    filter: str = ""
-    route: str = ""
-    route_default: str = "unknown"
-
-
 class SourceConfig(_Strict):
     """The stream pattern (book ch. 2): tierflow is the client of this long-lived source.
 
@@ -222,7 +195,7 @@ class TlsConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    """Static named filters (name -> SQL) and gateway tuning (see actors/gateway.py)."""
+    """Static named filters (name -> SQL) and gateway tuning (see actors/access/gateway.py)."""
 
     filters: dict[str, str] = {}
     options: dict[str, Any] = {}
@@ -302,8 +275,8 @@ def default_streams() -> dict[str, dict[str, Any]]:
 
 
 # Names and subjects the runtime uses without a `[streams]` entry: the stream pattern's
-# buffer (actors/stream_ingest.py), KV and object-store buckets, JetStream's API, core NATS
-# ingest (a stream there would answer producers' requests itself) and reply inboxes.
+# buffer (actors/collection/stream_ingest.py), KV and object-store buckets, JetStream's API,
+# core NATS ingest (a stream there would answer producers' requests itself) and reply inboxes.
 RESERVED_STREAM_NAMES = ("buffer",)
 RESERVED_STREAM_PREFIXES = ("KV_", "OBJ_")
 RESERVED_SUBJECTS = {
@@ -462,13 +435,9 @@ def _check_webhook_networks(hooks: Any) -> None:
 
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
-    from actors.ingest import compile_logic  # lazy: ingest imports this module
-
     for name, stream in cfg.streams.items():
         if stream.logic != LogicConfig():
             compile_logic(name, stream.logic, stream.subjects[0])  # raises ConfigError
-    from runtime.filters import FilterError, compile_filter
-
     for name, sql in cfg.gateway.filters.items():
         try:
             compile_filter(sql)

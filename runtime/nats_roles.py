@@ -23,11 +23,11 @@ ROLES: tuple[str, ...] = get_args(NatsRole)
 SECRETS_FILE = "nats-users.json"
 # Names owned by other modules, repeated here so this module imports no actor code
 # (tests/test_security.py checks they agree).
-BUFFER_STREAM = "buffer"  # actors.stream_ingest.BUFFER_STREAM
-LEASE_BUCKET = "tierflow_leases"  # actors.stream_ingest.LEASE_BUCKET
-CURSOR_BUCKET = "tierflow_cursors"  # runtime.cursors.BUCKET
-WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.webhooks.BUCKET
-WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.webhooks.DEADLETTER_SUBJECT
+BUFFER_STREAM = "buffer"  # actors.collection.stream_ingest.BUFFER_STREAM
+LEASE_BUCKET = "tierflow_leases"  # actors.collection.stream_ingest.LEASE_BUCKET
+CURSOR_BUCKET = "tierflow_cursors"  # actors.access.cursors.BUCKET
+WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.access.webhooks.BUCKET
+WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.access.webhooks.DEADLETTER_SUBJECT
 RESULTS_BUCKET = "results"
 # Subjects only the analysis tier writes (the results stream of runtime.config.system_streams):
 # the bridge publishes what producers sent, so it must not reach them.

@@ -83,3 +83,9 @@ def actor_nodes(handles: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str
         except Exception:  # restarting, or gone: it holds no place
             out[name] = None
     return out
+
+
+def next_index(names: list[str], role: str) -> int:
+    """The lowest replica number of `role` not in `names` (names are `<role>-<n>`)."""
+    used = {int(n.rsplit("-", 1)[1]) for n in names}
+    return next(i for i in range(len(used) + 1) if i not in used)

@@ -97,7 +97,7 @@ async def under_load(
     """A steady load of known ids on collection tier `t` from before `resize` starts until
     `after` more batches were accepted after it ended; returns the `LoadReport` (every
     batch started was acknowledged, no refusal left unretried)."""
-    from runtime.loadgen import drive, known_events
+    from cluster.loadgen import drive, known_events
     from runtime.waiting import await_until
 
     acked = [0]
@@ -138,8 +138,8 @@ async def under_load(
 async def assert_all_landed(t: Any, server: Any, report: Any) -> None:
     """Once the loggers hold nothing JetStream lacks, every acknowledged id is in the
     `meetup` stream exactly once."""
+    from cluster.verify import judge, stream_ids
     from runtime.nats import connect
-    from runtime.verify import judge, stream_ids
     from runtime.waiting import await_until
 
     async def drained() -> bool:

@@ -28,28 +28,24 @@ import pytest
 import ray
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from cluster.analysis import get_driver, jobs_list, jobs_start, jobs_stop, resolve_jobs
+from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from cluster.demo.rsvps import RsvpGenerator
 from jobs.driver import (
     DRIVER_NAME,
     JobsError,
     backoff_s,
     committed,
     default_master,
-    get_driver,
-    jobs_list,
-    jobs_start,
-    jobs_stop,
     progress_summary,
-    resolve_jobs,
     start_driver,
     stop_driver,
     wait_running,
 )
 from jobs.library import deadletter_query_name
-from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
 from runtime.config import Config, load
-from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
@@ -239,13 +235,13 @@ def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
 
 def test_meetup_entrypoint_runs_as_a_module() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.meetup", "--help"],
+        [sys.executable, "-m", "cluster.demo", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    assert "python -m jobs.meetup" in out.stdout and "--nats-url" in out.stdout
+    assert "python -m cluster.demo" in out.stdout and "--nats-url" in out.stdout
 
 
 # --------------------------------------------------------------------------- fixtures

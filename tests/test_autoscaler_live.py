@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cluster.launcher import Runtime
+from cluster.loadgen import drive, known_events
+from cluster.verify import judge, stream_ids
 from runtime.config import load
-from runtime.launcher import Runtime
-from runtime.loadgen import drive, known_events
 from runtime.nats import connect
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.slow

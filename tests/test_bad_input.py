@@ -28,13 +28,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.gateway import start_gateways, stop_gateways
-from actors.ingest import BadInput, compile_where, parse_body
+from actors.access.gateway import start_gateways, stop_gateways
+from actors.collection.parsing import BadInput, parse_body
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.verify import judge, stream_ids
 from runtime.config import Config, ConfigError
-from runtime.filters import MAX_FILTER_CHARS, FilterError, compile_filter
+from runtime.logic import compile_where
 from runtime.nats import NatsServer, connect, free_port
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
+from runtime.query import MAX_FILTER_CHARS, FilterError, compile_filter
 from runtime.waiting import await_until
 from tests.support import tier_config
 

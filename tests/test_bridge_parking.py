@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actors.events import Event
-from actors.logger import PARKED_MS, LogStore
+from actors.queue.logger import PARKED_MS, LogStore
+from runtime.events import Event
 
 TIERFLOW = str(Path(sys.executable).with_name("tierflow"))
 BIG = 1 << 40

@@ -17,14 +17,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.bridge import PARKED, BrokerBridge, dead_letter_id
-from actors.events import Event, encode_batch, new_event_id
-from actors.logger import LoggerGroup, LogUnavailable, start_logger_group
+from actors.queue.bridge import PARKED, BrokerBridge, dead_letter_id
+from actors.queue.logger import LoggerGroup, LogUnavailable, start_logger_group
+from cluster.verify import stream_ids
 from runtime.config import load
+from runtime.events import Event, encode_batch, new_event_id
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER
 from runtime.services import ensure_streams
-from runtime.verify import stream_ids
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(240)

@@ -18,13 +18,12 @@ import plyvel
 import pytest
 from typer.testing import CliRunner
 
-from actors.events import Event
-from actors.logger import FAULT_SUFFIX, LogStore
-from runtime.chaos import report, scenarios
-from runtime.chaos.injectors import FaultRecord
-from runtime.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
-from runtime.chaos.runner import load_streams
-from runtime.chaos.schedule import (
+from actors.queue.logger import FAULT_SUFFIX, LogStore
+from cluster.chaos import report, scenarios
+from cluster.chaos.injectors import FaultRecord
+from cluster.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
+from cluster.chaos.runner import load_streams
+from cluster.chaos.schedule import (
     ACK_LOSS,
     ACTIONS,
     KILL,
@@ -36,8 +35,9 @@ from runtime.chaos.schedule import (
     load_span,
     plan,
 )
+from cluster.verify import judge
 from runtime.checkpoint import CheckpointError
-from runtime.verify import judge
+from runtime.events import Event
 
 # --------------------------------------------------------------------------- schedule
 
@@ -50,7 +50,7 @@ def test_same_scenario_and_seed_give_the_same_schedule() -> None:
 def test_schedule_is_the_same_in_another_process() -> None:
     """A pure function of (scenario, seed): no hash seed, clock or global RNG in it."""
     code = (
-        "import json; from runtime.chaos import scenarios; from runtime.chaos.schedule import "
+        "import json; from cluster.chaos import scenarios; from cluster.chaos.schedule import "
         "plan; print(json.dumps({s.name: [[f.at, f.action, f.target, f.duration_s, f.count] "
         "for f in plan(s, 3)] for s in scenarios.SCENARIOS.values()}))"
     )
@@ -176,7 +176,7 @@ def test_verdict_and_report_fail_on_loss_duplicates_and_misses() -> None:
 
 
 def test_report_folds_stream_verdicts_with_stream_qualified_ids() -> None:
-    from runtime.verify import judge_streams
+    from cluster.verify import judge_streams
 
     verdicts = judge_streams(
         {"s1": {"x": "h1", "y": "h2"}, "s2": {"x": "h3"}},
@@ -227,7 +227,7 @@ def test_report_is_written_as_json_and_table(tmp_path: Path) -> None:
 
 
 def test_cli_lists_scenarios_and_refuses_unknown_ones() -> None:
-    from runtime.cli import app
+    from cluster.cli import app
 
     out = CliRunner().invoke(app, ["chaos", "list", "--seed", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
@@ -281,7 +281,7 @@ def _explain(rep: ScenarioReport) -> str:
 async def test_short_scenario_loses_and_duplicates_nothing(
     ray_module: Any, tmp_path: Path, name: str
 ) -> None:
-    from runtime.chaos.runner import RunOptions, run_scenario
+    from cluster.chaos.runner import RunOptions, run_scenario
 
     scn = scenarios.get(name)
     rep = await run_scenario(scn, RunOptions(events=600, rate=200.0, seed=1, workdir=tmp_path))
@@ -308,8 +308,8 @@ async def test_short_scenario_loses_and_duplicates_nothing(
 async def _tamper(d: Any, stream: str, forged: bytes | None) -> str:
     """Delete the 18th message of `stream`; with `forged`, store those bytes under its id
     again (past the stream's duplicate window, shortened here). Returns `stream/id`."""
+    from cluster.verify import MSG_ID
     from runtime.nats import connect
-    from runtime.verify import MSG_ID
     from runtime.waiting import await_until
 
     nc = await connect(d.nats.url)
@@ -337,7 +337,7 @@ async def _tamper(d: Any, stream: str, forged: bytes | None) -> str:
 async def test_the_verifier_reports_a_real_loss(ray_module: Any, tmp_path: Path) -> None:
     """Delete one acknowledged event from a stream (JetStream's delete-msg API) after
     the run and before the check: the verdict must name it as lost and fail the run."""
-    from runtime.chaos.runner import RunOptions, run_scenario
+    from cluster.chaos.runner import RunOptions, run_scenario
 
     deleted: list[str] = []
 
@@ -357,7 +357,7 @@ async def test_the_verifier_reports_a_real_loss(ray_module: Any, tmp_path: Path)
 async def test_the_verifier_reports_an_altered_payload(ray_module: Any, tmp_path: Path) -> None:
     """Replace one acknowledged event by other bytes under the same id: the ids alone
     all match, the (id, payload) verdict must name it altered and fail the run."""
-    from runtime.chaos.runner import RunOptions, run_scenario
+    from cluster.chaos.runner import RunOptions, run_scenario
 
     altered: list[str] = []
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from runtime.chaos import report, scenarios
-from runtime.chaos.report import ScenarioReport
+from cluster.chaos import report, scenarios
+from cluster.chaos.report import ScenarioReport
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1200)]
 
@@ -40,7 +40,7 @@ def collected() -> Iterator[list[ScenarioReport]]:
 
 @pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
 async def test_scenario(name: str, tmp_path: Path, collected: list[ScenarioReport]) -> None:
-    from runtime.chaos.runner import RunOptions, run_scenario
+    from cluster.chaos.runner import RunOptions, run_scenario
 
     scn = scenarios.get(name)
     rep = await run_scenario(scn, RunOptions(events=EVENTS, rate=RATE, seed=SEED, workdir=tmp_path))

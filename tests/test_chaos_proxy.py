@@ -17,7 +17,7 @@ import nats.errors
 import pytest
 import pytest_asyncio
 
-from runtime.chaos.proxy import (
+from cluster.chaos.proxy import (
     Bandwidth,
     Blackhole,
     FaultProxy,

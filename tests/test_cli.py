@@ -194,7 +194,7 @@ def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]
 def test_jobs_start_list_stop_against_a_detached_runtime(cli_env: dict[str, str]) -> None:
     """`tierflow jobs` joins the running runtime's Ray, starts the analysis driver on
     demand, and a real Spark query consumes what the collector accepted."""
-    from runtime.meetup import RsvpGenerator
+    from cluster.demo.rsvps import RsvpGenerator
     from runtime.waiting import wait_until
 
     assert run(["up", "--detach"], cli_env).returncode == 0

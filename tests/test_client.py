@@ -25,8 +25,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from runtime.checkpoint import Batch, CheckpointStore
-from runtime.client import (
+from actors.access.client import (
     Delivery,
     ExactlyOnce,
     GatewayError,
@@ -35,6 +34,7 @@ from runtime.client import (
     resume_frame_from,
     ws_url,
 )
+from runtime.checkpoint import Batch, CheckpointStore
 from runtime.config import Config, load
 from runtime.nats import NatsServer, connect, free_port
 from runtime.services import ensure_streams
@@ -441,7 +441,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 @pytest.fixture(scope="module")
 async def real_gateway(ray_module: Any, nats_server: NatsServer, cfg: Config) -> AsyncIterator[str]:
     """Two real Gateway replicas (supervised Ray actors) sharing one port (SO_REUSEPORT)."""
-    from actors.gateway import start_gateways, stop_gateways
+    from actors.access.gateway import start_gateways, stop_gateways
 
     nc = await connect(nats_server.url)
     await ensure_streams(nc, cfg)

@@ -18,12 +18,12 @@ import aiohttp
 import msgspec
 import pytest
 
-from actors.bridge import dead_letter_id
+from actors.queue.bridge import dead_letter_id
+from cluster.loadgen import drive, known_events
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.verify import judge, stream_ids
 from runtime.config import Config, load
-from runtime.loadgen import drive, known_events
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
 
 NS = "tf-collection"

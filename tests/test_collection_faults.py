@@ -20,11 +20,11 @@ import msgspec
 import nats.errors
 import pytest
 
+from cluster.loadgen import drive, known_events
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.verify import judge, stream_ids
 from runtime.config import load
-from runtime.loadgen import drive, known_events
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -17,10 +17,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from actors.collector import HEADER_RESERVE, wire_overhead
+from actors.collection.collector import HEADER_RESERVE, wire_overhead
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
 from tests.support import tier_config
 
@@ -176,7 +176,7 @@ async def test_event_at_the_nats_limit_lands_and_one_byte_over_is_413(
 
 async def _fault_backup(tier: CollectionTier, on: bool) -> None:
     """The backup replica's LevelDB refuses every write while the fault file exists."""
-    from actors.logger import FAULT_SUFFIX
+    from actors.queue.logger import FAULT_SUFFIX
 
     group = tier.loggers[0]
     st = (await group.status())[1 - group.primary]
@@ -233,7 +233,7 @@ async def test_fenced_logger_answers_503_and_the_resend_is_accepted(
 
     import ray
 
-    from actors.collector import Collector
+    from actors.collection.collector import Collector
 
     group = tier.logger_groups[0]
     stale = dataclasses.replace(tier.loggers[0], follow_epochs=False, handles=[])

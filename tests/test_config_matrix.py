@@ -152,7 +152,7 @@ seed = 3
 name = "flights_on_time"
 kind = "custom"
 stream = "flights"
-function = "jobs.meetup:responses"
+function = "cluster.demo.meetup:responses"
 """
 
 

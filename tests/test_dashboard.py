@@ -23,10 +23,10 @@ import aiohttp
 import msgspec
 import pytest
 
+from cluster.demo.rsvps import RsvpGenerator
 from jobs.library import iso_ms
 from jobs.sink import ResultSink
 from runtime.config import Config, load
-from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer, connect, free_port
 from runtime.services import ensure_streams
 
@@ -47,7 +47,7 @@ WAIT_MS = 30_000
 SCREENSHOT = Path(__file__).resolve().parents[1] / "reports" / "dashboard.png"
 NOT_MOUNTED = (
     "the Gateway does not serve the dashboard: call "
-    "actors.dashboard_server.dashboard_routes(app) where Gateway._serve builds its app"
+    "actors.access.dashboard_server.dashboard_routes(app) where Gateway._serve builds its app"
 )
 
 
@@ -69,7 +69,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 @pytest.fixture(scope="module")
 async def gateway(ray_module: Any, nats_server: NatsServer, cfg: Config) -> AsyncIterator[str]:
     """One real Gateway replica (a supervised Ray actor); yields its base URL."""
-    from actors.gateway import start_gateways, stop_gateways
+    from actors.access.gateway import start_gateways, stop_gateways
 
     nc = await connect(nats_server.url)
     await ensure_streams(nc, cfg)
@@ -199,7 +199,7 @@ def tops_equal(bars: list[dict[str, Any]], top: list[dict[str, Any]]) -> bool:
 
 
 async def test_gateway_serves_the_dashboard(gateway: str) -> None:
-    """The Gateway mounts actors.dashboard_server.dashboard_routes (no CDN: all local)."""
+    """The Gateway mounts actors.access.dashboard_server.dashboard_routes (no CDN: all local)."""
     async with aiohttp.ClientSession() as http:
         async with http.get(gateway + "/") as resp:
             page = await resp.text()
@@ -350,7 +350,7 @@ async def test_lag_warnings_and_drops_are_shown(browser: Any) -> None:
     gateway's in-stream lag warning and the count of messages it dropped."""
     from aiohttp import web
 
-    from actors.dashboard_server import dashboard_routes
+    from actors.access.dashboard_server import dashboard_routes
 
     async def ws_handler(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()

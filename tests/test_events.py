@@ -7,7 +7,7 @@ import uuid
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.events import (
+from runtime.events import (
     Event,
     decode_batch,
     decode_event,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from actors.fanout import Event, Feed, LagPolicy, Subscriber, TokenBucket, judge_lag
-from runtime.filters import compile_filter
+from actors.access.fanout import Event, Feed, LagPolicy, Subscriber, TokenBucket, judge_lag
+from runtime.query import compile_filter
 from runtime.waiting import await_until
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.filters import MATCH_ALL, FilterError, compile_filter, compile_named
+from runtime.query import MATCH_ALL, FilterError, compile_filter, compile_named
 
 RSVP = {
     "response": "yes",

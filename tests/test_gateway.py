@@ -28,7 +28,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from actors.gateway import (
+from actors.access.cursors import FlushPolicy, cursor_key
+from actors.access.gateway import (
     CLOSE_BAD_MESSAGE,
     CLOSE_FORBIDDEN,
     CLOSE_TOO_SLOW,
@@ -44,7 +45,6 @@ from actors.gateway import (
     stream_ref,
 )
 from runtime.config import Config, load
-from runtime.cursors import FlushPolicy, cursor_key
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
 from runtime.services import ensure_streams
@@ -748,7 +748,7 @@ async def _stat_above(gw: Gw, key: str, value: int) -> bool:
 
 
 async def test_cursor_store_batches_writes_and_reads_them_back(js: Any) -> None:
-    from runtime.cursors import CursorRecord, CursorStore
+    from actors.access.cursors import CursorRecord, CursorStore
 
     store = await CursorStore.open(js, bucket="test_cursors", policy=FlushPolicy(60.0, 3))
     rec = CursorRecord(client="a.b/c", sub="s 1", stream="meetup", seq=5, filter="WHERE x = 1")
@@ -773,7 +773,7 @@ async def test_cursor_store_batches_writes_and_reads_them_back(js: Any) -> None:
 
 
 async def test_cursor_bucket_takes_three_replicas_on_a_cluster(tmp_path: Path) -> None:
-    from runtime.cursors import open_bucket
+    from actors.access.cursors import open_bucket
     from runtime.nats import NatsCluster
 
     with NatsCluster(tmp_path, nodes=3).start() as cluster:

@@ -22,8 +22,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from actors.gateway import Gateway
-from actors.webhooks import BUCKET as WEBHOOK_BUCKET
+from actors.access.gateway import Gateway
+from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
 from runtime.config import Config, load
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
@@ -184,7 +184,7 @@ async def test_dashboard_static_serves_no_file_outside_its_directory(
 def test_webhook_targets_are_checked_on_every_resolved_address() -> None:
     """Pure policy: private, loopback, link-local, mapped and unspecified addresses are
     refused unless allowed; a name is refused if ANY of its addresses is."""
-    from actors.webhooks import TargetPolicy
+    from actors.access.webhooks import TargetPolicy
 
     policy = TargetPolicy.from_networks([])
     for addr in [
@@ -215,7 +215,7 @@ def test_webhook_targets_are_checked_on_every_resolved_address() -> None:
 async def test_dns_rebinding_is_caught_at_delivery_time() -> None:
     """A name that resolved to a public address at registration and to loopback at delivery
     is refused when the connection is made (the resolver the sender connects through)."""
-    from actors.webhooks import (
+    from actors.access.webhooks import (
         GuardedResolver,
         TargetPolicy,
         WebhookError,

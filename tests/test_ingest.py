@@ -17,22 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.events import Event
-from actors.ingest import (
-    MAX_ID_CHARS,
-    BadInput,
-    GroupCommitPolicy,
-    GroupCommitter,
-    LogicConfig,
-    Overloaded,
-    StreamLogic,
-    assign_ids,
-    compile_logic,
-    compile_where,
-    dead_letters,
-    parse_body,
-)
+from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
+from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body
 from runtime.config import ConfigError
+from runtime.events import Event
+from runtime.logic import LogicConfig, StreamLogic, compile_logic, compile_where, dead_letters
 from runtime.waiting import await_until
 
 JSON = "application/json"

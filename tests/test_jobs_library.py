@@ -173,9 +173,9 @@ def test_durations_in_ms() -> None:
 
 
 def test_custom_functions_are_found_by_module_and_name() -> None:
-    from jobs.meetup import responses
+    from cluster.demo.meetup import responses
 
-    assert load_function("jobs.meetup:responses") is responses
+    assert load_function("cluster.demo.meetup:responses") is responses
     assert load_function("meetup:responses") is responses
     with pytest.raises(JobError, match="not exactly one public function"):
         load_function("meetup")
@@ -385,7 +385,7 @@ def test_sample_is_uniform_sized_and_replays_the_same(
 
 
 def test_custom_job_and_dead_letters(sp: Any, nats_url: str, tmp_path: Path) -> None:
-    spec = base("lib_custom", "custom", function="jobs.meetup:responses")
+    spec = base("lib_custom", "custom", function="cluster.demo.meetup:responses")
     run_job(sp, nats_url, spec, tmp_path)
     answers = Counter(e["response"] for e in EVENTS)
     assert kv_results(nats_url, "lib_custom") == {

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from runtime.loadgen import (
+from cluster.loadgen import (
     EXPECT_ACCEPTED,
     INVALID,
     MAX_EVENT_BYTES,
@@ -28,7 +28,7 @@ from runtime.loadgen import (
     drive_mixed,
     mixed_plan,
 )
-from runtime.verify import judge_streams
+from cluster.verify import judge_streams
 
 MAX_PAYLOAD = 1 << 20
 STREAMS = ("s1", "s2", "s3")
@@ -171,7 +171,7 @@ async def test_producers_without_ids_resend_under_the_ids_an_error_gave(
     assert rep.adopted == 1 and rep.errors == 1
     assert rep.blind == {"s2": {plan[2].digest: 1}}
     assert rep.rejected == {400: 1} and not rep.wrongly_accepted and not rep.wrongly_refused
-    from runtime.verify import payload_digest
+    from cluster.verify import payload_digest
 
     stored = {s: [(i, payload_digest(b)) for i, b in log] for s, log in fc.stored.items()}
     verdicts = judge_streams(rep.acked, stored, refused=rep.refused_digests, blind=rep.blind)
@@ -200,7 +200,7 @@ async def test_producer_websocket_frames_adopt_the_ids_of_a_503(
     rep = await drive_mixed(url, plan, batch=2, concurrency=1, deadline_s=60, ws_every=1)
     assert rep.ws_requests == 1 and fc.ws_frames == 2 and fc.no_id_requests == 0
     assert rep.adopted == 1 and rep.retried == {503: 1} and len(rep.acknowledged) == 2
-    from runtime.verify import payload_digest
+    from cluster.verify import payload_digest
 
     stored = [(i, payload_digest(b)) for i, b in fc.stored["s1"]]
     assert len(stored) == 2 and judge_streams(rep.acked, {"s1": stored})["s1"].ok

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.events import Event, encode_event
-from actors.logger import (
+from actors.queue.logger import (
     COUNTS_KEY,
     NS_BY_RETRY,
     NS_BY_TIME,
@@ -25,6 +24,7 @@ from actors.logger import (
     _enc,
 )
 from runtime.checkpoint import CheckpointStore
+from runtime.events import Event, encode_event
 
 BIG = 1 << 40
 

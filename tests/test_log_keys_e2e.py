@@ -18,12 +18,12 @@ import msgspec
 import pytest
 import ray
 
-from actors.events import Event, encode_batch
-from actors.logger import LoggerGroup
+from actors.queue.logger import LoggerGroup
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.verify import stream_ids
 from runtime.config import Config
+from runtime.events import Event, encode_batch
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.verify import stream_ids
 from runtime.waiting import await_until
 from tests.support import tier_config
 
@@ -70,7 +70,7 @@ async def held(group: LoggerGroup) -> list[list[tuple[str, str]]]:
 
 
 def _decode(batch: bytes) -> list[Event]:
-    from actors.events import decode_batch
+    from runtime.events import decode_batch
 
     return decode_batch(batch)
 

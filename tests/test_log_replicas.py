@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.events import Event
-from actors.logger import (
+from actors.queue.logger import (
     FAULT_SUFFIX,
     LogFull,
     LoggerGroup,
@@ -28,6 +27,7 @@ from actors.logger import (
     replace_replica,
     start_logger_group,
 )
+from runtime.events import Event
 from runtime.replication import ReplicaGroup
 from runtime.waiting import await_until
 from tests.support import fresh_ray
@@ -241,7 +241,7 @@ async def test_scale_down_waits_for_every_replica_to_drain(ray_local: None, tmp_
     """`tierflow scale logger` shuts a group down once it is drained: while a replica still
     holds entries (a forget it missed), the wait must not see the group drained from the
     primary's counts alone."""
-    from runtime.pipeline import _wait_logger_empty
+    from cluster.pipeline import _wait_logger_empty
     from runtime.waiting import WaitTimeout
 
     group, client = await start("lr4d", tmp_path)

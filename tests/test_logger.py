@@ -11,8 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.events import Event, encode_event
-from actors.logger import (
+from actors.queue.logger import (
     LogFull,
     LogStore,
     LogUnavailable,
@@ -22,6 +21,7 @@ from actors.logger import (
     inspect,
 )
 from runtime.checkpoint import CheckpointError, CheckpointStore
+from runtime.events import Event, encode_event
 from runtime.supervision import Intensity
 from runtime.waiting import wait_until
 

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.events import Event, encode_batch
-from actors.logger import (
+from actors.queue.logger import (
     LogFull,
     LoggerGroup,
     LogUnavailable,
@@ -25,6 +24,7 @@ from actors.logger import (
     replace_replica,
     start_logger_group,
 )
+from runtime.events import Event, encode_batch
 from runtime.replication import FencedError, ReplicaGroup
 from runtime.waiting import await_until
 from tests.support import fresh_ray

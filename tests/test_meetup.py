@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.meetup import RsvpGenerator, slug, topic_vocabulary
+from cluster.demo.rsvps import RsvpGenerator, slug, topic_vocabulary
 
 # The copy kept with the tests, so the schema check never skips.
 EMBEDDED_SAMPLE = Path(__file__).parent / "data" / "meetup_rsvp_sample.json"

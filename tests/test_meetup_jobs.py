@@ -1,4 +1,5 @@
-"""jobs/meetup.py: the five Meetup queries of docs/contracts.md on real Spark and nats-server.
+"""cluster/demo/meetup.py: the five Meetup queries of docs/contracts.md on real Spark and
+nats-server.
 
 Synthetic RSVPs (seeded `RsvpGenerator`) and one malformed event go to the `meetup` stream;
 all five queries run at once, in several micro-batches each, and their KV results must
@@ -18,12 +19,12 @@ import msgspec
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
 from jobs.library import NatsTarget, start_job
-from jobs.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from jobs.sink import MSG_ID_HEADER, results_by_query
 from jobs.sketches import Distinct
-from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer
 from tests.support import with_nats
 

@@ -20,9 +20,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import load
 from runtime.nats import NatsServer
-from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.waiting import wait_until
 from tests.support import assert_all_landed, under_load
 
@@ -50,7 +50,7 @@ def cluster() -> Iterator[Cluster]:
 def pipeline(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[CollectionTier, NatsServer, list[str]]]:
-    from actors.gateway import start_gateways, stop_gateways
+    from actors.access.gateway import start_gateways, stop_gateways
 
     with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
         cfg = load(

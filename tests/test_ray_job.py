@@ -2,7 +2,7 @@
 events in through the collector, results out through the gateway, `ray job stop`.
 
 Everything is real and started here: a Ray head (its own temp dir, free ports), an external
-nats-server (the configured NATS), and the job itself, which runs `python -m jobs.meetup`
+nats-server (the configured NATS), and the job itself, which runs `python -m cluster.demo`
 from the uploaded working dir. Teardown stops exactly the processes of that head (found by
 its temp dir) and the nats-server pid, and checks none is left.
 """
@@ -26,11 +26,11 @@ import msgspec
 import psutil
 import pytest
 
-from jobs.meetup import reference
-from runtime.loadgen import drive
-from runtime.meetup import RsvpGenerator
+from cluster.demo.meetup import reference
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.loadgen import drive
+from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect, free_port
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until, wait_until
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ BIN = Path(sys.executable).parent
 
 def _env() -> dict[str, str]:
     """The CLI's environment: the venv's `ray` and `python` first on PATH (the job's
-    `python -m jobs.meetup` is resolved by the raylet's PATH), and token auth, which
+    `python -m cluster.demo` is resolved by the raylet's PATH), and token auth, which
     Ray 2.60 turns on for a new head, for the `ray job` client."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -221,7 +221,7 @@ async def test_ray_job_submit_runs_the_pipeline_and_job_stop_leaves_nothing(
         "--",
         "python",
         "-m",
-        "jobs.meetup",
+        "cluster.demo",
         "--config",
         str(config),
     )

@@ -17,8 +17,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from runtime.meetup import RsvpGenerator
-from runtime.replay import (
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.replay import (
     GeneratorSource,
     NdjsonSource,
     Pacer,
@@ -318,7 +318,7 @@ async def test_serve_replay_runs_until_cancelled() -> None:
 
 
 RUN_REPLAY = """
-from runtime.replay import run_replay
+from cluster.replay import run_replay
 run_replay(seed=9, rate=200, on_ready=lambda s: print(s.url, flush=True))
 print("clean exit", flush=True)
 """

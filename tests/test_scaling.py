@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import ray
 
+from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.waiting import await_until
 from tests.support import assert_all_landed, tier_config, under_load
 
@@ -87,8 +87,8 @@ async def test_gateways_scale_under_load_without_a_gap_for_clients(tier: Any) ->
     """Gateways 1 -> 2 -> 1 while events flow and clients read the raw stream: clients on
     the leaving replica are closed with 1001, reconnect to the other and resume by
     cursor; each sees every stored event exactly once, in order, without a gap."""
-    from actors.gateway import scale_gateways, start_gateways, stop_gateways
-    from runtime.client import TierflowClient
+    from actors.access.client import TierflowClient
+    from actors.access.gateway import scale_gateways, start_gateways, stop_gateways
 
     t, server = tier
     t: CollectionTier

@@ -25,15 +25,15 @@ import pytest
 import pytest_asyncio
 from typer.testing import CliRunner
 
+from cluster.replay import ReplayServer
+from cluster.verify import stream_ids
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import Config, ConfigError, load
 from runtime.loop_thread import LoopThread
 from runtime.nats import NatsServer, connect
 from runtime.nats_roles import credentials, role_permissions, secrets_path
-from runtime.replay import ReplayServer
 from runtime.services import connect_nats, ensure_streams, start_nats
 from runtime.tls import client_ssl_context, server_ssl_context
-from runtime.verify import stream_ids
 from runtime.waiting import await_until, wait_until
 
 NS = "tf-security"
@@ -155,7 +155,7 @@ def test_dev_certs_are_a_working_chain_with_private_keys(tmp_path: Path) -> None
 
 
 def test_cli_certs_writes_where_tls_looks_and_prints_no_key(tmp_path: Path) -> None:
-    from runtime.cli import app
+    from cluster.cli import app
 
     env = {"TIERFLOW_STATE_DIR": str(tmp_path / "state")}
     out = CliRunner().invoke(app, ["certs", "--name", "gw.example"], env=env)
@@ -178,7 +178,7 @@ def test_tls_on_without_certificates_says_how_to_make_them(tmp_path: Path) -> No
 
 
 def test_config_show_and_repr_never_reveal_secrets(tmp_path: Path) -> None:
-    from runtime.cli import app
+    from cluster.cli import app
 
     secrets = [PRODUCER_TOKEN, CONSUMER_TOKEN, JS_KEY, "natsPW-S3CRET", "urlPW-S3CRET"]
     env = {
@@ -231,7 +231,7 @@ def test_admin_binds_loopback_unless_configured(tmp_path: Path) -> None:
 
 
 async def test_admin_endpoint_loopback_and_https_only_with_tls(tmp_path: Path) -> None:
-    from runtime.admin import serve
+    from cluster.admin import serve
 
     make_dev_certs(tmp_path / "certs")
     cfg = load(environ={}, overrides={"state_dir": str(tmp_path), "tls": {"enabled": True}})
@@ -423,8 +423,9 @@ async def test_analysis_jobs_write_results_as_their_role_over_tls(
 
 
 def test_permission_names_match_the_modules_that_use_them() -> None:
-    from actors import stream_ingest, webhooks
-    from runtime import cursors, nats_roles
+    from actors.access import cursors, webhooks
+    from actors.collection import stream_ingest
+    from runtime import nats_roles
 
     assert nats_roles.BUFFER_STREAM == stream_ingest.BUFFER_STREAM
     assert nats_roles.LEASE_BUCKET == stream_ingest.LEASE_BUCKET
@@ -480,7 +481,7 @@ async def test_jetstream_encryption_at_rest(
 
 @pytest.fixture(scope="module")
 def tier(ray_module: Any, secured: tuple[Config, NatsServer], admin_js: Any) -> Iterator[Any]:
-    from runtime.pipeline import start_collection_tier
+    from cluster.pipeline import start_collection_tier
 
     cfg, server = secured
     t = start_collection_tier(cfg, nats_url=server.url)
@@ -527,7 +528,7 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
 ) -> None:
     import ray
 
-    from actors.gateway import Gateway
+    from actors.access.gateway import Gateway
     from runtime.nats import free_port
     from runtime.ray_supervisor import supervised_options
 

@@ -1,5 +1,6 @@
-"""actors/sources.py: real aiohttp clients against a real ReplayServer (WebSocket) and tiny
-aiohttp servers written here (chunked NDJSON, SSE), incl. a server restart on the same port."""
+"""actors/collection/sources.py: real aiohttp clients against a real ReplayServer (WebSocket)
+and tiny aiohttp servers written here (chunked NDJSON, SSE), incl. a server restart on the
+same port."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from actors.sources import (
+from actors.collection.sources import (
     Frame,
     HttpNdjsonSource,
     SourceError,
@@ -23,9 +24,9 @@ from actors.sources import (
     estimate_missed,
     source_from_url,
 )
-from runtime.meetup import RsvpGenerator
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.replay import GeneratorSource, ReplayServer
 from runtime.nats import free_port
-from runtime.replay import GeneratorSource, ReplayServer
 from runtime.supervision import Backoff
 from runtime.waiting import await_until
 

@@ -1,4 +1,5 @@
-"""actors/stream_ingest.py against a real nats-server, a real local Ray and a real ReplayServer:
+"""actors/collection/stream_ingest.py against a real nats-server, a real local Ray and a real
+ReplayServer:
 buffer writes and positions, lease fencing, the shared buffer consumer, and the acceptance
 test: the active ingest node is SIGKILLed mid-stream and every event still lands exactly once.
 """
@@ -23,8 +24,8 @@ import ray
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from actors.sources import Frame
-from actors.stream_ingest import (
+from actors.collection.sources import Frame
+from actors.collection.stream_ingest import (
     BUFFER_STREAM,
     POS_HEADER,
     BufferConsumer,
@@ -41,10 +42,10 @@ from actors.stream_ingest import (
     resume_position,
     start_stream_ingest,
 )
-from runtime.meetup import RsvpGenerator
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.replay import GeneratorSource, ReplayServer
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER
-from runtime.replay import GeneratorSource, ReplayServer
 from runtime.waiting import await_until
 from tests.support import fresh_ray
 

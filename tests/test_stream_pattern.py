@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from cluster.pipeline import CollectionTier, start_collection_tier
+from cluster.replay import ReplayServer
+from cluster.verify import stream_ids
 from runtime.config import load
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
-from runtime.replay import ReplayServer
-from runtime.verify import stream_ids
 from runtime.waiting import await_until
 
 EVENTS = 3000

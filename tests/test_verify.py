@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect
-from runtime.verify import judge, stream_ids
 
 
 def test_judge_pure() -> None:
@@ -59,7 +59,7 @@ async def test_small_streams(tmp_path: Path, n: int) -> None:
 
 
 def test_payload_digest_ignores_the_id_and_key_order_but_not_the_bytes() -> None:
-    from runtime.verify import payload_digest
+    from cluster.verify import payload_digest
 
     a = payload_digest({"id": "e1", "n": 1, "k": "a"})
     assert a == payload_digest(b'{"k":"a","n":1}') == payload_digest({"n": 1, "k": "a"})
@@ -70,7 +70,7 @@ def test_payload_digest_ignores_the_id_and_key_order_but_not_the_bytes() -> None
 
 def test_judge_stream_counts_by_id_and_payload() -> None:
     """Fabricated inputs for each way the verdict must fail, and one clean pass."""
-    from runtime.verify import judge_stream
+    from cluster.verify import judge_stream
 
     acked = {"a": "ha", "b": "hb", "c": "hc", "d": "hd"}
     stored = [
@@ -101,7 +101,7 @@ def test_judge_stream_counts_by_id_and_payload() -> None:
 def test_blind_resends_explain_a_second_copy_and_nothing_more() -> None:
     """A producer without ids whose request got no answer resent blind: one extra copy of
     that payload is explained (counted), a third is still a duplicate."""
-    from runtime.verify import judge_stream
+    from cluster.verify import judge_stream
 
     acked = {"n2": "hp"}
     two = judge_stream("s", acked, [("n1", "hp"), ("n2", "hp")], blind={"hp": 1})
@@ -114,7 +114,7 @@ def test_blind_resends_explain_a_second_copy_and_nothing_more() -> None:
 
 def test_judge_streams_keeps_streams_apart() -> None:
     """The same id on two streams is two events: present on one does not cover the other."""
-    from runtime.verify import judge_streams
+    from cluster.verify import judge_streams
 
     acked = {"s1": {"x": "h1"}, "s2": {"x": "h2"}}
     stored = {"s1": [("x", "h1")], "s2": []}
@@ -128,7 +128,7 @@ async def test_reads_payload_digests_and_sees_an_altered_payload(tmp_path: Path)
     """Same id, different bytes: the verdict names it altered, not fine."""
     from nats.js.api import StreamConfig
 
-    from runtime.verify import judge_stream, payload_digest, stream_records
+    from cluster.verify import judge_stream, payload_digest, stream_records
     from runtime.waiting import await_until
 
     with NatsServer(store_dir=tmp_path / "n").start() as server:

@@ -26,11 +26,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from cluster.demo.meetup import meetup_jobs, topic_counts
+from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
 from jobs.library import JobSpec, NatsTarget, start_job
-from jobs.meetup import meetup_jobs, topic_counts
 from runtime.config import load
-from runtime.meetup import RsvpGenerator
 from runtime.nats import NatsServer, connect
 from runtime.services import spark_session
 from tests.bench.common import Profiler, print_profile, write_report

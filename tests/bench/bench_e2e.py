@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from runtime.loadgen import drive
-from runtime.meetup import RsvpGenerator
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.loadgen import drive
 from runtime.waiting import await_until
 from tests.bench.common import Profiler, print_profile, summary, write_report
 from tests.bench.pipeline import TOPN_SUBJECT, Pipeline, Watcher, pipeline

@@ -10,7 +10,7 @@ JetStream acked).
 
 Per role, one SIGKILL of its process (Ray restarts it; the supervisors see it); the figure
 is the time from the kill to the first 2xx of a probe sent after the kill. For the gateway
-it is the time to the first event delivered to a `runtime.client.TierflowClient` (its own
+it is the time to the first event delivered to a `actors.access.client.TierflowClient` (its own
 reconnect and resume), for Spark the time to the first top-N update counting new events.
 The floor, measured in the same run: Ray restarting a bare actor (`max_restarts=-1`) to
 its first answered call.
@@ -42,9 +42,9 @@ import aiohttp
 import psutil
 import pytest
 
-from runtime.client import TierflowClient
+from actors.access.client import TierflowClient
+from cluster.verify import judge, stream_ids
 from runtime.nats import connect
-from runtime.verify import judge, stream_ids
 from runtime.waiting import await_until
 from tests.bench.common import (
     BirthProfiler,

@@ -27,7 +27,7 @@ import msgspec
 import pytest
 import ray
 
-from actors.gateway import Gateway
+from actors.access.gateway import Gateway
 from runtime.config import load
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options

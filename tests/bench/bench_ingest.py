@@ -8,7 +8,7 @@ always`) and the session's local Ray. Measured in this order, each on a fresh st
   is shared, so rows are compared with the mean of both);
 - the collection tier per logging mode (none, RBML, SBML, HML) at k=0 and k=1 (mode none
   has no log, so k does not apply to it): a fresh tier each (1 collector, 1 bridge, 1
-  logger group), driven by the known-id producer (`runtime.loadgen`) in NDJSON batches of
+  logger group), driven by the known-id producer (`cluster.loadgen`) in NDJSON batches of
   100 with 8 requests in flight;
 - Ray Serve (tests/bench/serve_app.py): one replica doing the same HTTP-to-JetStream work,
   driven by the same producer.
@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
+from cluster.loadgen import LoadReport, drive, known_events
+from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import load
-from runtime.loadgen import LoadReport, drive, known_events
 from runtime.nats import NatsServer, connect, free_port
-from runtime.pipeline import CollectionTier, start_collection_tier
 from runtime.waiting import await_until
 from tests.bench.common import Profiler, print_profile, summary, write_report
 

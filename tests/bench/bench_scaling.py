@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
+from cluster.loadgen import drive, known_events
+from cluster.pipeline import start_collection_tier
 from runtime.config import load
-from runtime.loadgen import drive, known_events
 from runtime.nats import NatsServer
-from runtime.pipeline import start_collection_tier
 from tests.bench.common import Profiler, print_profile, summary, write_report
 
 EVENTS = int(os.environ.get("TIERFLOW_BENCH_EVENTS", "20000"))

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
+from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import Config, load
 from runtime.nats import NatsServer, connect
-from runtime.pipeline import CollectionTier, start_collection_tier
 
 TOPN_SUBJECT = "results.meetup_topn"
 
@@ -52,9 +52,9 @@ def pipeline(
     """HML with k=1 (the defaults), one collector, bridge and gateway, the top-N job."""
     import ray
 
-    from actors.gateway import start_gateways, stop_gateways
+    from actors.access.gateway import start_gateways, stop_gateways
+    from cluster.demo.meetup import meetup_jobs
     from jobs.driver import start_driver, stop_driver, wait_running
-    from jobs.meetup import meetup_jobs
     from runtime.services import ensure_streams
 
     cfg = load(

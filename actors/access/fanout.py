@@ -1,0 +1,795 @@
+"""n:1 fan-out (book ch. 8-9): one JetStream consumer per stream feeds every local client.
+
+A `Feed` reads one stream through ONE ephemeral pull consumer, started at the oldest
+position its first subscribers need (minus a backfill, so clients that resume a little
+earlier are served from memory too), and keeps the latest `ring_size` events in a ring.
+Each `Subscriber` is only a position in that ring: the feed never copies an event per
+client, and a client's sender reads the ring at the client's own pace.
+
+Bounded per client: a subscriber may be at most `LagPolicy.max_lag` stream messages behind
+the feed, counting what the feed has held for at least one lag check (`lag_every_s`), so a
+burst the client drains at once is not lag. Past `warn_lag` it is warned in-stream (how far
+behind, what will happen), at most once per `warn_every_s`; past `max_lag` its policy
+applies: `drop_oldest` skips it ahead to the newest events (it is told how many were
+dropped), `disconnect` cuts it off (4408). Other clients never wait for a slow one: the feed
+does not block on any subscriber.
+
+A subscriber that starts further back than the ring (or with a backlog larger than the warn
+level) is catching up: its lag policy is off until it is within `warn_lag` of the head, and
+what the ring no longer holds it reads through a private, short-lived history reader at its
+own pace (so does a live subscriber within its lag bound that the ring trimmed past).
+Rewinding the shared consumer instead would make every live client wait for the slowest
+history reader.
+
+Everything here runs on one event loop; I/O is behind the `Reader` protocol, so the policy
+and the ring are tested with an in-memory reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from runtime.query import Filter
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Event",
+    "Feed",
+    "Hub",
+    "LagPolicy",
+    "Reader",
+    "Subscriber",
+    "TokenBucket",
+    "Verdict",
+    "judge_lag",
+]
+
+Overflow = Literal["drop_oldest", "disconnect"]
+Verdict = Literal["ok", "warn", "overflow"]
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+
+
+# --------------------------------------------------------------------------- events
+
+
+class Event:
+    """One stream message, decoded at most once and rendered once per distinct filter."""
+
+    __slots__ = ("_data", "_json", "_views", "raw", "seq", "subject")
+
+    def __init__(self, seq: int, subject: str, raw: bytes, data: Any = ...) -> None:
+        self.seq = seq
+        self.subject = subject
+        self.raw = raw
+        self._data = data
+        self._json: bytes | None = None
+        self._views: dict[Filter, bytes | None] | None = None
+
+    @property
+    def data(self) -> Any:
+        """The payload as JSON; a payload that is not JSON is its text."""
+        if self._data is ...:
+            try:
+                self._data = _decode.decode(self.raw)
+                raw = self.raw.strip()
+                if raw and b"\n" not in raw and b"\r" not in raw:
+                    self._json = raw  # valid, one line: reuse the producer's bytes
+            except msgspec.DecodeError:
+                self._data = self.raw.decode("utf-8", "replace")
+        return self._data
+
+    @property
+    def json(self) -> bytes:
+        """The payload as one line of JSON."""
+        if self._json is None:
+            data = self.data
+            if self._json is None:
+                self._json = _json.encode(data)
+        return self._json
+
+    def view(self, flt: Filter) -> bytes | None:
+        """The payload as `flt` selects it (JSON, one line), or None if it does not match."""
+        if flt.match_all and flt.select_all:
+            return self.json
+        views = self._views
+        if views is None:
+            views = self._views = {}
+        elif flt in views:
+            return views[flt]
+        data = self.data
+        out: bytes | None = None
+        if flt.matches(data, self.subject):
+            out = self.json if flt.select_all else _json.encode(flt.select(data, self.subject))
+        views[flt] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"Event(seq={self.seq}, subject={self.subject!r})"
+
+
+class Reader(Protocol):
+    """A source of stream events from a start sequence on, in sequence order."""
+
+    async def fetch(self, max_events: int, timeout: float) -> list[Event]:
+        """Up to `max_events` next events; [] when none came within `timeout`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+OpenReader = Callable[[int], Awaitable[Reader]]
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class LagPolicy(msgspec.Struct, frozen=True):
+    """How far behind a client may fall (in stream messages) and what happens then."""
+
+    max_lag: int = 2048
+    warn_lag: int = 1024
+    warn_every_s: float = 1.0
+    overflow: Overflow = "disconnect"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.warn_lag <= self.max_lag:
+            raise ValueError(f"need 0 < warn_lag <= max_lag, got {self.warn_lag}/{self.max_lag}")
+
+    @property
+    def keep_after_drop(self) -> int:
+        """drop_oldest keeps this many of the newest messages, so it does not flap."""
+        return max(1, self.warn_lag // 2)
+
+
+def judge_lag(policy: LagPolicy, behind: int, since_warned_s: float) -> Verdict:
+    """What a client `behind` messages behind gets now (pure)."""
+    if behind > policy.max_lag:
+        return "overflow"
+    if behind >= policy.warn_lag and since_warned_s >= policy.warn_every_s:
+        return "warn"
+    return "ok"
+
+
+class TokenBucket:
+    """A rate limit (a client's slow-down request): `take(n)` waits until n tokens exist."""
+
+    def __init__(
+        self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        self.rate = rate
+        self.burst = burst if burst is not None else max(1.0, rate / 10)
+        self._clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before `n` tokens exist, taking them (pure but for the clock)."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    async def take(self, n: int) -> None:
+        wait = self.delay(n)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+# --------------------------------------------------------------------------- ring
+
+
+class _Ring:
+    """The latest events of a stream: holds EVERY stream message with seq in [base, end)."""
+
+    def __init__(self, capacity: int, base: int) -> None:
+        self.capacity = capacity
+        self.base = base
+        self._events: list[Event] = []
+        self._seqs: list[int] = []
+        self._head = 0
+
+    def __len__(self) -> int:
+        return len(self._events) - self._head
+
+    def append(self, events: Sequence[Event]) -> None:
+        self._events.extend(events)
+        self._seqs.extend(e.seq for e in events)
+        over = len(self) - self.capacity
+        if over > 0:
+            self._head += over
+            self.base = self._seqs[self._head - 1] + 1
+            if self._head > self.capacity:
+                del self._events[: self._head]
+                del self._seqs[: self._head]
+                self._head = 0
+
+    def read(self, seq: int, limit: int) -> list[Event]:
+        """Events with seq >= `seq` (which must be >= base), at most `limit`."""
+        i = bisect.bisect_left(self._seqs, seq, self._head)
+        return self._events[i : i + limit]
+
+    def last(self) -> Event | None:
+        return self._events[-1] if len(self) else None
+
+    def count(self, flt: Filter, start: int, end: int) -> int:
+        """How many events in [start, end) match `flt`."""
+        i = bisect.bisect_left(self._seqs, max(start, self.base), self._head)
+        j = bisect.bisect_left(self._seqs, end, self._head)
+        return sum(1 for e in self._events[i:j] if e.view(flt) is not None)
+
+
+# --------------------------------------------------------------------------- subscriber
+
+
+class Subscriber:
+    """One client subscription: a position in a feed, a filter and a lag policy.
+
+    The protocol layer gives it `deliver(batch)` (write these (event, data JSON) pairs to the
+    client) and is told about lag through `on_lag(behind)`, `on_dropped(count, first, last)`
+    and `on_overflow(behind)` (cut the client off). `delivered` is the last sequence handled
+    (written, or filtered out); `on_progress(seq)` reports it as it moves. With `ack_window`
+    the client acknowledges (`ack(seq)`), at most `ack_window` events stay unacknowledged, and
+    progress is the last acknowledged sequence.
+    """
+
+    def __init__(
+        self,
+        sid: str,
+        flt: Filter,
+        policy: LagPolicy,
+        *,
+        deliver: Callable[[list[tuple[Event, bytes]]], Awaitable[None]],
+        on_lag: Callable[[int], None] = lambda behind: None,
+        on_dropped: Callable[[int, int, int], None] = lambda count, first, last: None,
+        on_overflow: Callable[[int], None] = lambda behind: None,
+        on_progress: Callable[[int], None] = lambda seq: None,
+        ack_window: int | None = None,
+        batch: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sid = sid
+        self.filter = flt
+        self.policy = policy
+        self._deliver = deliver
+        self._on_lag = on_lag
+        self._on_dropped = on_dropped
+        self._on_overflow = on_overflow
+        self._on_progress = on_progress
+        self.ack_window = ack_window
+        self.batch = batch
+        self._clock = clock
+        self.next_seq = 0
+        self.delivered = 0
+        self.catching_up = False
+        self.closed = False
+        self.overflowed = False
+        self.limiter: TokenBucket | None = None
+        self._gen = 0  # bumped when the position is moved from outside the pump
+        self._writing = 0  # last seq of the batch handed to deliver
+        self._warned_at = float("-inf")
+        self._unacked: list[int] = []
+        self._acked = asyncio.Event()
+        self.acked = 0
+        self.sent = 0
+        self.dropped = 0
+        self.warnings = 0
+
+    # ---- called by the feed (lag checks) ----------------------------------------------
+
+    def behind(self, position: int) -> int:
+        return max(0, position - self.next_seq)
+
+    def check_lag(self, feed: Feed, aged_position: int) -> None:
+        """Judge the backlog the client had time to take: what the feed held at the previous
+        check (`aged_position`) and it has not been sent yet. A burst the client drains in a
+        moment is no lag; the warning reports the full distance to the head."""
+        if self.closed or self.catching_up or self.overflowed:
+            return
+        aged = self.behind(aged_position)
+        verdict = judge_lag(self.policy, aged, self._clock() - self._warned_at)
+        if verdict == "warn":
+            self._warned_at = self._clock()
+            self.warnings += 1
+            self._on_lag(self.behind(feed.position))
+        elif verdict == "overflow":
+            self.overflow(feed, self.behind(feed.position))
+
+    def overflow(self, feed: Feed, behind: int) -> None:
+        """Too far behind: apply the policy."""
+        if self.policy.overflow == "disconnect":
+            self.overflowed = True
+            self.warnings += 1
+            self._on_lag(behind)  # a burst may skip the warn band: always warn before the cut
+            self._on_overflow(behind)
+            self.close()
+            return
+        target = max(feed.ring.base, feed.position - self.policy.keep_after_drop)
+        first = max(self.next_seq, self._writing + 1)  # a batch being written is not dropped
+        if target <= first:
+            return
+        count = feed.ring.count(self.filter, first, target) + max(0, feed.ring.base - first)
+        self.next_seq = target
+        self._gen += 1
+        self.dropped += count
+        self._on_dropped(count, first, target - 1)
+        feed.wake()
+
+    # ---- client acks ------------------------------------------------------------------
+
+    @property
+    def ack_limit(self) -> int:
+        """The highest sequence a client may acknowledge: the last one handed to it (a
+        batch being written counts, its frames may already be read)."""
+        return max(self.delivered, self._writing)
+
+    def ack(self, seq: int) -> bool:
+        """Cumulative: acknowledges every event delivered up to `seq`. An ack past what was
+        delivered is refused (False) and changes nothing: it would move the cursor over
+        events the client never got."""
+        if seq > self.ack_limit:
+            return False
+        i = bisect.bisect_right(self._unacked, seq)
+        if i:
+            del self._unacked[:i]
+        if seq > self.acked:
+            self.acked = seq
+            self._on_progress(seq)
+        self._acked.set()
+        return True
+
+    async def _window(self, n: int) -> None:
+        assert self.ack_window is not None
+        while len(self._unacked) + n > self.ack_window and self._unacked and not self.closed:
+            self._acked.clear()
+            await self._acked.wait()
+
+    # ---- the pump ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.closed = True
+        self._acked.set()
+
+    async def pump(self, feed: Feed, history: OpenReader) -> None:
+        """Deliver from `next_seq` on until closed: from the ring, or through a private
+        history reader while the ring no longer holds what this subscriber needs."""
+        reader: Reader | None = None
+        reader_seq = -1
+        try:
+            while not self.closed:
+                if feed.stopped:
+                    self.close()
+                    break
+                gen = self._gen
+                if self.next_seq < feed.ring.base and feed.position > self.next_seq:
+                    behind = self.behind(feed.position)
+                    if not self.catching_up and behind > self.policy.max_lag:
+                        self.overflow(feed, behind)
+                        continue
+                    if reader is None or reader_seq != self.next_seq:
+                        if reader is not None:
+                            await reader.close()
+                        reader = await feed.open_history(history, self.next_seq)
+                    events = await reader.fetch(self.batch, 1.0)
+                    if not events:
+                        continue
+                else:
+                    if reader is not None:
+                        await feed.close_history(reader)
+                        reader = None
+                    events = feed.ring.read(self.next_seq, self.batch)
+                    if not events:
+                        self.catching_up = False
+                        await feed.wait_change(self.next_seq)
+                        continue
+                await self._send(events, gen)
+                if self._gen == gen:
+                    reader_seq = self.next_seq
+                if self.catching_up and self.behind(feed.position) < self.policy.warn_lag:
+                    self.catching_up = False  # near the head: live, the lag policy applies
+        finally:
+            if reader is not None:
+                await feed.close_history(reader)
+
+    async def _send(self, events: list[Event], gen: int) -> None:
+        flt = self.filter
+        out: list[tuple[Event, bytes]] = []
+        for ev in events:
+            if ev.seq < self.next_seq:
+                continue
+            body = ev.view(flt)
+            if body is not None:
+                out.append((ev, body))
+        last = events[-1].seq
+        if out:
+            if self.limiter is not None:
+                await self.limiter.take(len(out))
+            if self.ack_window is not None:
+                await self._window(len(out))
+            if self.closed or self._gen != gen:
+                return
+            self._writing = out[-1][0].seq
+            await self._deliver(out)
+            self.sent += len(out)
+            if self.ack_window is not None:
+                self._unacked.extend(e.seq for e, _ in out)
+        if self.closed or self._gen != gen:
+            return
+        self.next_seq = last + 1
+        self.delivered = last
+        if self.ack_window is None:
+            self._on_progress(last)
+        elif not self._unacked and last > self.acked:
+            self.acked = last  # everything sent is acknowledged; the rest was filtered out
+            self._on_progress(last)
+
+
+# --------------------------------------------------------------------------- feed
+
+
+class Feed:
+    """One stream, one consumer, many subscribers (see the module doc)."""
+
+    def __init__(
+        self,
+        name: str,
+        open_reader: OpenReader,
+        *,
+        ring_size: int = 8192,
+        backfill: int = 4096,
+        batch: int = 512,
+        fetch_timeout_s: float = 1.0,
+        lag_every_s: float = 0.1,
+        idle_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_stop: Callable[[Feed], None] = lambda feed: None,
+    ) -> None:
+        self.name = name
+        self._open = open_reader
+        self.ring = _Ring(ring_size, 0)
+        self.backfill = min(backfill, ring_size // 2)
+        self.batch = batch
+        self.fetch_timeout_s = fetch_timeout_s
+        self.lag_every_s = lag_every_s
+        self.idle_s = idle_s
+        self._clock = clock
+        self._on_stop = on_stop
+        self.position = 0
+        self.subs: set[Subscriber] = set()
+        self.pollers = 0
+        self.stopped = False
+        self._task: asyncio.Task[None] | None = None
+        self._changed: asyncio.Future[None] | None = None
+        self._wake = asyncio.Event()
+        self._last_lag_check = 0.0
+        self._checked_position = 0  # the position at the previous lag check
+        self._idle_since = clock()
+        self.history_open = 0
+        self.counters = {
+            "read": 0,
+            "reopens": 0,
+            "read_errors": 0,
+            "history_readers": 0,
+            "catchups": 0,
+        }
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    def start(self, start_seq: int) -> None:
+        """Start reading at `start_seq - backfill` (the oldest position worth keeping)."""
+        if self._task is not None:
+            return
+        first = max(1, start_seq - self.backfill)
+        self.position = self._checked_position = first
+        self.ring.base = first
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"feed-{self.name}")
+
+    async def stop(self) -> None:
+        self.stopped = True
+        self.wake()
+        for sub in list(self.subs):
+            sub.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def wake(self) -> None:
+        """Wake every waiting subscriber (new events, or a position moved)."""
+        fut, self._changed = self._changed, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def wait_change(self, next_seq: int, timeout: float | None = None) -> bool:
+        """Wait until the feed is past `next_seq - 1` (or anything changed); False on timeout."""
+        if self.position > next_seq or self.stopped:
+            return True
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # ---- subscribers ------------------------------------------------------------------
+
+    def attach(self, sub: Subscriber, start_seq: int) -> None:
+        """Serve `sub` from `start_seq` on (the feed starts if it was not running)."""
+        self.start(start_seq)
+        sub.next_seq = start_seq
+        sub.delivered = start_seq - 1
+        sub.acked = start_seq - 1
+        sub.catching_up = self.position - start_seq >= sub.policy.warn_lag or (
+            start_seq < self.ring.base
+        )
+        if sub.catching_up:
+            self.counters["catchups"] += 1
+        self.subs.add(sub)
+        self._idle_since = self._clock()
+
+    def detach(self, sub: Subscriber) -> None:
+        sub.close()
+        self.subs.discard(sub)
+        self.wake()
+        if not self.subs and not self.pollers:
+            self._idle_since = self._clock()
+
+    async def open_history(self, history: OpenReader, start_seq: int) -> Reader:
+        self.counters["history_readers"] += 1
+        self.history_open += 1
+        try:
+            return await history(start_seq)
+        except BaseException:
+            self.history_open -= 1
+            raise
+
+    async def close_history(self, reader: Reader) -> None:
+        self.history_open -= 1
+        with contextlib.suppress(Exception):
+            await reader.close()
+
+    @contextlib.contextmanager
+    def poller(self) -> Iterator[None]:
+        """Held by a long poll while it waits: keeps the feed from stopping as idle."""
+        self.pollers += 1
+        try:
+            yield
+        finally:
+            self.pollers -= 1
+            self._idle_since = self._clock()
+
+    # ---- the reading loop -------------------------------------------------------------
+
+    async def _run(self) -> None:
+        reader: Reader | None = None
+        failures = 0
+        try:
+            while not self.stopped:
+                if reader is None:
+                    try:
+                        reader = await self._open(self.position)
+                        failures = 0
+                    except Exception as err:  # noqa: BLE001 - NATS may be restarting
+                        failures += 1
+                        self.counters["read_errors"] += 1
+                        log.info("feed %s: open at %d: %r", self.name, self.position, err)
+                        await asyncio.sleep(min(2.0, 0.1 * 2**failures))
+                        continue
+                try:
+                    events = await reader.fetch(self.batch, self.fetch_timeout_s)
+                except Exception as err:  # noqa: BLE001 - reopen from the same position
+                    self.counters["read_errors"] += 1
+                    self.counters["reopens"] += 1
+                    log.info("feed %s: read at %d: %r; reopening", self.name, self.position, err)
+                    with contextlib.suppress(Exception):
+                        await reader.close()
+                    reader = None
+                    await asyncio.sleep(0.2)
+                    continue
+                if events:
+                    self._dispatch(events)
+                self._check_lag()
+                if self._idle():
+                    break
+        finally:
+            self.stopped = True
+            self._on_stop(self)
+            self.wake()
+            if reader is not None:
+                with contextlib.suppress(Exception):
+                    await reader.close()
+
+    def _dispatch(self, events: list[Event]) -> None:
+        events = [e for e in events if e.seq >= self.position]
+        if not events:
+            return
+        self.ring.append(events)
+        self.position = events[-1].seq + 1
+        self.counters["read"] += len(events)
+        self.wake()
+
+    def _check_lag(self) -> None:
+        now = self._clock()
+        if now - self._last_lag_check < self.lag_every_s:
+            return
+        self._last_lag_check = now
+        aged, self._checked_position = self._checked_position, self.position
+        for sub in list(self.subs):
+            if sub.closed:
+                self.subs.discard(sub)
+            else:
+                sub.check_lag(self, aged)
+
+    def _idle(self) -> bool:
+        if self.subs or self.pollers:
+            return False
+        return self._clock() - self._idle_since >= self.idle_s
+
+    def stats(self) -> dict[str, Any]:
+        last = self.ring.last()
+        return {
+            **self.counters,
+            "position": self.position,
+            "ring_base": self.ring.base,
+            "ring_events": len(self.ring),
+            "last_seq": last.seq if last else None,
+            "subscribers": len(self.subs),
+            "catching_up": sum(1 for s in self.subs if s.catching_up),
+            "pollers": self.pollers,
+            "history_open": self.history_open,
+            "consumers": 1 + self.history_open if self.started and not self.stopped else 0,
+        }
+
+
+class Hub:
+    """The feeds of one gateway replica, by stream; a feed stops itself when idle."""
+
+    def __init__(self, open_reader: Callable[[str], OpenReader], **feed_options: Any) -> None:
+        self._open = open_reader
+        self._options = feed_options
+        self.feeds: dict[str, Feed] = {}
+
+    def feed(self, stream: str) -> Feed:
+        feed = self.feeds.get(stream)
+        if feed is None or feed.stopped:
+            feed = Feed(stream, self._open(stream), on_stop=self._stopped, **self._options)
+            self.feeds[stream] = feed
+        return feed
+
+    def _stopped(self, feed: Feed) -> None:
+        if self.feeds.get(feed.name) is feed:
+            del self.feeds[feed.name]
+
+    async def stop(self) -> None:
+        for feed in list(self.feeds.values()):
+            await feed.stop()
+        self.feeds.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {name: feed.stats() for name, feed in self.feeds.items()}
+
+
+# --------------------------------------------------------------------------- JetStream
+
+KV_PREFIX = "KV_"
+KV_OP_HEADER = "KV-Operation"
+
+
+def kv_event(seq: int, subject: str, raw: bytes, headers: dict[str, str] | None) -> Event:
+    """A KV bucket message as the change it is: `{"key","op","value","revision"}`."""
+    op = ((headers or {}).get(KV_OP_HEADER) or "PUT").lower()
+    key = subject.split(".", 2)[2] if subject.count(".") >= 2 else subject
+    value: Any = None
+    if op == "put":
+        try:
+            value = _decode.decode(raw)
+        except msgspec.DecodeError:
+            value = raw.decode("utf-8", "replace")
+    return Event(seq, subject, raw, {"key": key, "op": op, "value": value, "revision": seq})
+
+
+class JetStreamReader:
+    """An ephemeral pull consumer (no acks, memory storage, one replica) from `start_seq`,
+    or of the last message per subject (a KV snapshot). Deleted with `close()`, and by the
+    server after `inactive_s` if this process dies."""
+
+    def __init__(
+        self,
+        js: Any,
+        stream: str,
+        start_seq: int = 1,
+        *,
+        last_per_subject: bool = False,
+        inactive_s: float = 30.0,
+        pending_msgs: int = 8192,
+    ) -> None:
+        self.js = js
+        self.stream = stream
+        self.start_seq = max(1, start_seq)
+        self.kv = stream.startswith(KV_PREFIX)
+        self._last_per_subject = last_per_subject
+        self._inactive_s = inactive_s
+        self._pending_msgs = pending_msgs
+        self._sub: Any = None
+        self.name = ""
+        self.num_pending = 0
+
+    async def open(self) -> JetStreamReader:
+        import uuid
+
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        self.name = f"tf-gw-{uuid.uuid4().hex[:16]}"
+        config = ConsumerConfig(
+            name=self.name,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=self._inactive_s,
+        )
+        if self._last_per_subject:
+            config.deliver_policy = DeliverPolicy.LAST_PER_SUBJECT
+            bucket = self.stream[len(KV_PREFIX) :]
+            config.filter_subject = f"$KV.{bucket}.>" if self.kv else ">"
+        else:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self.start_seq
+        info = await self.js.add_consumer(self.stream, config)
+        self.num_pending = info.num_pending or 0
+        self._sub = await self.js.pull_subscribe_bind(
+            name=self.name,
+            stream=self.stream,
+            pending_msgs_limit=self._pending_msgs,
+            pending_bytes_limit=256 << 20,
+        )
+        return self
+
+    async def fetch(self, max_events: int, timeout: float) -> list[Event]:
+        try:
+            msgs = await self._sub.fetch(max_events, timeout=timeout)
+        except TimeoutError:  # nats-py raises its TimeoutError, a subclass
+            return []
+        out: list[Event] = []
+        for m in msgs:
+            meta = m.metadata
+            seq = meta.sequence.stream
+            self.num_pending = meta.num_pending
+            if self.kv:
+                out.append(kv_event(seq, m.subject, m.data, m.headers))
+            else:
+                out.append(Event(seq, m.subject, m.data))
+        return out
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        with contextlib.suppress(Exception):
+            if sub is not None:
+                await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await self.js.delete_consumer(self.stream, self.name)
+
+
+def jetstream_opener(js: Any, stream: str, **options: Any) -> OpenReader:
+    """`start_seq -> Reader` over JetStream `stream` (for a Feed or a history read)."""
+
+    async def open_reader(start_seq: int) -> Reader:
+        return await JetStreamReader(js, stream, start_seq, **options).open()
+
+    return open_reader

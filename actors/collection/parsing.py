@@ -1,0 +1,260 @@
+"""The Collector's request parsing without the I/O: bodies to JSON objects, objects to `Event`s.
+
+Pure, so the aiohttp/Ray layer in `actors/collection/collector.py` stays a thin shell and these
+rules are tested alone:
+
+- `parse_body` turns a request body into JSON objects or raises `BadInput` (HTTP 4xx
+  with a reason). The total body size is NOT checked here: aiohttp enforces it with
+  `web.Application(client_max_size=...)` and answers 413 before the body is read.
+- `assign_ids` makes the `Event`s: the producer's `id` is kept (it is the dedup key
+  end to end), otherwise a time-ordered id is generated and written into the JSON.
+"""
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from runtime.events import Event, json_kind, new_event_id
+
+__all__ = [
+    "BadInput",
+    "MAX_ID_CHARS",
+    "assign_ids",
+    "parse_body",
+]
+
+# --------------------------------------------------------------------------- parsing
+
+
+class BadInput(Exception):
+    """A request the collector refuses: `status` is the HTTP status, `reason` the text;
+    `extra` goes into the JSON answer beside them (e.g. the limit a 413 names)."""
+
+    def __init__(self, status: int, reason: str, **extra: Any) -> None:
+        super().__init__(f"{status}: {reason}")
+        self.status = status
+        self.reason = reason
+        self.extra = extra
+
+
+JSON_TYPES = ("application/json",)
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl", "application/ndjson")
+_ACCEPTED = "application/json or application/x-ndjson"
+
+_raw_array = msgspec.json.Decoder(list[msgspec.Raw])
+_decode_any = msgspec.json.decode
+_BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
+_BOM = b"\xef\xbb\xbf"
+
+
+def _media_type(content_type: str | None) -> Literal["json", "ndjson"]:
+    """Which parser a Content-Type header selects; 415 for anything else."""
+    if not content_type or not content_type.strip():
+        raise BadInput(415, f"missing Content-Type; send {_ACCEPTED}")
+    mime, *params = (p.strip() for p in content_type.split(";"))
+    mime = mime.lower()
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+            if charset not in ("utf-8", "utf8"):
+                raise BadInput(415, f"unsupported charset {charset!r}; only utf-8")
+    if mime in JSON_TYPES:
+        return "json"
+    if mime in NDJSON_TYPES:
+        return "ndjson"
+    raise BadInput(415, f"unsupported Content-Type {mime!r}; send {_ACCEPTED}")
+
+
+def _utf8_error(data: bytes, base: int = 0) -> BadInput | None:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return BadInput(400, f"invalid UTF-8 at byte {base + err.start}")
+    return None
+
+
+def _where(data: bytes, offset: int) -> str:
+    """`line L, column C` (1-based, column in characters) of a byte offset."""
+    offset = max(0, min(offset, len(data)))
+    line = data.count(b"\n", 0, offset) + 1
+    start = data.rfind(b"\n", 0, offset) + 1
+    column = len(data[start:offset].decode("utf-8", "replace")) + 1
+    return f"line {line}, column {column}"
+
+
+def _malformed(data: bytes, err: Exception, line_no: int = 0) -> BadInput:
+    """The 400 for a decode failure of `data` (the body, or one NDJSON line)."""
+    bad_utf8 = _utf8_error(data)
+    if bad_utf8 is not None:
+        return bad_utf8
+    if isinstance(err, RecursionError):
+        where = f" at line {line_no}" if line_no else ""
+        return BadInput(400, f"malformed JSON{where}: nested too deeply")
+    text = str(err).removeprefix("JSON is malformed: ")
+    m = _BYTE_AT.search(text)
+    offset = int(m.group(1)) if m else len(data)
+    text = text[: m.start()] if m else text
+    if text.startswith("trailing characters"):
+        offset -= 1  # msgspec names the byte after the first trailing one
+    text = text[:1].lower() + text[1:]
+    where = _where(data, offset)
+    if line_no:  # one NDJSON line: its column, the body's line number
+        where = f"line {line_no}, " + where.split(", ", 1)[1]
+    return BadInput(400, f"malformed JSON at {where}: {text}")
+
+
+def _decode(data: bytes, line_no: int = 0) -> Any:
+    try:
+        return _decode_any(data)
+    except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
+        raise _malformed(data, err, line_no) from None
+
+
+def _too_many(count: int, max_events: int) -> BadInput:
+    return BadInput(413, f"too many events: {count} > max {max_events}")
+
+
+def _too_big(what: str, size: int, max_event_bytes: int) -> BadInput:
+    return BadInput(413, f"{what} is {size} bytes > max {max_event_bytes}")
+
+
+def parse_body(
+    content_type: str | None, body: bytes, *, max_events: int, max_event_bytes: int
+) -> list[dict[str, Any]]:
+    """The JSON objects of a request body, or `BadInput` naming what is wrong and where.
+
+    `content_type` is the raw header value (parameters allowed; charset must be utf-8).
+    `application/json`: one object or an array of objects. `application/x-ndjson`
+    (also `application/jsonl`, `application/ndjson`): one object per line, blank lines
+    ignored. A body with no event is refused (400), so an accepted request always
+    carries at least one. Event sizes are the raw bytes as received. The whole body's
+    size is aiohttp's job (`client_max_size`).
+    """
+    kind = _media_type(content_type)
+    if body.startswith(_BOM):  # RFC 8259 lets a parser ignore a byte order mark
+        body = body[len(_BOM) :]
+    if not body.strip():
+        raise BadInput(400, "empty body")
+    if kind == "ndjson":
+        return _parse_ndjson(body, max_events, max_event_bytes)
+    if body.lstrip()[:1] == b"[":
+        return _parse_array(body, max_events, max_event_bytes)
+    value = _decode(body)
+    if not isinstance(value, dict):
+        raise BadInput(
+            400, f"body must be a JSON object or an array of objects, got {json_kind(value)}"
+        )
+    if len(body) > max_event_bytes:
+        raise _too_big("event", len(body), max_event_bytes)
+    return [value]
+
+
+def _parse_array(body: bytes, max_events: int, max_event_bytes: int) -> list[dict[str, Any]]:
+    # A first pass into raw slices checks the syntax, the count and each item's size
+    # before any item is materialised, and saves re-encoding items to measure them.
+    try:
+        raws = _raw_array.decode(body)
+    except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
+        raise _malformed(body, err) from None
+    if not raws:
+        raise BadInput(400, "empty array: no events")
+    if len(raws) > max_events:
+        raise _too_many(len(raws), max_events)
+    out: list[dict[str, Any]] = []
+    for i, raw in enumerate(raws):
+        size = len(memoryview(raw))
+        if size > max_event_bytes:
+            raise _too_big(f"item {i}", size, max_event_bytes)
+        try:
+            value = _decode_any(raw)
+        except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
+            _decode(body)  # re-run on the whole body for an absolute position
+            raise BadInput(400, f"item {i}: malformed JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise BadInput(400, f"item {i} is not a JSON object, got {json_kind(value)}")
+        out.append(value)
+    return out
+
+
+def _parse_ndjson(body: bytes, max_events: int, max_event_bytes: int) -> list[dict[str, Any]]:
+    lines = [(n, line) for n, line in enumerate(body.split(b"\n"), 1) if line.strip()]
+    if len(lines) > max_events:
+        raise _too_many(len(lines), max_events)
+    out: list[dict[str, Any]] = []
+    starts = _line_starts(body)
+    for n, line in lines:
+        if len(line) > max_event_bytes:
+            raise _too_big(f"line {n}", len(line), max_event_bytes)
+        bad_utf8 = None
+        try:
+            value = _decode_any(line)
+        except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
+            bad_utf8 = _utf8_error(line, base=starts[n - 1])
+            if bad_utf8 is None:
+                raise _malformed(line, err, n) from None
+        if bad_utf8 is not None:
+            raise bad_utf8
+        if not isinstance(value, dict):
+            raise BadInput(400, f"line {n} is not a JSON object, got {json_kind(value)}")
+        out.append(value)
+    return out
+
+
+def _line_starts(body: bytes) -> list[int]:
+    starts = [0]
+    find = body.find
+    pos = find(b"\n")
+    while pos != -1:
+        starts.append(pos + 1)
+        pos = find(b"\n", pos + 1)
+    return starts
+
+
+# --------------------------------------------------------------------------- identity
+
+MAX_ID_CHARS = 256
+_ID_RE = re.compile(rf"^[\x21-\x7e]{{1,{MAX_ID_CHARS}}}$")
+_INT_ID = 10 ** (MAX_ID_CHARS - 1)  # an integer id's decimal form fits the length rule
+_encode = msgspec.json.encode
+
+
+def assign_ids(
+    items: list[dict[str, Any]], stream: str, subject: str, now_ms: int, token: str = ""
+) -> list[Event]:
+    """One `Event` per item, each with the identity it keeps end to end.
+
+    A producer's `id` (a string of 1..256 printable ASCII characters, no spaces, or an
+    integer, as its decimal string) is kept, so a producer's retry is deduplicated.
+    A missing or null `id` gets `new_event_id()`, written into the JSON (first key) so
+    consumers see it. Any other `id` is refused: `BadInput(400)` naming the index. The
+    ASCII rule keeps ids safe as a `Nats-Msg-Id` header and a LevelDB key.
+    """
+    events: list[Event] = []
+    for i, item in enumerate(items):
+        given = item.get("id")
+        if given is None:
+            eid = new_event_id()
+            if "id" in item:
+                item = dict(item)
+                item["id"] = eid
+            else:
+                item = {"id": eid, **item}
+        elif isinstance(given, str) and _ID_RE.match(given):
+            eid = given
+        elif isinstance(given, int) and not isinstance(given, bool) and -_INT_ID < given < _INT_ID:
+            eid = str(given)
+        else:
+            raise BadInput(400, _bad_id(i, given))
+        events.append(Event(eid, stream, subject, _encode(item), now_ms, False, token))
+    return events
+
+
+def _bad_id(index: int, given: Any) -> str:
+    head = f"event at index {index}: 'id' must be a non-empty string or an integer"
+    if isinstance(given, str):
+        if not given:
+            return f"{head}, got an empty string"
+        return f"{head}; strings are 1-{MAX_ID_CHARS} printable ASCII characters, no spaces"
+    return f"{head}, got {json_kind(given)}"

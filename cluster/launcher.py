@@ -1,0 +1,477 @@
+"""What `tierflow up` runs: engines, streams, the root supervisor and the admin endpoint.
+
+One process owns one runtime. Started in the foreground it stops on Ctrl-C; detached
+(`up --detach`) it is a daemon that records its pid and its children's pids in the
+run-state file, so `tierflow down` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runtime import runstate
+from runtime.config import Config
+from runtime.services import Services, connect_nats, ensure_streams
+
+log = logging.getLogger(__name__)
+
+ROOT_SUPERVISOR = "tierflow-root"
+ROLES = ("collector", "logger", "bridge", "gateway")
+
+
+class Runtime:
+    """The engines and actors of one `tierflow up`, with the status they report."""
+
+    def __init__(self, cfg: Config, *, demo_rate: float = 0.0, analysis: bool = False) -> None:
+        self.cfg = cfg
+        self.demo_rate = demo_rate
+        # the Meetup analyses on request (demo, chaos); the file's `[[jobs]]` whenever it has some
+        self.meetup_analysis = analysis or bool(demo_rate)
+        self.analysis = self.meetup_analysis or bool(cfg.jobs)
+        self.replay: Any = None
+        self.services: Services | None = None
+        self.root: Any = None
+        self.nc: Any = None
+        self.admin_runner: Any = None
+        self.admin_url = ""
+        self.started_at = time.time()
+        self.streams: list[str] = []
+        self.tier: Any = None
+        self.gateways: list[str] = []
+        self.gateway_url = ""
+        self.driver: Any = None
+        self._scaling = asyncio.Lock()
+        self.roles: Any = None  # cluster.roles.RoleView
+        self.autoscaler: Any = None  # runtime.autoscaling.Controller
+        self._auto_stop = threading.Event()
+        self._auto_thread: threading.Thread | None = None
+        self._snap: tuple[float, dict[str, list[dict[str, Any]]]] = (0.0, {})
+        self._rates: dict[str, dict[str, float]] = {}
+
+    async def start(self) -> None:
+        from cluster.admin import serve
+
+        loop = asyncio.get_running_loop()
+        self.services = await loop.run_in_executor(None, Services.start, self.cfg)
+        self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
+        self.streams = await ensure_streams(self.nc, self.cfg)
+        await ensure_results_bucket(self.nc)
+        self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
+        if self.demo_rate:
+            await self._start_demo_source()
+        from cluster.pipeline import start_collection_tier
+
+        self.tier = await loop.run_in_executor(
+            None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
+        )
+        await loop.run_in_executor(None, self._start_gateways)
+        from cluster.roles import RoleView
+
+        self.roles = RoleView(self.cfg.ray.namespace, self.tier, self.gateways)
+        if self.analysis:
+            await loop.run_in_executor(None, self._start_analysis)
+        self._start_autoscaler(loop)
+        from runtime.tls import http_scheme, server_ssl_context
+
+        self.admin_runner, port = await serve(
+            self.status,
+            self.cfg.admin.host,
+            self.cfg.admin.port,
+            self.scale,
+            ssl_context=server_ssl_context(self.cfg),
+        )
+        self.admin_url = f"{http_scheme(self.cfg)}://{self.cfg.admin.host}:{port}"
+
+    def _start_gateways(self) -> None:
+        """The data access tier: gateways sharing one port (dashboard at `/`)."""
+        import ray
+
+        from actors.access.gateway import start_gateways
+
+        self.gateways = start_gateways(
+            self.cfg,
+            self.services.nats_url,
+            named_filters=self.cfg.gateway.filters,
+            token_streams=self.cfg.auth.consumer_streams,
+            options=self.cfg.gateway.options or None,
+        )
+        ep = ray.get(
+            ray.get_actor(self.gateways[0], namespace=self.cfg.ray.namespace).endpoints.remote(),
+            timeout=60,
+        )
+        self.gateway_url = ep.get("url") or f"http://{ep['host']}:{ep['port']}"
+
+    def _start_autoscaler(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The controller loop of every role with a `[roles.<role>.autoscaling]` table, on
+        its own thread: it reads the roles' load (Ray calls) and resizes through `scale`,
+        the same path as `tierflow scale`, one resize at a time."""
+        from runtime.autoscaling import Controller, Sample
+
+        policies = {r: getattr(self.cfg.roles, r).autoscaling for r in ROLES}
+        policies = {r: p for r, p in policies.items() if p is not None}
+        if not policies:
+            return
+
+        def metrics(role: str) -> list[Sample]:
+            from cluster.roles import load
+
+            return [Sample(time.monotonic(), load(role, self._snapshot(max_age_s=0.5)[role]))]
+
+        def resize(role: str, n: int) -> None:
+            asyncio.run_coroutine_threadsafe(self.scale(role, n), loop).result(timeout=900)
+
+        self.autoscaler = Controller(policies, metrics, self.roles.replicas, resize)
+        tick = max(0.5, min(2.0, min(p.look_back_s for p in policies.values()) / 4))
+        self._auto_thread = threading.Thread(
+            target=self.autoscaler.run,
+            args=(self._auto_stop, tick),
+            name="tierflow-autoscaler",
+            daemon=True,
+        )
+        self._auto_thread.start()
+
+    def _snapshot(self, max_age_s: float = 0.0) -> dict[str, list[dict[str, Any]]]:
+        """The roles' figures, re-read unless the last read is younger than `max_age_s`;
+        rates are computed between consecutive reads."""
+        from cluster.roles import rates
+
+        t, snap = self._snap
+        now = time.monotonic()
+        if snap and now - t < max_age_s:
+            return snap
+        fresh = self.roles.snapshot()
+        if snap:
+            self._rates = rates(snap, fresh, now - t)
+        self._snap = (now, fresh)
+        return fresh
+
+    def _start_analysis(self) -> None:
+        """The analyses in the Spark driver actor (its first query takes ~10 s): the config's
+        `[[jobs]]`, plus the Meetup ones when asked for and a `meetup` stream exists."""
+        from cluster.demo.meetup import STREAM, meetup_jobs
+        from jobs.driver import start_driver
+        from jobs.library import decode_spec
+
+        specs = [decode_spec(j) for j in self.cfg.jobs]
+        if self.meetup_analysis and STREAM in self.cfg.streams:
+            mine = {s.name for s in specs}
+            specs = [s for s in meetup_jobs() if s.name not in mine] + specs
+        self.driver = start_driver(self.cfg, self.services.nats_url, specs)
+
+    async def _start_demo_source(self) -> None:
+        """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by
+        the `meetup` stream's ingest nodes (the book's stream pattern)."""
+        import msgspec
+
+        from cluster.replay import ReplayServer
+        from runtime.config import SourceConfig
+
+        self.replay = ReplayServer(0, rate=self.demo_rate)
+        await self.replay.start()
+        streams = dict(self.cfg.streams)
+        meetup = streams["meetup"]
+        source = SourceConfig(url=self.replay.stream_url, kind="ws", k=meetup.source.k)
+        streams["meetup"] = msgspec.structs.replace(meetup, source=source)
+        self.cfg = msgspec.structs.replace(self.cfg, streams=streams)
+
+    async def stop(self) -> None:
+        import ray
+
+        self._auto_stop.set()
+        if self._auto_thread is not None:  # a resize in progress finishes first
+            await asyncio.get_running_loop().run_in_executor(None, self._auto_thread.join, 900)
+            self._auto_thread = None
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
+            self.admin_runner = None
+        loop = asyncio.get_running_loop()
+        if self.driver is not None:
+            from jobs.driver import stop_driver
+
+            await loop.run_in_executor(None, stop_driver, self.driver)
+            self.driver = None
+        if self.gateways:
+            from actors.access.gateway import stop_gateways
+
+            await loop.run_in_executor(None, stop_gateways, self.cfg, self.gateways)
+            self.gateways = []
+        if self.tier is not None:  # collectors drain first, then bridges, then loggers
+            await asyncio.get_running_loop().run_in_executor(None, self.tier.stop)
+            self.tier = None
+        if self.root is not None:
+            try:
+                await asyncio.wait_for(self.root.stop.remote(), timeout=10)
+            except Exception as err:  # a dying cluster must not block the rest of shutdown
+                log.warning("root supervisor did not stop cleanly: %s", err)
+            with contextlib.suppress(Exception):
+                ray.kill(self.root, no_restart=True)
+            self.root = None
+        if self.services is not None:
+            await loop.run_in_executor(None, sweep_named_actors, self.cfg.ray.namespace)
+        if self.replay is not None:
+            await self.replay.stop()
+            self.replay = None
+        if self.nc is not None:
+            await self.nc.close()
+            self.nc = None
+        if self.services is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.services.stop)
+            self.services = None
+
+    async def scale(self, role: str, n: int) -> list[str]:
+        """Resize a role while it runs (blocking Ray calls, so off the event loop); one
+        resize at a time, so an operator's `tierflow scale` and the autoscaler never
+        interleave their steps."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+        loop = asyncio.get_running_loop()
+        async with self._scaling:
+            if role == "gateway":
+                from actors.access.gateway import scale_gateways
+
+                if not self.gateways:
+                    raise ValueError("the gateways are not running")
+                return await loop.run_in_executor(None, scale_gateways, self.cfg, self.gateways, n)
+            if self.tier is None:
+                raise ValueError("the collection tier is not running")
+            return await loop.run_in_executor(None, self.tier.scale, role, n)
+
+    def describe(self) -> dict[str, Any]:
+        assert self.services is not None
+        return {
+            **self.services.describe(),
+            "admin": {"url": self.admin_url},
+            "streams": self.streams,
+            "collector": {"url": self.tier.url if self.tier else None},
+            "replay": {"url": self.replay.stream_url if self.replay else None},
+            "gateway": {"url": self.gateway_url or None, "replicas": self.gateways},
+        }
+
+    async def status(self) -> dict[str, Any]:
+        """A snapshot for `tierflow status` and /metrics; every probe is bounded in time."""
+        import ray
+
+        svc = self.services
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "services": {},
+            "children": [],
+            "escalated": None,
+        }
+        if svc is None:
+            return out
+        desc = svc.describe()
+        nats_ok = bool(self.nc and self.nc.is_connected)
+        out["services"]["nats"] = {**desc["nats"], "healthy": nats_ok}
+        nodes = [
+            {
+                "node_id": n["NodeID"],
+                "alive": n["Alive"],
+                "address": n["NodeManagerAddress"],
+                "cpus": n.get("Resources", {}).get("CPU", 0),
+            }
+            for n in ray.nodes()
+        ]
+        out["services"]["ray"] = {
+            **desc["ray"],
+            "healthy": any(n["alive"] for n in nodes),
+            "nodes": nodes,
+        }
+        out["services"]["spark"] = {**desc["spark"], "healthy": None}
+        if self.root is not None:
+            try:
+                sup = await asyncio.wait_for(self.root.status.remote(), timeout=5)
+                out["children"] = [
+                    {"name": sup["name"], "state": "running", "alive": True, "restarts": 0},
+                    *(
+                        {"name": cid, "alive": c["state"] == "running", **c}
+                        for cid, c in sup["children"].items()
+                    ),
+                ]
+                out["escalated"] = sup["escalation_reason"]
+                out["escalations"] = sup.get("escalations", [])
+            except Exception as err:
+                out["supervisor_error"] = repr(err)
+        if self.tier is not None:
+            out["loggers"] = await self._logger_status()
+        if self.roles is not None:
+            out["roles"] = await self._roles_status()
+        if self.autoscaler is not None:
+            out["autoscaling"] = {
+                role: {
+                    "desired": d.desired,
+                    "reason": d.reason,
+                    "error": self.autoscaler.errors.get(role),
+                }
+                for role, d in self.autoscaler.last.items()
+            }
+        if self.driver is not None:
+            out["analysis"] = await self._analysis_status()
+        return out
+
+    async def _roles_status(self) -> dict[str, Any]:
+        from cluster.roles import load
+
+        snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
+        return {
+            role: {
+                "replicas": rows,
+                "load": load(role, rows),
+                "rates": self._rates.get(role, {}),
+                "nodes": sorted({r["node"] for r in rows if r.get("node")}),
+            }
+            for role, rows in snap.items()
+        }
+
+    async def _analysis_status(self) -> dict[str, Any]:
+        """The driver's queries with their lag: events in the stream not yet committed."""
+        from cluster.roles import scalars
+
+        try:
+            st = await asyncio.wait_for(self.driver.status.remote(), timeout=10)
+        except Exception as err:
+            return {"state": "unreachable", "error": repr(err)}
+        js = self.nc.jetstream()
+        queries = []
+        for name, q in (st.get("queries") or {}).items():
+            lag = None
+            try:
+                last = (await js.stream_info(q["stream"])).state.last_seq
+                lag = max(0, last - int(q.get("committed_seq") or 0))
+            except Exception:  # the stream is not there yet
+                pass
+            queries.append({"name": name, **scalars(q), "lag": lag})
+        return {"state": st.get("state"), "queries": queries}
+
+    async def _logger_status(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for group in self.tier.loggers:
+            try:
+                replicas = await asyncio.wait_for(group.status(), timeout=10)
+            except Exception as err:
+                replicas = [{"name": group.name, "error": repr(err)}]
+            for r in replicas:
+                c = r.get("counts") or {}
+                rows.append(
+                    {
+                        "replica": r.get("name"),
+                        "state": "error" if "error" in r else "running",
+                        "transient": c.get("transient"),
+                        "failed": c.get("failed"),
+                        "parked": r.get("parked"),
+                        "bytes": c.get("bytes"),
+                        "epoch": r.get("epoch"),
+                        "catching_up": r.get("catching_up"),
+                        "pid": r.get("pid"),
+                        "error": r.get("error"),
+                    }
+                )
+        return rows
+
+
+def sweep_named_actors(namespace: str) -> list[str]:
+    """Kill whatever named actor of ours the orderly stop left (a replica restarting at that
+    moment, a stream-ingest standby): on a shared cluster detached actors outlive the job
+    that made them, so stopping must not rely on every earlier step having succeeded."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    killed: list[str] = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != namespace:
+            continue
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+            killed.append(entry["name"])
+        except Exception as err:  # gone in between
+            log.info("sweep %s: %r", entry["name"], err)
+    if killed:
+        log.warning("stopped actors the orderly shutdown left: %s", ", ".join(sorted(killed)))
+    return killed
+
+
+async def ensure_results_bucket(nc: Any, bucket: str = "results") -> None:
+    """The in-memory store tier: latest result per key. Made at start-up so readers
+    (the dashboard's snapshot, `kv:results` subscriptions) find it before the first
+    analysis batch lands."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    js = nc.jetstream()
+    try:
+        await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):  # the same config jobs/sink.py would make
+        await js.create_key_value(
+            KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+        )
+
+
+def start_root_supervisor(cfg: Config) -> Any:
+    """The top of the supervision tree; tiers add their role supervisors under it."""
+    from runtime.ray_supervisor import start_supervisor
+    from runtime.supervision import Intensity, Strategy
+
+    return start_supervisor(
+        ROOT_SUPERVISOR,
+        [],
+        state_dir=cfg.state_path,
+        namespace=cfg.ray.namespace,
+        ray_options={"num_cpus": 0},
+        strategy=Strategy.ONE_FOR_ONE,
+        intensity=Intensity(max_restarts=5, period_s=60.0),
+    )
+
+
+async def serve_forever(
+    cfg: Config,
+    *,
+    on_ready: Callable[[Runtime, asyncio.Event], None] | None = None,
+    record_state: bool = True,
+    demo_rate: float = 0.0,
+    analysis: bool = False,
+) -> None:
+    """Run until SIGTERM/SIGINT (or `stop` is set); the run-state file exists while it runs."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def handle_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    handle_signals()
+    rt = Runtime(cfg, demo_rate=demo_rate, analysis=analysis)
+    try:
+        await rt.start()
+        # ray.init installs its own SIGTERM handler, which skips our cleanup: take it back.
+        handle_signals()
+        if record_state:
+            me = os.getpid()
+            runstate.write_state(
+                cfg,
+                {
+                    "process": runstate.process_identity(me),
+                    "children": [runstate.process_identity(p) for p in runstate.descendants(me)],
+                    "ready": True,
+                    **rt.describe(),
+                },
+            )
+        if on_ready:
+            on_ready(rt, stop)
+        await stop.wait()
+    finally:
+        try:
+            await rt.stop()
+        finally:
+            if record_state:
+                runstate.clear_state(cfg)
