@@ -14,7 +14,8 @@ import msgspec
 import ray
 
 from cluster.demo.meetup import QUERIES, STREAM, meetup_jobs
-from jobs.driver import DRIVER_NAME, JobsError, start_driver
+from cluster.deploy.analysis import start_driver
+from jobs.driver import DRIVER_NAME, JobsError
 from jobs.library import JobSpec, decode_spec, parse_job
 from runtime import runstate
 from runtime.config import Config

@@ -94,7 +94,7 @@ class Runtime:
         """The data access tier: gateways sharing one port (dashboard at `/`)."""
         import ray
 
-        from actors.access.gateway import start_gateways
+        from cluster.deploy.gateway import start_gateways
 
         self.gateways = start_gateways(
             self.cfg,
@@ -157,7 +157,7 @@ class Runtime:
         """The analyses in the Spark driver actor (its first query takes ~10 s): the config's
         `[[jobs]]`, plus the Meetup ones when asked for and a `meetup` stream exists."""
         from cluster.demo.meetup import STREAM, meetup_jobs
-        from jobs.driver import start_driver
+        from cluster.deploy.analysis import start_driver
         from jobs.library import decode_spec
 
         specs = [decode_spec(j) for j in self.cfg.jobs]
@@ -194,12 +194,12 @@ class Runtime:
             self.admin_runner = None
         loop = asyncio.get_running_loop()
         if self.driver is not None:
-            from jobs.driver import stop_driver
+            from cluster.deploy.analysis import stop_driver
 
             await loop.run_in_executor(None, stop_driver, self.driver)
             self.driver = None
         if self.gateways:
-            from actors.access.gateway import stop_gateways
+            from cluster.deploy.gateway import stop_gateways
 
             await loop.run_in_executor(None, stop_gateways, self.cfg, self.gateways)
             self.gateways = []
@@ -235,7 +235,7 @@ class Runtime:
         loop = asyncio.get_running_loop()
         async with self._scaling:
             if role == "gateway":
-                from actors.access.gateway import scale_gateways
+                from cluster.deploy.gateway import scale_gateways
 
                 if not self.gateways:
                     raise ValueError("the gateways are not running")

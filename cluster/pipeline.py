@@ -179,7 +179,7 @@ class CollectionTier:
                 self._remove(name)
 
     def _scale_loggers(self, n: int) -> None:
-        from actors.queue.logger import start_logger_group
+        from cluster.deploy.logger import start_logger_group
 
         if n > len(self.loggers):
             while len(self.loggers) < n:
@@ -291,7 +291,7 @@ def start_collection_tier(
     collector_options: dict[str, Any] | None = None,
 ) -> CollectionTier:
     """Start loggers, bridges and collectors; returns once every collector serves."""
-    from actors.queue.logger import start_logger_group
+    from cluster.deploy.logger import start_logger_group
     from runtime.placement import alive_nodes, plan
     from runtime.ray_supervisor import start_supervisor
 
@@ -343,7 +343,7 @@ def start_collection_tier(
         tier.udp_port = tier.wait_serving(name)["udp_port"]
     for stream, sc in cfg.streams.items():
         if sc.source.url:
-            from actors.collection.stream_ingest import start_stream_ingest
+            from cluster.deploy.stream_ingest import start_stream_ingest
 
             start_stream_ingest(
                 stream,

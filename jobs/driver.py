@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import ray
 
 from jobs.library import (
     JobError,
@@ -46,7 +45,7 @@ from jobs.library import (
     start_job,
 )
 from jobs.sink import BatchReport
-from runtime.ray_supervisor import SupervisedActor, supervised_options
+from runtime.ray_supervisor import SupervisedActor
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
 
     from runtime.checkpoint import CheckpointStore
     from runtime.config import Config
-    from runtime.supervision import ChildSpec
 
 log = logging.getLogger(__name__)
 
@@ -514,95 +512,6 @@ def _stream_end(nats: NatsTarget, stream: str) -> int:
 # --------------------------------------------------------------------------- starting it
 
 
-def driver_kwargs(
-    cfg: Config,
-    nats_url: str,
-    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
-    *,
-    master: str | None = None,
-    state_dir: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """The constructor arguments of an AnalysisDriver (plain data, for Ray or a ChildSpec)."""
-    specs = [
-        msgspec.to_builtins(decode_spec(j if isinstance(j, JobSpec) else dict(j))) for j in jobs
-    ]
-    return {
-        "state_dir": str(state_dir or cfg.state_path),
-        "config": cfg.to_dict(),
-        "nats_url": nats_url,
-        "jobs": specs,
-        "master": master,
-    }
-
-
-def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
-    """Ray options: detached, named, restarted forever, threaded, no CPU reserved; on a
-    node with `spark.driver_resource` when configured (a token amount of it, so several
-    drivers may share the node)."""
-    extra: dict[str, Any] = {}
-    if cfg.spark.driver_resource:
-        extra["resources"] = {cfg.spark.driver_resource: 0.001}
-    return supervised_options(
-        name, cfg.ray.namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY, **extra
-    )
-
-
-def start_driver(
-    cfg: Config,
-    nats_url: str,
-    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
-    *,
-    name: str = DRIVER_NAME,
-    master: str | None = None,
-    state_dir: str | os.PathLike[str] | None = None,
-) -> Any:
-    """Start the named driver, or return the running one (its configured jobs unchanged:
-    use `start` on it to add jobs)."""
-    remote = ray.remote(AnalysisDriver)
-    kwargs = driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir)
-    return remote.options(**driver_options(cfg, name)).remote(**kwargs)
-
-
-def driver_child_spec(
-    cfg: Config,
-    nats_url: str,
-    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
-    *,
-    name: str = DRIVER_NAME,
-    master: str | None = None,
-) -> ChildSpec:
-    """The driver as a child of a RaySupervisor (e.g. under tierflow's root supervisor)."""
-    from runtime.supervision import ChildSpec
-
-    return ChildSpec(
-        name,
-        "jobs.driver:AnalysisDriver",
-        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master),
-        ray_options={"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY},
-        shutdown_s=60.0,
-    )
-
-
-def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
-    """The driver's status once Spark runs (or failed), or the last status at the deadline."""
-    deadline = time.monotonic() + timeout
-    status: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-            status = ray.get(driver.status.remote(), timeout=10)
-            if status.get("state") in ("running", "failed"):
-                return status
-        time.sleep(0.5)
-    return status
-
-
-def stop_driver(driver: Any, timeout: float = 60.0) -> None:
-    """Stop the queries and Spark cleanly, then remove the actor for good."""
-    with contextlib.suppress(Exception):
-        ray.get(driver.shutdown.remote(timeout), timeout=timeout + 10)
-    ray.kill(driver, no_restart=True)
-
-
 __all__ = [
     "DRIVER_NAME",
     "AnalysisDriver",
@@ -610,11 +519,5 @@ __all__ = [
     "backoff_s",
     "committed",
     "default_master",
-    "driver_child_spec",
-    "driver_kwargs",
-    "driver_options",
     "progress_summary",
-    "start_driver",
-    "stop_driver",
-    "wait_running",
 ]

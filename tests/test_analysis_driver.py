@@ -31,6 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from cluster.analysis import get_driver, jobs_list, jobs_start, jobs_stop, resolve_jobs
 from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
+from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 from jobs.driver import (
     DRIVER_NAME,
     JobsError,
@@ -38,9 +39,6 @@ from jobs.driver import (
     committed,
     default_master,
     progress_summary,
-    start_driver,
-    stop_driver,
-    wait_running,
 )
 from jobs.library import deadletter_query_name
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query

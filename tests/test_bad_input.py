@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.access.gateway import start_gateways, stop_gateways
 from actors.collection.parsing import BadInput, parse_body
+from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.config import Config, ConfigError

@@ -18,7 +18,8 @@ import msgspec
 import pytest
 
 from actors.queue.bridge import PARKED, BrokerBridge, dead_letter_id
-from actors.queue.logger import LoggerGroup, LogUnavailable, start_logger_group
+from actors.queue.logger import LoggerGroup, LogUnavailable
+from cluster.deploy.logger import start_logger_group
 from cluster.verify import stream_ids
 from runtime.config import load
 from runtime.events import Event, encode_batch, new_event_id

@@ -441,7 +441,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 @pytest.fixture(scope="module")
 async def real_gateway(ray_module: Any, nats_server: NatsServer, cfg: Config) -> AsyncIterator[str]:
     """Two real Gateway replicas (supervised Ray actors) sharing one port (SO_REUSEPORT)."""
-    from actors.access.gateway import start_gateways, stop_gateways
+    from cluster.deploy.gateway import start_gateways, stop_gateways
 
     nc = await connect(nats_server.url)
     await ensure_streams(nc, cfg)

@@ -69,7 +69,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 @pytest.fixture(scope="module")
 async def gateway(ray_module: Any, nats_server: NatsServer, cfg: Config) -> AsyncIterator[str]:
     """One real Gateway replica (a supervised Ray actor); yields its base URL."""
-    from actors.access.gateway import start_gateways, stop_gateways
+    from cluster.deploy.gateway import start_gateways, stop_gateways
 
     nc = await connect(nats_server.url)
     await ensure_streams(nc, cfg)

@@ -40,10 +40,9 @@ from actors.access.gateway import (
     Problem,
     parse_start,
     resolve_start,
-    start_gateways,
-    stop_gateways,
     stream_ref,
 )
+from cluster.deploy.gateway import start_gateways, stop_gateways
 from runtime.config import Config, load
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options

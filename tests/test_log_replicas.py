@@ -25,8 +25,8 @@ from actors.queue.logger import (
     LogUnavailable,
     key_of,
     replace_replica,
-    start_logger_group,
 )
+from cluster.deploy.logger import start_logger_group
 from runtime.events import Event
 from runtime.replication import ReplicaGroup
 from runtime.waiting import await_until

@@ -22,8 +22,8 @@ from actors.queue.logger import (
     inspect,
     key_of,
     replace_replica,
-    start_logger_group,
 )
+from cluster.deploy.logger import start_logger_group
 from runtime.events import Event, encode_batch
 from runtime.replication import FencedError, ReplicaGroup
 from runtime.waiting import await_until

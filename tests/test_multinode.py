@@ -50,7 +50,7 @@ def cluster() -> Iterator[Cluster]:
 def pipeline(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[CollectionTier, NatsServer, list[str]]]:
-    from actors.access.gateway import start_gateways, stop_gateways
+    from cluster.deploy.gateway import start_gateways, stop_gateways
 
     with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
         cfg = load(
@@ -97,7 +97,7 @@ def test_each_roles_replicas_land_on_distinct_nodes(pipeline: Any) -> None:
 def test_the_analysis_driver_goes_where_configured(cluster: Cluster) -> None:
     """`spark.driver_resource` names a node resource; the driver's Ray options put it
     there (checked with a light stand-in actor under the same options, not Spark)."""
-    from jobs.driver import driver_options
+    from cluster.deploy.analysis import driver_options
 
     cfg = load(environ={}, overrides={"ray": {"namespace": NAMESPACE}})
     assert "resources" not in driver_options(cfg)

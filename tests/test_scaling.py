@@ -88,7 +88,7 @@ async def test_gateways_scale_under_load_without_a_gap_for_clients(tier: Any) ->
     the leaving replica are closed with 1001, reconnect to the other and resume by
     cursor; each sees every stored event exactly once, in order, without a gap."""
     from actors.access.client import TierflowClient
-    from actors.access.gateway import scale_gateways, start_gateways, stop_gateways
+    from cluster.deploy.gateway import scale_gateways, start_gateways, stop_gateways
 
     t, server = tier
     t: CollectionTier

@@ -40,9 +40,9 @@ from actors.collection.stream_ingest import (
     frame_msg_id,
     last_position,
     resume_position,
-    start_stream_ingest,
 )
 from cluster.demo.rsvps import RsvpGenerator
+from cluster.deploy.stream_ingest import start_stream_ingest
 from cluster.replay import GeneratorSource, ReplayServer
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER

@@ -63,7 +63,7 @@ from runtime.config import Config, validate
 from runtime.events import new_event_id
 from runtime.loop_thread import LoopThread
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, jittered
-from runtime.ray_supervisor import DEFAULT_NAMESPACE, SupervisedActor, supervised_options
+from runtime.ray_supervisor import SupervisedActor
 from runtime.services import connect_nats
 from runtime.supervision import Backoff, backoff_delay
 
@@ -86,7 +86,6 @@ __all__ = [
     "frame_msg_id",
     "last_position",
     "resume_position",
-    "start_stream_ingest",
 ]
 
 log = logging.getLogger(__name__)
@@ -812,43 +811,6 @@ class StreamIngest(SupervisedActor):
             self._last_written = writer.last_pos
         if term is not None and term.first_write_at is None:
             term.first_write_at = writer.first_write_at
-
-
-def start_stream_ingest(
-    stream: str,
-    url: str,
-    kind: str = "auto",
-    *,
-    replicas: int = 2,
-    nats_url: str,
-    state_dir: str,
-    namespace: str = DEFAULT_NAMESPACE,
-    name_prefix: str = "ingest",
-    ray_options: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> list[Any]:
-    """Start (or get, if running) `replicas` = k+1 named, detached `StreamIngest` actors
-    `{name_prefix}-{stream}-{i}`, spread over nodes where Ray can. One of them becomes
-    active; the others stand by. `kwargs` go to `StreamIngest`."""
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
-    _check_stream_name(stream)
-    remote_cls = ray.remote(StreamIngest)
-    handles = []
-    for i in range(replicas):
-        opts = supervised_options(
-            f"{name_prefix}-{stream}-{i}",
-            namespace,
-            num_cpus=0,
-            scheduling_strategy="SPREAD",
-            **(ray_options or {}),
-        )
-        handles.append(
-            remote_cls.options(**opts).remote(
-                stream, url, kind, nats_url=nats_url, state_dir=str(state_dir), **kwargs
-            )
-        )
-    return handles
 
 
 # --------------------------------------------------------------------------- the consumer

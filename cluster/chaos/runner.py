@@ -191,7 +191,7 @@ def _start_nats(scn: Scenario, work: Path, stack: _Stack) -> Any:
 
 async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> Deployment:
     """Start everything the scenario needs; each part registers its own undo."""
-    from actors.access.gateway import start_gateways, stop_gateways
+    from cluster.deploy.gateway import start_gateways, stop_gateways
     from cluster.pipeline import start_collection_tier
 
     namespace = f"chaos-{scn.name}-{secrets.token_hex(3)}"
@@ -229,7 +229,7 @@ async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> 
         stack.push("gateways", lambda: stop_gateways(cfg, d.gateways))
     if scn.analysis:
         from cluster.demo.meetup import meetup_jobs
-        from jobs.driver import start_driver, stop_driver, wait_running
+        from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 
         d.driver = start_driver(cfg, nats.url, jobs=meetup_jobs(trigger_s=0.5))
         stack.push("analysis driver", lambda: stop_driver(d.driver))

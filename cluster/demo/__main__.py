@@ -18,8 +18,8 @@ import msgspec
 
 from cluster.analysis import connect_ray, runtime_nats_url
 from cluster.demo.meetup import meetup_jobs
+from cluster.deploy.analysis import start_driver, wait_running
 from cluster.launcher import serve_forever
-from jobs.driver import start_driver, wait_running
 from runtime.config import load
 
 

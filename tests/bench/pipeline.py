@@ -52,9 +52,9 @@ def pipeline(
     """HML with k=1 (the defaults), one collector, bridge and gateway, the top-N job."""
     import ray
 
-    from actors.access.gateway import start_gateways, stop_gateways
     from cluster.demo.meetup import meetup_jobs
-    from jobs.driver import start_driver, stop_driver, wait_running
+    from cluster.deploy.analysis import start_driver, stop_driver, wait_running
+    from cluster.deploy.gateway import start_gateways, stop_gateways
     from runtime.services import ensure_streams
 
     cfg = load(

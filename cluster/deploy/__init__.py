@@ -1,0 +1,1 @@
+"""Deploying the roles on Ray: one module a role, above the tiers whose actors they start."""
