@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.queue.logger import (
+from actors.queue.logger import FailedEntry, LogStore
+from actors.queue.logger.records import (
     COUNTS_KEY,
     NS_BY_RETRY,
     NS_BY_TIME,
     NS_FAILED,
     NS_META,
     NS_TRANSIENT,
-    FailedEntry,
-    LogStore,
     _be,
     _Counts,
     _enc,

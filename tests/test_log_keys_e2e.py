@@ -22,7 +22,7 @@ from actors.queue.logger import LoggerGroup
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import stream_ids
 from runtime.config import Config
-from runtime.events import Event, encode_batch
+from runtime.events import decode_batch, encode_batch
 from runtime.nats import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
@@ -65,14 +65,8 @@ async def held(group: LoggerGroup) -> list[list[tuple[str, str]]]:
     for i in range(group.size):
         handle = ray.get_actor(group.replica_name(i), namespace=group.namespace)
         batch = await handle.pending.remote(0, FAR_FUTURE_MS, 1000)
-        out.append(sorted((e.stream, e.id) for e in _decode(batch)))
+        out.append(sorted((e.stream, e.id) for e in decode_batch(batch)))
     return out
-
-
-def _decode(batch: bytes) -> list[Event]:
-    from runtime.events import decode_batch
-
-    return decode_batch(batch)
 
 
 async def counted(nats_server: NatsServer, stream: str) -> Any:

@@ -27,9 +27,10 @@ from actors.queue.logger import (
     replace_replica,
 )
 from cluster.deploy.logger import start_logger_group
+from cluster.pipeline import _wait_logger_empty
 from runtime.events import Event
 from runtime.replication import ReplicaGroup
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 from tests.support import fresh_ray
 
 NAMESPACE = f"test-log-replicas-{uuid.uuid4().hex[:8]}"
@@ -241,9 +242,6 @@ async def test_scale_down_waits_for_every_replica_to_drain(ray_local: None, tmp_
     """`tierflow scale logger` shuts a group down once it is drained: while a replica still
     holds entries (a forget it missed), the wait must not see the group drained from the
     primary's counts alone."""
-    from cluster.pipeline import _wait_logger_empty
-    from runtime.waiting import WaitTimeout
-
     group, client = await start("lr4d", tmp_path)
     loop = asyncio.get_running_loop()
     try:

@@ -11,15 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.queue.logger import (
-    LogFull,
-    LogStore,
-    LogUnavailable,
-    WriterClient,
-    WriterOp,
-    _Crash,
-    inspect,
-)
+from actors.queue.logger import LogFull, LogStore, LogUnavailable, WriterClient, inspect
+from actors.queue.logger.writer import WriterOp, _Crash
 from runtime.checkpoint import CheckpointError, CheckpointStore
 from runtime.events import Event, encode_event
 from runtime.supervision import Intensity

@@ -6,7 +6,7 @@ import asyncio
 import os
 from typing import Any
 
-from actors.queue.logger import LoggerGroup, LoggerReplica, _catch_up_all
+from actors.queue.logger import LoggerGroup, LoggerReplica, catch_up_all
 from runtime.replication import ReplicaGroup
 
 
@@ -60,7 +60,7 @@ def start_logger_group(
             if group.primary not in ready:
                 group.promote(ready[0])
             client = LoggerGroup.of(group, deadline_s=deadline_s)
-            _run(_catch_up_all(client, behind))
+            _run(catch_up_all(client, behind))
     except BaseException:
         group.shutdown()
         raise

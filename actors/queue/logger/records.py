@@ -1,0 +1,129 @@
+"""The log's on-disk format: its records and the LevelDB keys they live under.
+
+Every byte here is what a replica's store holds and what `export`/`import_` copy between
+replicas, so it must stay identical across versions (`KEYS_VERSION` marks the one
+migration so far, see `LogStore._migrate_keys`). Records are msgpack arrays
+(`array_like=True`); index keys start with a big-endian u64 so LevelDB orders them by time.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+from runtime.events import Event, decode_event
+
+
+class FailedEntry(msgspec.Struct, frozen=True, array_like=True):
+    """An entry of the `failed` store: the event (encoded) and its retry state."""
+
+    raw: bytes  # encode_event(event); its length is what the bytes bound counts
+    error: str
+    attempts: int
+    next_retry_ms: int
+
+    @property
+    def event(self) -> Event:
+        return decode_event(self.raw)
+
+
+class TokenState(msgspec.Struct, array_like=True):
+    """One request/acknowledge token: its events and how far each got."""
+
+    ids: list[str]
+    acked: dict[str, tuple[str, int] | None] = {}  # id -> (stream, seq) once acked
+    errors: dict[str, str] = {}  # id -> last error while the event is in `failed`
+    done: int = 0  # completion order (0 while open); the expiry order of done tokens
+
+    def complete(self) -> bool:
+        return all(i in self.acked for i in self.ids)
+
+    def state(self) -> str:
+        if self.complete():
+            return "queued"
+        return "failed" if self.errors else "logged"
+
+
+class _Counts(msgspec.Struct, array_like=True):
+    """O(1) counters, written in every batch that changes them."""
+
+    transient: int = 0
+    failed: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    tokens_done: int = 0
+    done_seq: int = 0
+
+
+NS_TRANSIENT = "transient"  # id -> encode_event(event)
+NS_FAILED = "failed"  # id -> FailedEntry
+NS_TOKENS = "tokens"  # token -> TokenState
+NS_META = "meta"  # counts, fence, catching_up
+NS_BY_TIME = "transient.by_time"  # be64(received_ms) + id -> b""   (for pending)
+NS_BY_RETRY = "failed.by_retry"  # be64(next_retry_ms) + id -> b""  (for due_failed)
+NS_DONE = "tokens.done"  # be64(done) + token -> token        (expiry order)
+EXPORTED = (NS_TRANSIENT, NS_FAILED, NS_TOKENS)  # transient first: see LogStore.export()
+
+COUNTS_KEY = b"counts"
+FENCE_KEY = b"fence"
+CATCHING_UP_KEY = b"catching_up"
+# Entries are keyed by (stream, id): the Nats-Msg-Id dedups per JetStream stream, so the same
+# id in two streams is two events. Stores without this marker were keyed by id alone and are
+# migrated when opened.
+KEYS_KEY = b"keys"
+KEYS_VERSION = b"stream+id"
+
+_BE64 = struct.Struct(">Q")
+_MAX64 = (1 << 64) - 1
+# next_retry_ms of a parked failed entry: never due, so no retry pass resends it; an
+# operator settles it (`tierflow logger inspect` counts them). The bridge parks what it
+# must not resend blindly and cannot prove absent, and poison it could only dead-letter
+# with its body cut.
+PARKED_MS = _MAX64
+
+
+_enc = msgspec.msgpack.Encoder()
+_counts_dec = msgspec.msgpack.Decoder(_Counts)
+_failed_dec = msgspec.msgpack.Decoder(FailedEntry)
+_token_dec = msgspec.msgpack.Decoder(TokenState)
+
+
+def _be(n: int) -> bytes:
+    return _BE64.pack(min(max(n, 0), _MAX64))
+
+
+LogKey = tuple[str, str]  # (stream, event id): what the log, forget and fail address
+
+
+def key_of(ev: Event) -> LogKey:
+    """The log key of an event."""
+    return (ev.stream, ev.id)
+
+
+def _key(stream: str, id_: str) -> bytes:
+    """Storage key of (stream, id). Stream names are letters, digits, '_' and '-' (config),
+    so the first NUL splits it unambiguously whatever the id holds."""
+    return stream.encode() + b"\x00" + id_.encode()
+
+
+def _split_key(k: bytes) -> LogKey:
+    """(stream, id) of a storage key."""
+    stream, _, id_ = k.partition(b"\x00")
+    return (stream.decode(), id_.decode())
+
+
+def _log_key(key: LogKey) -> bytes:
+    """Storage key of a caller's (stream, id); a bare id is refused (it would address the
+    same id in every stream)."""
+    if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(p, str) for p in key)):
+        raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
+    return _key(key[0], key[1])
+
+
+def _seq(value: Any) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    stream, seq = value
+    return (str(stream), int(seq))

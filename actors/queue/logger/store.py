@@ -1,0 +1,481 @@
+"""`LogStore`: the LevelDB data path of one replica, no Ray and no threads of its own.
+
+Every mutating call is one synced write batch (a `_Txn`), counters included. The record
+and key formats are in `records`; the entry and token state machines in the package doc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import plyvel
+
+from actors.queue.logger.errors import LogFull
+from actors.queue.logger.records import (
+    _BE64,
+    COUNTS_KEY,
+    EXPORTED,
+    KEYS_KEY,
+    KEYS_VERSION,
+    NS_BY_RETRY,
+    NS_BY_TIME,
+    NS_DONE,
+    NS_FAILED,
+    NS_META,
+    NS_TOKENS,
+    NS_TRANSIENT,
+    PARKED_MS,
+    FailedEntry,
+    LogKey,
+    _be,
+    _Counts,
+    _counts_dec,
+    _enc,
+    _failed_dec,
+    _key,
+    _log_key,
+    _seq,
+    _token_dec,
+)
+from actors.queue.logger.txn import _Txn
+from runtime.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
+from runtime.events import Event, decode_event, encode_event
+from runtime.waiting import poll
+
+log = logging.getLogger(__name__)
+
+# Chaos hook (cluster.chaos): while the file `<store dir>.fault` exists, every write of that
+# store fails as a LevelDB IO error does ("full" in the file: a full disk), writing nothing.
+FAULT_SUFFIX = ".fault"
+
+
+class LogStore:
+    """The durable log of one replica on LevelDB (`runtime.checkpoint.CheckpointStore`).
+
+    Not thread-safe: one owner (the `LogWriter` thread) calls it. Every mutating call is one
+    synced write batch that also carries the counters, so `counts()` is O(1), survives a
+    crash and always matches a full scan (`scan_counts()`).
+
+    Bounds: `append` refuses (LogFull) a batch that would take transient+failed past
+    `max_events` or their encoded bytes past `max_bytes`. `fail` may grow bytes past the
+    bound (a processed event can be larger than its raw form): refusing it would only keep
+    the entry transient.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_events: int,
+        max_bytes: int,
+        max_done_tokens: int = 100_000,
+        open_timeout_s: float = 10.0,
+    ) -> None:
+        if max_events < 1 or max_bytes < 1 or max_done_tokens < 0:
+            raise ValueError("max_events and max_bytes must be >= 1, max_done_tokens >= 0")
+        self.path = pathlib.Path(path)
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.max_done_tokens = max_done_tokens
+        self._open_timeout_s = open_timeout_s
+        self._open()
+
+    def _open(self) -> None:
+        store = _open_store(self.path, self._open_timeout_s)
+        self._store = store
+        self._ns = {
+            name: store.namespace(name)
+            for name in (*EXPORTED, NS_META, NS_BY_TIME, NS_BY_RETRY, NS_DONE)
+        }
+        if self._ns[NS_META].get(KEYS_KEY) != KEYS_VERSION:
+            self._migrate_keys()
+        raw = self._ns[NS_META].get(COUNTS_KEY)
+        if raw is not None:
+            self._c = _counts_dec.decode(raw)
+            self.created = False
+            return
+        # no counters: a new store (or one written by something else): count what is there
+        scanned = self.scan_counts()
+        fields = {f: scanned[f] for f in _Counts.__struct_fields__ if f in scanned}
+        done_keys = self._ns[NS_DONE].keys()
+        self._c = _Counts(
+            **fields, done_seq=max((_BE64.unpack_from(k)[0] for k in done_keys), default=0)
+        )
+        self.created = not any(scanned[f] for f in ("transient", "failed", "tokens"))
+        self._ns[NS_META].put(COUNTS_KEY, _enc.encode(self._c))
+
+    def _migrate_keys(self, chunk: int = 10_000) -> None:
+        """Re-key entries written under their id alone to (stream, id), with their index
+        keys; counts do not change. Each chunk is one synced batch and a key already in the
+        new form is left alone, so a crash midway is finished by the next open."""
+        moves: list[tuple[str, str, bytes, bytes, bytes, bytes]] = []
+        for key, value in self._ns[NS_TRANSIENT].scan():
+            ev = decode_event(value)
+            new = _key(ev.stream, ev.id)
+            if key != new:
+                moves.append((NS_TRANSIENT, NS_BY_TIME, key, new, value, _be(ev.received_ms)))
+        for key, value in self._ns[NS_FAILED].scan():
+            fe = _failed_dec.decode(value)
+            new = _key(fe.event.stream, fe.event.id)
+            if key != new:
+                moves.append((NS_FAILED, NS_BY_RETRY, key, new, value, _be(fe.next_retry_ms)))
+        for i in range(0, len(moves), chunk):
+            with self._store.write_batch() as b:
+                for ns, index, old, new, value, prefix in moves[i : i + chunk]:
+                    b.delete(self._ns[ns], old)
+                    b.put(self._ns[ns], new, value)
+                    b.delete(self._ns[index], prefix + old)
+                    b.put(self._ns[index], prefix + new, b"")
+        if moves:
+            log.info("%s: re-keyed %d entries to (stream, id)", self.path, len(moves))
+        self._ns[NS_META].put(KEYS_KEY, KEYS_VERSION)
+
+    def close(self) -> None:
+        self._store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._store.closed
+
+    def _check_fault(self) -> None:
+        """Raise what a failed LevelDB write raises (CheckpointError from plyvel.IOError)
+        while an injected fault file exists; the writer then crashes and restarts as for a
+        real IO error, and the replica answers an error, never an acknowledgement."""
+        try:
+            kind = self.path.with_name(self.path.name + FAULT_SUFFIX).read_text()
+        except FileNotFoundError:
+            return
+        detail = "No space left on device" if "full" in kind else "Input/output error"
+        cause = plyvel.IOError(f"IO error: {detail} (injected)")
+        raise CheckpointError(f"checkpoint store {self.path}: {cause}") from cause
+
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[_Txn]:
+        tx = _Txn(self)
+        yield tx
+        tx.finish()
+        if not tx.ops:
+            return
+        self._check_fault()
+        with self._store.write_batch() as b:
+            for is_put, ns, key, value in tx.ops:
+                if is_put:
+                    b.put(self._ns[ns], key, value)
+                else:
+                    b.delete(self._ns[ns], key)
+            b.put(self._ns[NS_META], COUNTS_KEY, _enc.encode(tx.c))
+        self._c = tx.c  # only once the batch is on disk
+
+    # -- writes ------------------------------------------------------------------------
+
+    def append(self, events: Sequence[Event]) -> int:
+        """Log events as transient; returns how many were new. Ids already in the log (or
+        repeated in the batch) are skipped. LogFull refuses the whole batch."""
+        fresh: dict[bytes, tuple[Event, bytes]] = {}
+        t_ns, f_ns = self._ns[NS_TRANSIENT], self._ns[NS_FAILED]
+        for ev in events:
+            k = _key(ev.stream, ev.id)
+            if k in fresh:
+                continue
+            if t_ns.get(k) is not None or f_ns.get(k) is not None:
+                continue
+            fresh[k] = (ev, encode_event(ev))
+        if not fresh:
+            return 0
+        n, nbytes = len(fresh), sum(len(raw) for _, raw in fresh.values())
+        c = self._c
+        if c.transient + c.failed + n > self.max_events or c.bytes + nbytes > self.max_bytes:
+            raise LogFull(c.transient + c.failed, c.bytes, self.max_events, self.max_bytes)
+        with self._txn() as tx:
+            by_token: dict[str, list[str]] = {}
+            for ev, raw in fresh.values():
+                tx.add_transient(ev, raw)
+                if ev.token:
+                    by_token.setdefault(ev.token, []).append(ev.id)
+            for token, ids in by_token.items():
+                tx.token_add(token, ids)
+        return n
+
+    def forget(
+        self,
+        keys: Sequence[LogKey],
+        seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
+    ) -> int:
+        """Acked: drop the (stream, id) keys from transient and failed; returns how many the
+        log held. `seqs` (key -> (JetStream stream, seq)) is kept in the events' token
+        records for `token_status`."""
+        seqs = seqs or {}
+        n = 0
+        with self._txn() as tx:
+            for key in dict.fromkeys(keys):
+                ev = tx.drop_entry(_log_key(key))
+                if ev is None:
+                    continue
+                n += 1
+                if ev.token:
+                    tx.token_ack(ev.token, ev.id, _seq(seqs.get(key)))
+        return n
+
+    def fail(
+        self,
+        items: Sequence[tuple[Event, str]],
+        now_ms: int,
+        retry_delay_ms: Callable[[int], int],
+    ) -> int:
+        """Send failed: transient -> failed (attempts 1), failed -> failed (attempts + 1), due
+        at `now_ms + retry_delay_ms(attempts)`. The event is stored as given (it may be the
+        processed form), keeping the logged token. An id repeated in `items` is one failure
+        (its last error). Returns how many entries moved."""
+        n = 0
+        with self._txn() as tx:
+            one_each = {_key(e.stream, e.id): (e, err) for e, err in items}  # one per key
+            for k, (ev, error) in one_each.items():
+                cur = tx.lookup(k)
+                if cur is None:
+                    continue  # acked meanwhile, or never logged here
+                kind, val = cur
+                if kind == "t":
+                    stored = decode_event(val)
+                    tx.drop_transient(stored, val)
+                    attempts = 1
+                else:
+                    stored = val.event
+                    tx.drop_failed(k, val)
+                    attempts = val.attempts + 1
+                if ev.token != stored.token:
+                    ev = msgspec.structs.replace(ev, token=stored.token)
+                due = min(PARKED_MS, now_ms + max(0, int(retry_delay_ms(attempts))))
+                tx.add_failed(k, FailedEntry(encode_event(ev), str(error), attempts, due))
+                if stored.token:
+                    tx.token_fail(stored.token, ev.id, str(error))
+                n += 1
+        return n
+
+    def import_(self, entries: Sequence[tuple[str, bytes, bytes]]) -> int:
+        """Write entries from `export` (catch-up), overwriting what this store holds for the
+        same keys; idempotent. Bounds do not apply: a copy must be complete."""
+        with self._txn() as tx:
+            for ns, key, value in entries:
+                if ns == NS_TRANSIENT:  # keys come from the values: any peer's layout
+                    ev = decode_event(value)
+                    tx.drop_entry(_key(ev.stream, ev.id))
+                    tx.add_transient(ev, value)
+                elif ns == NS_FAILED:
+                    fe = _failed_dec.decode(value)
+                    k = _key(fe.event.stream, fe.event.id)
+                    tx.drop_entry(k)
+                    tx.add_failed(k, fe)
+                elif ns == NS_TOKENS:
+                    tx.token_put(key.decode(), _token_dec.decode(value))
+                else:
+                    raise ValueError(f"cannot import into namespace {ns!r}")
+        return len(entries)
+
+    def put_meta(self, items: Mapping[bytes, bytes]) -> None:
+        """Replica metadata (fence, flags), in one synced batch."""
+        if COUNTS_KEY in items:
+            raise ValueError("meta key 'counts' belongs to the store")
+        self._check_fault()
+        with self._store.write_batch() as b:
+            for key, value in items.items():
+                b.put(self._ns[NS_META], key, value)
+
+    def get_meta(self, key: bytes) -> bytes | None:
+        return self._ns[NS_META].get(key)
+
+    def reset(self, keep_meta: Mapping[bytes, bytes] | None = None) -> None:
+        """Delete the whole store and start empty, keeping `keep_meta` (a replica about to be
+        caught up from a peer must hold exactly the peer's entries)."""
+        self._store.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._open()
+        if keep_meta:
+            self.put_meta(keep_meta)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def pending(self, older_than_ms: int, now_ms: int, limit: int) -> list[Event]:
+        """Transient entries received before `now_ms - older_than_ms`, oldest first: in
+        flight too long (bridge died, ack lost); the Replayer publishes them again."""
+        cutoff = now_ms - older_than_ms
+        if cutoff <= 0:
+            return []
+        t_ns = self._ns[NS_TRANSIENT]
+        out = []
+        for key in self._ns[NS_BY_TIME].keys(stop=_be(cutoff), limit=limit):
+            raw = t_ns.get(key[8:])
+            if raw is not None:
+                out.append(decode_event(raw))
+        return out
+
+    def due_failed(self, now_ms: int, limit: int) -> list[Event]:
+        """Failed entries whose retry time has come, earliest first."""
+        f_ns = self._ns[NS_FAILED]
+        out = []
+        for key in self._ns[NS_BY_RETRY].keys(stop=_be(now_ms + 1), limit=limit):
+            raw = f_ns.get(key[8:])
+            if raw is not None:
+                out.append(_failed_dec.decode(raw).event)
+        return out
+
+    def parked(self, limit: int) -> list[dict[str, Any]]:
+        """Parked failed entries (never due, see PARKED_MS): what an operator settles."""
+        f_ns = self._ns[NS_FAILED]
+        out: list[dict[str, Any]] = []
+        for key in self._ns[NS_BY_RETRY].keys(start=_be(PARKED_MS), limit=limit):
+            raw = f_ns.get(key[8:])
+            if raw is None:
+                continue
+            fe = _failed_dec.decode(raw)
+            stream, _, id_ = key[8:].partition(b"\x00")
+            out.append(
+                {
+                    "stream": stream.decode(),
+                    "id": id_.decode(),
+                    "error": fe.error,
+                    "attempts": fe.attempts,
+                    "bytes": len(fe.raw),
+                }
+            )
+        return out
+
+    def parked_count(self) -> int:
+        return self._ns[NS_BY_RETRY].count(start=_be(PARKED_MS))
+
+    def settle(self, keys: Sequence[LogKey], action: str, now_ms: int) -> int:
+        """An operator's decision on parked entries, in one synced batch: "retry" makes
+        them due now (the bridge checks again and resends only what it proves absent),
+        "forget" drops them (seen stored, or given up on purpose). Entries that are not
+        parked are left alone. Returns how many changed."""
+        if action not in ("retry", "forget"):
+            raise ValueError(f"settle action must be retry or forget, not {action!r}")
+        n = 0
+        with self._txn() as tx:
+            for key in dict.fromkeys(tuple(k) for k in keys):
+                k = _log_key(key)  # type: ignore[arg-type]
+                cur = tx.lookup(k)
+                if cur is None or cur[0] != "f" or cur[1].next_retry_ms < PARKED_MS:
+                    continue
+                fe: FailedEntry = cur[1]
+                tx.drop_failed(k, fe)
+                if action == "retry":
+                    error = f"settled for retry: {fe.error}"
+                    tx.add_failed(k, msgspec.structs.replace(fe, error=error, next_retry_ms=now_ms))
+                n += 1
+        return n
+
+    def failed_entry(self, key: LogKey) -> FailedEntry | None:
+        raw = self._ns[NS_FAILED].get(_log_key(key))
+        return None if raw is None else _failed_dec.decode(raw)
+
+    def where(self, key: LogKey) -> str | None:
+        """Which store holds (stream, id): "transient", "failed" or None."""
+        k = _log_key(key)
+        if self._ns[NS_TRANSIENT].get(k) is not None:
+            return "transient"
+        return "failed" if self._ns[NS_FAILED].get(k) is not None else None
+
+    def token_status(self, token: str) -> dict[str, Any] | None:
+        """logged | failed (with errors) | queued; seqs of the acked events; None when the
+        token is unknown or expired."""
+        raw = self._ns[NS_TOKENS].get(token.encode())
+        if raw is None:
+            return None
+        st = _token_dec.decode(raw)
+        return {
+            "token": token,
+            "state": st.state(),
+            "events": len(st.ids),
+            "acked": len(st.acked),
+            "seqs": {i: list(s) if s else None for i, s in st.acked.items()},
+            "errors": dict(st.errors),
+        }
+
+    def counts(self) -> dict[str, int]:
+        c = self._c
+        return {"transient": c.transient, "failed": c.failed, "bytes": c.bytes, "tokens": c.tokens}
+
+    def scan_counts(self) -> dict[str, int]:
+        """The counters recomputed by a full scan, plus the index sizes (a consistency check:
+        `by_time == transient`, `by_retry == failed`, `tokens_done` == done records)."""
+        nbytes = sum(len(v) for _, v in self._ns[NS_TRANSIENT].scan())
+        failed = 0
+        for _, v in self._ns[NS_FAILED].scan():
+            failed += 1
+            nbytes += len(_failed_dec.decode(v).raw)
+        return {
+            "transient": self._ns[NS_TRANSIENT].count(),
+            "failed": failed,
+            "bytes": nbytes,
+            "tokens": self._ns[NS_TOKENS].count(),
+            "tokens_done": self._ns[NS_DONE].count(),
+            "by_time": self._ns[NS_BY_TIME].count(),
+            "by_retry": self._ns[NS_BY_RETRY].count(),
+        }
+
+    def export(
+        self, after: bytes | None, limit: int
+    ) -> tuple[list[tuple[str, bytes, bytes]], bytes | None]:
+        """Up to `limit` entries after cursor `after` (None: from the start) and the cursor to
+        pass next (None: done). Order: transient, failed, tokens. An entry moving from
+        transient to failed during a chunked copy is therefore seen at least once (in one or
+        the other), so a catch-up loses nothing; it may copy an entry acked meanwhile (a
+        harmless replay: JetStream deduplicates by id)."""
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        entries: list[tuple[str, bytes, bytes]] = []
+        first = 0 if after is None else after[0]
+        for i in range(first, len(EXPORTED)):
+            start = after[1:] + b"\x00" if after is not None and i == first else None
+            for key, value in self._ns[EXPORTED[i]].scan(start=start, limit=limit - len(entries)):
+                entries.append((EXPORTED[i], key, value))
+            if len(entries) >= limit:
+                return entries, bytes([i]) + entries[-1][1]
+        return entries, None
+
+    def entry_keys(self, after: bytes | None, limit: int) -> tuple[list[bytes], bytes | None]:
+        """Up to `limit` storage keys of transient then failed entries after cursor `after`
+        (None: from the start), and the next cursor (None: done). Keys only: what a
+        reconciliation compares."""
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        keys: list[bytes] = []
+        first = 0 if after is None else after[0]
+        for i in range(first, 2):
+            start = after[1:] + b"\x00" if after is not None and i == first else None
+            keys += self._ns[EXPORTED[i]].keys(start=start, limit=limit - len(keys))
+            if len(keys) >= limit:
+                return keys, bytes([i]) + keys[-1]
+        return keys, None
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each storage key: is it transient or failed here?"""
+        t_ns, f_ns = self._ns[NS_TRANSIENT], self._ns[NS_FAILED]
+        return [t_ns.get(k) is not None or f_ns.get(k) is not None for k in keys]
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.path), "created": self.created, **self.counts()}
+
+
+def _open_store(path: pathlib.Path, timeout_s: float) -> CheckpointStore:
+    """Open, waiting (bounded) while a dying predecessor still holds the LOCK."""
+    last: list[CheckpointLockedError] = []
+
+    def attempt() -> CheckpointStore | None:
+        try:
+            return CheckpointStore(path)
+        except CheckpointLockedError as exc:
+            last[:] = [exc]
+            return None
+
+    store = poll(attempt, timeout_s)
+    if store is None:
+        raise last[0]
+    return store
