@@ -11,9 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.queue.logger import LogFull, LogStore, LogUnavailable, WriterClient, inspect
+from actors.queue.logger import (
+    PARKED_MS,
+    LogFull,
+    LogStore,
+    LogUnavailable,
+    WriterClient,
+    inspect,
+    settle_parked,
+)
 from actors.queue.logger.writer import WriterOp, _Crash
 from runtime.checkpoint import CheckpointError, CheckpointStore
+from runtime.clock import now_ms
 from runtime.events import Event, encode_event
 from runtime.supervision import Intensity
 from runtime.waiting import wait_until
@@ -473,3 +482,23 @@ def test_inspect_reports_counts_and_locked_stores(tmp_path: Path) -> None:
         running.close()
     # inspect released its handle: the store opens again
     CheckpointStore(tmp_path / "logger" / "lg-0").close()
+
+
+def test_settle_parked_without_a_time_uses_the_clock(tmp_path: Path) -> None:
+    """`tierflow logger settle` passes no time: "retry" makes the entries due now."""
+    for i in range(2):
+        s = LogStore(tmp_path / "logger" / f"lg-{i}", max_events=10, max_bytes=BIG)
+        s.append([ev(1), ev(2)])
+        s.fail([(ev(1), "parked: test")], 0, lambda n: PARKED_MS)
+        s.close()
+    before = now_ms()
+    assert settle_parked(tmp_path, "lg", "retry", [("s", "e1")]) == {"lg-0": 1, "lg-1": 1}
+    after = now_ms()
+    for i in range(2):
+        s = LogStore(tmp_path / "logger" / f"lg-{i}", max_events=10, max_bytes=BIG)
+        try:
+            fe = s.failed_entry(("s", "e1"))
+            assert fe is not None and before <= fe.next_retry_ms <= after
+            assert s.parked_count() == 0 and s.where(("s", "e2")) == "transient"
+        finally:
+            s.close()
