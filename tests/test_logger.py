@@ -502,3 +502,21 @@ def test_settle_parked_without_a_time_uses_the_clock(tmp_path: Path) -> None:
             assert s.parked_count() == 0 and s.where(("s", "e2")) == "transient"
         finally:
             s.close()
+
+
+def test_settle_parked_without_keys_settles_every_parked_entry(tmp_path: Path) -> None:
+    """`tierflow logger settle GROUP --forget` with no keys: whatever any replica parked."""
+    for i in range(2):
+        s = LogStore(tmp_path / "logger" / f"lg-{i}", max_events=10, max_bytes=BIG)
+        s.append([ev(1), ev(2), ev(3)])
+        s.fail([(ev(i + 1), "parked: test")], 0, lambda n: PARKED_MS)  # lg-0: e1, lg-1: e2
+        s.fail([(ev(3), "timeout")], 0, delay)  # failed, not parked: left alone
+        s.close()
+    assert settle_parked(tmp_path, "lg", "forget", now_ms=5) == {"lg-0": 1, "lg-1": 1}
+    for i in range(2):
+        s = LogStore(tmp_path / "logger" / f"lg-{i}", max_events=10, max_bytes=BIG)
+        try:
+            assert s.parked_count() == 0 and s.where(("s", f"e{i + 1}")) is None
+            assert s.where(("s", "e3")) == "failed"
+        finally:
+            s.close()

@@ -58,7 +58,7 @@ def settle_parked(
         if keys is None:
             found: dict[LogKey, None] = {}
             for store in stores:
-                found.update((p["stream"], p["id"]) for p in store.parked(1 << 62))
+                found.update(dict.fromkeys((p["stream"], p["id"]) for p in store.parked(1 << 62)))
             keys = list(found)
         now = clock.now_ms() if now_ms is None else now_ms
         return {st.path.name: st.settle(keys, action, now) for st in stores}
