@@ -424,11 +424,11 @@ async def test_analysis_jobs_write_results_as_their_role_over_tls(
 
 def test_permission_names_match_the_modules_that_use_them() -> None:
     from actors.access import cursors, webhooks
-    from actors.collection import stream_ingest
-    from runtime import nats_roles
+    from actors.collection import buffer
+    from runtime import lease, nats_roles
 
-    assert nats_roles.BUFFER_STREAM == stream_ingest.BUFFER_STREAM
-    assert nats_roles.LEASE_BUCKET == stream_ingest.LEASE_BUCKET
+    assert nats_roles.BUFFER_STREAM == buffer.BUFFER_STREAM
+    assert nats_roles.LEASE_BUCKET == lease.LEASE_BUCKET
     assert nats_roles.CURSOR_BUCKET == cursors.BUCKET
     assert nats_roles.WEBHOOK_BUCKET == webhooks.BUCKET
     assert nats_roles.WEBHOOK_DEADLETTER == webhooks.DEADLETTER_SUBJECT

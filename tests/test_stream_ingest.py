@@ -1,7 +1,8 @@
-"""actors/collection/stream_ingest.py against a real nats-server, a real local Ray and a real
-ReplayServer:
-buffer writes and positions, lease fencing, the shared buffer consumer, and the acceptance
-test: the active ingest node is SIGKILLed mid-stream and every event still lands exactly once.
+"""The stream pattern against a real nats-server, a real local Ray and a real ReplayServer:
+buffer writes and positions (actors/collection/buffer.py), lease fencing (runtime/lease.py),
+the shared buffer consumer (buffer_consumer.py), and the acceptance test of the ingest node
+(stream_ingest.py): the active node is SIGKILLed mid-stream and every event still lands
+exactly once.
 """
 
 from __future__ import annotations
@@ -24,26 +25,24 @@ import ray
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from actors.collection.sources import Frame
-from actors.collection.stream_ingest import (
+from actors.collection.buffer import (
     BUFFER_STREAM,
     POS_HEADER,
-    BufferConsumer,
-    BufferedFrame,
     BufferWriter,
     Fenced,
-    IngestLease,
-    Leadership,
     buffer_subject,
     ensure_buffer_stream,
-    ensure_lease_bucket,
     frame_msg_id,
     last_position,
     resume_position,
 )
+from actors.collection.buffer_consumer import BufferConsumer, BufferedFrame
+from actors.collection.sources import Frame
+from actors.collection.stream_ingest import lease_key
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.deploy.stream_ingest import start_stream_ingest
 from cluster.replay import GeneratorSource, ReplayServer
+from runtime.lease import KvLease, Leadership, ensure_lease_bucket
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER
 from runtime.waiting import await_until
@@ -103,15 +102,8 @@ async def subject_count(nc: Client, stream: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    s = NatsServer(store_dir=tmp_path_factory.mktemp("ingest") / "nats").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-async def nc(server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(server.url, name="test-ingest")
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await connect(nats_server.url, name="test-ingest")
     await ensure_buffer_stream(client)
     yield client
     await client.close()
@@ -133,8 +125,14 @@ def test_names_and_ids() -> None:
             buffer_subject(bad)
     assert frame_msg_id("src", 42) == "src:42"
     assert frame_msg_id("src", None) != frame_msg_id("src", None)
+    assert lease_key("meetup") == "ingest.meetup"  # the key every release has used
     with pytest.raises(ValueError):
-        IngestLease(None, None, "s", "h", ttl_s=1.5)  # type: ignore[arg-type]
+        lease_key("a.b")
+    with pytest.raises(ValueError):
+        KvLease(None, None, "ingest.s", "h", ttl_s=1.5)  # type: ignore[arg-type]
+    for bad_key in ("", "a b", "a..b", ".a", "a.", "a.*"):
+        with pytest.raises(ValueError):
+            KvLease(None, None, bad_key, "h")  # type: ignore[arg-type]
 
 
 # ---- BufferWriter and positions --------------------------------------------------------------
@@ -213,8 +211,8 @@ async def test_closed_fence_stops_the_writer(nc: Client) -> None:
 async def test_lease_is_exclusive_and_lapses_without_renewal(nc: Client) -> None:
     kv = await ensure_lease_bucket(nc.jetstream())
     stream = fresh_stream()
-    a = IngestLease(nc, kv, stream, "a", ttl_s=TTL)
-    b = IngestLease(nc, kv, stream, "b", ttl_s=TTL)
+    a = KvLease(nc, kv, lease_key(stream), "a", ttl_s=TTL)
+    b = KvLease(nc, kv, lease_key(stream), "b", ttl_s=TTL)
     assert await a.try_acquire() and a.fresh()
     assert not await b.try_acquire()
     rev = a.revision
@@ -234,11 +232,11 @@ async def test_lease_is_exclusive_and_lapses_without_renewal(nc: Client) -> None
 async def test_lease_reclaims_its_own_key_after_a_lost_answer(nc: Client) -> None:
     kv = await ensure_lease_bucket(nc.jetstream())
     stream = fresh_stream()
-    a = IngestLease(nc, kv, stream, "a", ttl_s=TTL)
+    a = KvLease(nc, kv, lease_key(stream), "a", ttl_s=TTL)
     assert await a.try_acquire()
     a.revision = None  # as if the answer to our last write never came
     assert await a.try_acquire()  # the key still names us: taken back at its revision
-    assert not await IngestLease(nc, kv, stream, "a2", ttl_s=TTL).try_acquire()
+    assert not await KvLease(nc, kv, lease_key(stream), "a2", ttl_s=TTL).try_acquire()
 
 
 class Worker:
@@ -279,7 +277,7 @@ async def test_leadership_stops_work_at_once_when_deposed(nc: Client) -> None:
     kv = await ensure_lease_bucket(nc.jetstream())
     stream = fresh_stream()
     work = Worker()
-    lead = Leadership(IngestLease(nc, kv, stream, "a", ttl_s=TTL), work)
+    lead = Leadership(KvLease(nc, kv, lease_key(stream), "a", ttl_s=TTL), work)
     async with leading(lead):
         await await_until(lambda: lead.role == "active" and work.ticks > 5, 10, what="active")
         # another node overwrites the key (no TTL: it stays until deleted)
@@ -305,8 +303,8 @@ async def test_leadership_restarts_failed_work_and_releases_on_stop(nc: Client) 
     kv = await ensure_lease_bucket(nc.jetstream())
     stream = fresh_stream()
     work_a, work_b = Worker(fail_first=2), Worker()
-    lead_a = Leadership(IngestLease(nc, kv, stream, "a", ttl_s=TTL), work_a)
-    lead_b = Leadership(IngestLease(nc, kv, stream, "b", ttl_s=TTL), work_b)
+    lead_a = Leadership(KvLease(nc, kv, lease_key(stream), "a", ttl_s=TTL), work_a)
+    lead_b = Leadership(KvLease(nc, kv, lease_key(stream), "b", ttl_s=TTL), work_b)
     async with leading(lead_a) as stop_a:
         await await_until(lambda: work_a.ticks > 5, 20, what="work running after 2 failures")
         assert lead_a.work_failures == 2 and lead_a.lost == 0 and lead_a.role == "active"
@@ -396,7 +394,7 @@ async def call(handle: Any, method: str, timeout: float = 5.0) -> Any:
 
 @on_session_loop
 async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
-    ray_local: None, server: NatsServer, nc: Client, tmp_path: Path
+    ray_local: None, nats_server: NatsServer, nc: Client, tmp_path: Path
 ) -> None:
     stream, n = fresh_stream(), 3000
     replay = ReplayServer(GeneratorSource(9), rate=1000, count=n)
@@ -406,7 +404,7 @@ async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
         replay.stream_url,
         "ws",
         replicas=2,
-        nats_url=server.url,
+        nats_url=nats_server.url,
         state_dir=str(tmp_path),
         namespace=NS,
         lease_ttl_s=3,

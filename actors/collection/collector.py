@@ -19,7 +19,7 @@ Interaction patterns:
 - publish/subscribe  core NATS `ingest.{stream}` (queue group `collectors`): logged like
   any producer's events, and answered when the message has a reply subject.
 The stream pattern (the collector as client of a source) lives in
-`actors/collection/stream_ingest.py`.
+`actors/collection/stream_ingest.py`; collectors process its buffer (`_buffered`).
 
 Every refusal names its reason: 403 for a system stream (`results`, `deadletter`: only the
 runtime writes them), 413 for an event JetStream could never take (the server's
@@ -41,8 +41,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import ray
 from aiohttp import web
 
+from actors.collection.buffer import ensure_buffer_stream
+from actors.collection.buffer_consumer import BufferConsumer, BufferedFrame
 from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
 from actors.collection.parsing import BadInput, assign_ids, parse_body
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
@@ -580,8 +583,6 @@ class Collector(SupervisedActor):
     # ------------------------------------------------------------------ to the bridge
 
     def _bridge(self) -> Any:
-        import ray
-
         self._rr = (self._rr + 1) % len(self.bridge_names)
         return ray.get_actor(self.bridge_names[self._rr], namespace=self.namespace)
 
@@ -669,11 +670,11 @@ class Collector(SupervisedActor):
 
     # ------------------------------------------------------------------ stream pattern
 
-    async def _start_buffer_consumers(self, stop: asyncio.Event) -> list[tuple[Any, Any]]:
+    async def _start_buffer_consumers(
+        self, stop: asyncio.Event
+    ) -> list[tuple[BufferConsumer, asyncio.Future[None]]]:
         """Processing side of the buffering layer: every collector shares one durable
         consumer per stream-pattern stream, so buffered frames spread across replicas."""
-        from actors.collection.stream_ingest import BufferConsumer, ensure_buffer_stream
-
         streams = [s for s, sc in self.cfg.streams.items() if sc.source.url]
         for s in [s for s in streams if is_system_stream(self.cfg, s)]:
             log.error("stream %r is a system stream: its source is not collected", s)
@@ -691,7 +692,7 @@ class Collector(SupervisedActor):
             out.append((consumer, asyncio.ensure_future(consumer.run(stop))))
         return out
 
-    async def _buffered(self, stream: str, frames: list[Any]) -> None:
+    async def _buffered(self, stream: str, frames: list[BufferedFrame]) -> None:
         """Raw frames from the buffer: the frame's dedup id becomes the event id, so a
         redelivered frame is the same event. Raising (log full) leaves them unacked:
         the buffer redelivers later, which is the backpressure of this pattern."""

@@ -6,7 +6,8 @@ from typing import Any
 
 import ray
 
-from actors.collection.stream_ingest import StreamIngest, _check_stream_name
+from actors.collection.buffer import check_stream_name
+from actors.collection.stream_ingest import StreamIngest
 from runtime.ray_supervisor import DEFAULT_NAMESPACE, supervised_options
 
 
@@ -28,7 +29,7 @@ def start_stream_ingest(
     active; the others stand by. `kwargs` go to `StreamIngest`."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    _check_stream_name(stream)
+    check_stream_name(stream)
     remote_cls = ray.remote(StreamIngest)
     handles = []
     for i in range(replicas):
