@@ -1,4 +1,4 @@
-"""The event envelope the collection tier moves, and its batch encoding.
+"""The event envelope the collection tier moves, its batch encoding and its ids.
 
 Batches cross Ray and LevelDB as one msgpack blob: one serialisation per batch instead
 of pickling many small objects, which is what keeps the data plane off the control
@@ -78,6 +78,7 @@ def new_event_id() -> str:
 
 
 def json_kind(value: Any) -> str:
+    """A decoded JSON value's kind as JSON names it, for messages about unexpected input."""
     if isinstance(value, dict):
         return "object"
     if isinstance(value, list):

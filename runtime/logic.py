@@ -1,7 +1,8 @@
 """Stream logic (book ch. 2): validate, enrich, filter and route a stream's events.
 
 `compile_logic` builds a stream's `StreamLogic` once from its `[streams.NAME.logic]`
-table; `StreamLogic.apply` never raises for bad events: they come back as `invalid` with a
+table (a `filter` that is not a hook is a WHERE clause, `runtime.query.compile_where`);
+`StreamLogic.apply` never raises for bad events: they come back as `invalid` with a
 reason, for `deadletter.{stream}` (see `dead_letters`). It is pure and lives in the
 foundation because three floors use it: the config validates it at load, the Collector
 applies it (RBML/SBML) and the BrokerBridge applies it after logging (HML).
@@ -32,7 +33,7 @@ __all__ = [
     "load_hook",
 ]
 
-# --------------------------------------------------------------------------- logic config
+# --------------------------------------------------------------------------- config and result
 
 
 class LogicConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -68,6 +69,9 @@ class LogicResult:
     kept: list[Event]  # processed=True, subject routed, data enriched
     dropped: list[Event]  # filtered out (as received)
     invalid: list[tuple[Event, str]]  # (event as received, reason) for deadletter.{stream}
+
+
+# --------------------------------------------------------------------------- validate
 
 
 def _split_path(path: str, key: str) -> tuple[str, ...]:
@@ -127,6 +131,8 @@ def _compile_schema(table: dict[str, Any], key: str) -> Callable[[Data], str | N
     return check
 
 
+# --------------------------------------------------------------------------- hooks and enrichment
+
 _HOOK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -152,6 +158,25 @@ def load_hook(spec: str, key: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(f"{key}: {spec!r} is not callable")
     return obj
+
+
+Hook = Callable[[Data, Event], Data | None]
+ENRICH_BUILTINS = ("received_at", "collector")
+
+
+def _received_at(data: Data, event: Event) -> None:
+    data["received_at"] = event.received_ms
+
+
+def _collector_hook(name: str) -> Hook:
+    def add(data: Data, event: Event) -> None:
+        data["collector"] = name
+
+    return add
+
+
+def _wrap_user_enrich(fn: Callable[[Data], Any]) -> Hook:
+    return lambda data, event: fn(data)
 
 
 # --------------------------------------------------------------------------- route
@@ -211,13 +236,6 @@ def _compile_route(template: str, default: str, key: str) -> Callable[[Data], st
 
 
 # --------------------------------------------------------------------------- StreamLogic
-
-Hook = Callable[[Data, Event], Data | None]
-ENRICH_BUILTINS = ("received_at", "collector")
-
-
-def _received_at(data: Data, event: Event) -> None:
-    data["received_at"] = event.received_ms
 
 
 def _describe(err: Exception) -> str:
@@ -332,14 +350,6 @@ class StreamLogic:
         return msgspec.structs.replace(event, subject=subject, data=payload, processed=True)
 
 
-def _recompile(stream: str, cfg: LogicConfig, default_subject: str, collector: str) -> StreamLogic:
-    return compile_logic(stream, cfg, default_subject, collector=collector)
-
-
-def _wrap_user_enrich(fn: Callable[[Data], Any]) -> Hook:
-    return lambda data, event: fn(data)
-
-
 def compile_logic(
     stream_name: str, cfg: LogicConfig, default_subject: str, *, collector: str = ""
 ) -> StreamLogic:
@@ -394,11 +404,11 @@ def compile_logic(
     )
 
 
-def _collector_hook(name: str) -> Hook:
-    def add(data: Data, event: Event) -> None:
-        data["collector"] = name
+def _recompile(stream: str, cfg: LogicConfig, default_subject: str, collector: str) -> StreamLogic:
+    return compile_logic(stream, cfg, default_subject, collector=collector)
 
-    return add
+
+# --------------------------------------------------------------------------- dead letters
 
 
 def dead_letters(invalid: Sequence[tuple[Event, str]]) -> list[Event]:

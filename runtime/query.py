@@ -1,20 +1,26 @@
-"""Consumer filters (book ch. 7): which events a client gets, and which fields of them.
+"""Queries over one event's JSON (book chs. 2 and 7): the WHERE compiler and consumer filters.
 
-A filter is a small SQL query over one event's JSON, compiled once per subscription:
+Both are compiled once and evaluated per event, and both live in the foundation because
+three floors use them: the config validates them at load, stream logic (`runtime.logic`)
+keeps a stream's events by a WHERE clause, and the access tier (gateway, fan-out,
+webhooks) hands each client the events and fields its filter selects.
+
+`compile_where(clause, key)` is a SQL WHERE clause as a predicate over a JSON object:
+dotted paths, SQL three-valued logic (a missing field is NULL and a comparison with NULL is
+not true). A bad clause raises `ConfigError` naming `key`, the line and the column.
+
+`compile_filter(sql)` is a consumer filter, a small SQL query compiled once per distinct
+text:
 
     SELECT group.group_city, response AS r WHERE response = 'yes' AND guests > 0
 
 Both parts are optional (`SELECT *` and no condition by default); a text starting with
-`WHERE`, or a bare condition (`response = 'yes'`), is a WHERE clause alone. The WHERE part
-is `compile_where` below (dotted paths, SQL three-valued logic: a missing field is NULL
-and a comparison with NULL is not true). The pseudo-field `_subject` is the message's
-NATS subject, in WHERE and in SELECT.
-
-Projection keeps the shape of the event: `SELECT a.b, c` gives `{"a": {"b": ..}, "c": ..}`,
-a missing field gives null, `x.y AS z` gives `{"z": ..}`, and `*` alongside fields keeps the
-whole object and adds them (`SELECT *, _subject`).
-
-A bad query raises `FilterError` with the reason and the line/column in the text the client
+`WHERE`, or a bare condition (`response = 'yes'`), is a WHERE clause alone, compiled by
+`compile_where`. The pseudo-field `_subject` is the message's NATS subject, in WHERE and in
+SELECT. Projection keeps the shape of the event: `SELECT a.b, c` gives
+`{"a": {"b": ..}, "c": ..}`, a missing field gives null, `x.y AS z` gives `{"z": ..}`, and
+`*` alongside fields keeps the whole object and adds them (`SELECT *, _subject`). A bad
+query raises `FilterError` with the reason and the line/column in the text the client
 sent; the gateway answers it as HTTP 400 or an error frame.
 """
 
@@ -34,11 +40,20 @@ from sqlglot.errors import ParseError, SqlglotError, TokenError
 from runtime.errors import ConfigError
 
 __all__ = [
+    "MATCH_ALL",
+    "MAX_FILTER_CHARS",
+    "SUBJECT_FIELD",
+    "Data",
+    "Filter",
+    "FilterError",
+    "Getter",
+    "compile_filter",
+    "compile_named",
     "compile_where",
+    "getter",
 ]
 
-
-Data = dict[str, Any]
+Data = dict[str, Any]  # one event's JSON object
 Getter = Callable[[Data], Any]
 
 
@@ -60,12 +75,46 @@ def getter(path: Sequence[str]) -> Getter:
     return get
 
 
-# --------------------------------------------------------------------------- WHERE filter
+# --------------------------------------------------------------------------- positions in a text
+
+_SQLGLOT_CLASS = re.compile(r"<class '(?:\w+\.)*(\w+)'>")
+
+
+def _line_col(text: str, offset: int) -> tuple[int, int]:
+    """1-based (line, column) of `offset` in `text`."""
+    offset = max(0, min(offset, len(text)))
+    line = text.count("\n", 0, offset) + 1
+    return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
+
+
+def _text_where(text: str, offset: int) -> str:
+    line, column = _line_col(text, offset)
+    return f"line {line}, column {column}"
+
+
+def _unterminated_quote(text: str) -> int | None:
+    """Offset of the quote that opens an unterminated string or quoted name."""
+    quote, start = "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote:
+                quote = ""  # a doubled quote re-opens at the next char: same result
+        elif ch in "'\"`":
+            quote, start = ch, i
+    return start if quote else None
+
+
+def _node_offset(node: exp.Expression) -> int:
+    """Where `node` starts in the parsed text (its first token with a position)."""
+    starts = [n.meta["start"] for n in node.walk() if "start" in n.meta]
+    return min(starts) if starts else 0
+
+
+# --------------------------------------------------------------------------- WHERE
 
 _SUPPORTED = "=, !=, <, <=, >, >=, AND, OR, NOT, IN (...), IS [NOT] NULL"
 _ORDER = {exp.LT: operator.lt, exp.LTE: operator.le, exp.GT: operator.gt, exp.GTE: operator.ge}
 _NUMBER = re.compile(r"^[0-9]+$")
-_SQLGLOT_CLASS = re.compile(r"<class '(?:\w+\.)*(\w+)'>")
 
 
 def _kind(value: Any) -> str:
@@ -97,8 +146,7 @@ def _ordered(op: Callable[[Any, Any], bool], a: Any, b: Any) -> bool | None:
 
 def _position(clause: str, node: exp.Expression) -> str:
     """Where `node` sits in `clause`: its operator's token if found, else its first token."""
-    starts = [n.meta["start"] for n in node.walk() if "start" in n.meta]
-    offset = min(starts) if starts else 0
+    offset = _node_offset(node)
     word = type(node).__name__.upper()
     try:
         tokens = sqlglot.tokenize(clause)
@@ -109,24 +157,6 @@ def _position(clause: str, node: exp.Expression) -> str:
             offset = tok.start
             break
     return _text_where(clause, offset)
-
-
-def _text_where(text: str, offset: int) -> str:
-    line = text.count("\n", 0, offset) + 1
-    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
-    return f"line {line}, column {column}"
-
-
-def _unterminated(clause: str) -> int | None:
-    """Offset of the quote that opens an unterminated string or quoted name."""
-    quote, start = "", 0
-    for i, ch in enumerate(clause):
-        if quote:
-            if ch == quote:
-                quote = ""  # a doubled quote re-opens at the next char: same result
-        elif ch in "'\"`":
-            quote, start = ch, i
-    return start if quote else None
 
 
 class _WhereCompiler:
@@ -154,7 +184,7 @@ class _WhereCompiler:
                 f"{self.key}: cannot parse {self.clause!r} at {where}: {what}"
             ) from None
         except TokenError:
-            start = _unterminated(self.clause)
+            start = _unterminated_quote(self.clause)
             where = _text_where(self.clause, start) if start is not None else "its end"
             raise ConfigError(
                 f"{self.key}: cannot parse {self.clause!r} at {where}: unterminated quote"
@@ -314,23 +344,15 @@ def compile_where(clause: str, key: str = "filter") -> Callable[[Data], bool]:
     return _WhereCompiler(clause, key).compile()
 
 
-__all__ = [
-    "SUBJECT_FIELD",
-    "Filter",
-    "FilterError",
-    "compile_filter",
-    "compile_named",
-]
+# --------------------------------------------------------------------------- filters
 
 SUBJECT_FIELD = "_subject"
 MAX_FILTER_CHARS = 4096
 _SELECT_ARGS = frozenset({"expressions", "where", "kind"})
 _POSITION = re.compile(r"at line (\d+), column (\d+)")
 _PREFIX = re.compile(r"^filter: ")
-_SQLGLOT_CLASS = re.compile(r"<class '(?:\w+\.)*(\w+)'>")
 _CLAUSE_WORDS = {"order": "ORDER BY", "group": "GROUP BY", "from_": "FROM", "joins": "JOIN"}
 
-Data = Any
 Path = tuple[str, ...]
 
 
@@ -363,18 +385,18 @@ class Filter:
     match_all: bool = True
     select_all: bool = True
 
-    def _view(self, data: Data, subject: str) -> dict[str, Any]:
+    def _view(self, data: Any, subject: str) -> Data:
         """The event as an object (a non-object payload has no fields), `_subject` added
         only when the query names it."""
         base = data if isinstance(data, dict) else {}
         return {**base, SUBJECT_FIELD: subject} if self.uses_subject else base
 
-    def matches(self, data: Data, subject: str = "") -> bool:
+    def matches(self, data: Any, subject: str = "") -> bool:
         if self.match_all:
             return True
         return self.where(self._view(data, subject))
 
-    def select(self, data: Data, subject: str = "") -> Any:
+    def select(self, data: Any, subject: str = "") -> Any:
         if self.select_all:
             return data
         return self.project(self._view(data, subject))
@@ -384,17 +406,11 @@ def _where_all(data: Data) -> bool:
     return True
 
 
-def _identity(data: Data) -> Any:
+def _identity(data: Any) -> Any:
     return data
 
 
 MATCH_ALL = Filter("", _where_all, _identity)
-
-
-def _line_col(text: str, offset: int) -> tuple[int, int]:
-    offset = max(0, min(offset, len(text)))
-    line = text.count("\n", 0, offset) + 1
-    return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
 
 
 def _offset(text: str, line: int, column: int) -> int:
@@ -406,11 +422,6 @@ def _offset(text: str, line: int, column: int) -> int:
             break
         start = nl + 1
     return start + max(0, column - 1)
-
-
-def _node_offset(node: exp.Expression) -> int:
-    starts = [n.meta["start"] for n in node.walk() if "start" in n.meta]
-    return min(starts) if starts else 0
 
 
 def _tokens(text: str) -> list[Any]:
@@ -426,17 +437,6 @@ def _token_error(text: str, err: Exception) -> FilterError:
         line, col = _line_col(text, quote)
         return FilterError(f"unterminated quote at line {line}, column {col}", line, col)
     return FilterError(f"cannot read the query: {err}")
-
-
-def _unterminated_quote(text: str) -> int | None:
-    quote, start = "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "'\"`":
-            quote, start = ch, i
-    return start if quote else None
 
 
 def _error_at(text: str, offset: int, why: str) -> FilterError:
@@ -527,15 +527,6 @@ def _path(sql: str, node: exp.Expression) -> Path:
     raise _error_at(sql, _node_offset(node), f"{why} in SELECT (expected field paths, AS, *)")
 
 
-def _get(data: Data, path: Path) -> Any:
-    node = data
-    for key in path:
-        if not isinstance(node, dict):
-            return None
-        node = node.get(key)
-    return node
-
-
 def _put(out: dict[str, Any], path: Path, value: Any) -> None:
     """Set `value` at `path`, copying any dict on the way (it may be the event's own)."""
     node = out
@@ -577,14 +568,15 @@ def _compile_projection(sql: str, tree: exp.Select) -> tuple[Callable[[Data], An
     uses_subject = any(src == (SUBJECT_FIELD,) for src, _ in fields)
     if star and not fields:
         return _identity, True, False
-    frozen = tuple(fields)
+    reads = tuple((getter(source), target) for source, target in fields)
 
     def project(data: Data) -> Any:
+        view = data if isinstance(data, dict) else {}  # a non-object payload has no fields
         out: dict[str, Any] = {}
-        if star and isinstance(data, dict):
-            out.update((k, v) for k, v in data.items() if k != SUBJECT_FIELD)
-        for source, target in frozen:
-            _put(out, target, _get(data, source))
+        if star:
+            out.update((k, v) for k, v in view.items() if k != SUBJECT_FIELD)
+        for get, target in reads:
+            _put(out, target, get(view))
         return out
 
     return project, False, uses_subject

@@ -21,7 +21,8 @@ from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Ov
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body
 from runtime.config import ConfigError
 from runtime.events import Event
-from runtime.logic import LogicConfig, StreamLogic, compile_logic, compile_where, dead_letters
+from runtime.logic import LogicConfig, StreamLogic, compile_logic, dead_letters
+from runtime.query import compile_where
 from runtime.waiting import await_until
 
 JSON = "application/json"
