@@ -74,11 +74,6 @@ UNVERIFIED = "past the blind-retry horizon, absence not proven"
 _STREAM_CACHE_S = 30.0
 
 
-def retry_delay_ms(attempt: int) -> int:
-    """Backoff for failed entries: 0.5 s doubling to 30 s (well inside the dedup window)."""
-    return int(min(30_000, 500 * 2 ** max(0, attempt - 1)))
-
-
 class BrokerBridge(SupervisedActor):
     """Ray actor: publishes logged batches to JetStream and completes them in the logger."""
 
