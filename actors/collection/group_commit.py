@@ -22,8 +22,6 @@ __all__ = [
     "event_bytes",
 ]
 
-# --------------------------------------------------------------------------- group commit
-
 
 class Overloaded(Exception):
     """Too many events already waiting to be flushed, or the committer is closing.
