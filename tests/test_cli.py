@@ -228,3 +228,192 @@ def test_jobs_start_list_stop_against_a_detached_runtime(cli_env: dict[str, str]
         assert stopped.returncode == 0 and json.loads(stopped.stdout)[0]["stopped"]
     finally:
         assert run(["down"], cli_env).returncode == 0
+
+
+# --------------------------------------------------------------------------- tables at 80 columns
+
+LONG_ERROR = (
+    "StreamingQueryException: [STREAM_FAILED] Query [id = 3f1c, runId = 9a2e] terminated with "
+    "exception: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in "
+    "stage 12.0 failed 1 times, most recent failure: Lost task 0.0: java.io.IOException: "
+    "No space left on device"
+)
+NODE = "a3f9c2e4b1d07e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8f7a6b"
+
+
+def _job_rows() -> list[dict[str, object]]:
+    """What `jobs_list` returns for a driver running three queries (one failed) and two
+    catalog jobs not started: every field the driver's status rows carry."""
+    running = {
+        "kind": "topn",
+        "stream": "meetup",
+        "state": "running",
+        "restarts": 0,
+        "error": None,
+        "results": 1204,
+        "duplicates": 0,
+        "last_batch_id": 311,
+        "committed_seq": 48213,
+        "batch_id": 312,
+        "input_rows": 450,
+        "input_rows_per_s": 412.7,
+        "processed_rows_per_s": 398.1,
+        "latency_ms": 1093,
+        "watermark": "2016-09-06T10:51:00.000Z",
+        "at": "2026-01-04T12:00:01.123Z",
+        "late_events": 3,
+    }
+    failed = {**running, "kind": "count", "state": "failed", "restarts": 4, "error": LONG_ERROR}
+    return [
+        {"name": "meetup_topn", **running},
+        {"name": "meetup_topn_window", **running},
+        {"name": "meetup_city_minute", **failed},
+        {"name": "meetup_members", "kind": "distinct", "stream": "meetup", "state": "available"},
+        {"name": "meetup_responses", "kind": "custom", "stream": "meetup", "state": "available"},
+    ]
+
+
+def _snapshot() -> dict[str, object]:
+    """A /status snapshot of a loaded two-node runtime with autoscaling and analysis."""
+    nodes = [
+        {"node_id": NODE, "alive": True, "address": "10.20.30.41", "cpus": 16.0},
+        {"node_id": NODE[::-1], "alive": True, "address": "10.20.30.42", "cpus": 16.0},
+    ]
+    children = [{"name": "tierflow-root", "state": "running", "alive": True, "restarts": 0}]
+
+    def replicas(role: str, n: int, **figures: object) -> list[dict[str, object]]:
+        return [
+            {"name": f"{role}-{i}", "node": (NODE, NODE[::-1])[i % 2], "pid": 4000 + i, **figures}
+            for i in range(n)
+        ]
+
+    reason = "scale up 3 -> 5: mean load 412.5 requests_in_flight per replica over 30s > 100"
+    collectors = replicas("collector", 3, requests_in_flight=1237)
+    collectors.append({"name": "collector-3", "error": "GetTimeoutError"})
+    return {
+        "pid": 31337,
+        "uptime_s": 86400.5,
+        "services": {
+            "nats": {"url": "nats://nats-0.nats.tierflow.svc.cluster.local:4222", "healthy": True},
+            "ray": {"address": "10.20.30.41:6379", "healthy": True, "nodes": nodes},
+            "spark": {"master": "spark://spark-master.tierflow.svc.cluster.local:7077"},
+        },
+        "children": children,
+        "escalated": None,
+        "roles": {
+            "collector": {
+                "replicas": collectors,
+                "load": 1237.0,
+                "rates": {"accepted": 20431.25, "rejected": 12.5, "overloaded": 0.0},
+            },
+            "logger": {"replicas": replicas("logger", 2, pending=88), "load": 88.0, "rates": {}},
+            "bridge": {
+                "replicas": replicas("bridge", 2, in_flight=64),
+                "load": 64.0,
+                "rates": {"published": 20418.75, "replayed": 0.0, "failed": 0.0},
+            },
+            "gateway": {
+                "replicas": replicas("gateway", 2, clients=311),
+                "load": 311.0,
+                "rates": {"events_sent": 151234.5},
+            },
+        },
+        "autoscaling": {"collector": {"desired": 5, "reason": reason, "error": None}},
+        "analysis": {
+            "state": "running",
+            "queries": [
+                {"name": "meetup_topn", "state": "running", "committed_seq": 48213, "lag": 12},
+                {"name": "meetup_city_minute", "state": "failed", "committed_seq": 1, "lag": 9},
+            ],
+        },
+    }
+
+
+def _lines_fit(text: str, width: int = 80) -> None:
+    long = [line for line in text.splitlines() if len(line) > width]
+    assert not long, "\n".join(long)
+
+
+@pytest.fixture
+def fake_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    from cluster import analysis
+
+    monkeypatch.setattr(analysis, "jobs_list", lambda cfg: _job_rows())
+    return {"TIERFLOW_STATE_DIR": str(tmp_path), "COLUMNS": "80"}
+
+
+@pytest.mark.unit
+def test_jobs_list_fits_80_columns_and_wide_or_json_show_everything(
+    fake_jobs: dict[str, str],
+) -> None:
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    narrow = CliRunner().invoke(app, ["jobs", "list"], env=fake_jobs)
+    assert narrow.exit_code == 0, narrow.output
+    _lines_fit(narrow.output)
+    lines = narrow.output.splitlines()
+    # one line a job (not one character a line), the error cut with an ellipsis
+    failed = [line for line in lines if "meetup_city_minute" in line]
+    assert len(failed) == 1 and "StreamingQueryException" in failed[0] and "…" in failed[0]
+    assert LONG_ERROR not in narrow.output
+    assert all(any(r["name"] in line for line in lines) for r in _job_rows())
+
+    wide = CliRunner().invoke(app, ["jobs", "list", "--wide"], env=fake_jobs)
+    assert wide.exit_code == 0, wide.output
+    assert LONG_ERROR in wide.output
+    for column in ("processed_rows_per_s", "late_events", "watermark", "duplicates"):
+        assert column in wide.output
+
+    as_json = CliRunner().invoke(app, ["jobs", "list", "--json"], env=fake_jobs)
+    assert json.loads(as_json.output) == _job_rows()
+
+
+@pytest.mark.unit
+def test_status_fits_80_columns_and_wide_shows_everything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+    from cluster.cli import status as status_cmd
+
+    snap = _snapshot()
+    monkeypatch.setattr(status_cmd, "running_state", lambda cfg: {"admin": {"url": "-"}})
+    monkeypatch.setattr(status_cmd, "fetch_status", lambda cfg, state, timeout=10.0: snap)
+    env = {"TIERFLOW_STATE_DIR": str(tmp_path), "COLUMNS": "80"}
+    reason = snap["autoscaling"]["collector"]["reason"]  # type: ignore[index]
+
+    narrow = CliRunner().invoke(app, ["status"], env=env)
+    assert narrow.exit_code == 0, narrow.output
+    _lines_fit(narrow.output)
+    out = narrow.output
+    for title in ("services", "ray nodes", "supervised actors", "roles", "analysis"):
+        assert title in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert {"collector", "logger", "bridge", "gateway", "meetup_topn"} <= set(rows)
+    assert "4 (1 silent)" in rows["collector"] and "-> 5" in rows["collector"]
+    assert NODE not in out and reason not in out
+
+    wide = CliRunner().invoke(app, ["status", "--wide"], env=env)
+    assert wide.exit_code == 0, wide.output
+    assert NODE in wide.output and reason in wide.output and "per node" in wide.output
+    assert "accepted 20431.2 rejected 12.5 overloaded 0" in wide.output
+
+    as_json = CliRunner().invoke(app, ["status", "--json"], env=env)
+    assert json.loads(as_json.output) == {"running": True, **snap}
+
+
+@pytest.mark.unit
+def test_fit_widths_gives_way_with_the_flexible_columns_first() -> None:
+    from cluster.tables import fit_widths, truncate
+
+    # room enough: nothing changes
+    assert fit_widths([10, 5, 40], [4, 3, 5], [False, False, True], 60) == [10, 5, 40]
+    # the flexible column shrinks alone while it can
+    assert fit_widths([10, 5, 40], [4, 3, 5], [False, False, True], 30) == [10, 5, 15]
+    # then the others, widest first, never below their minimum
+    assert fit_widths([10, 5, 40], [4, 3, 5], [False, False, True], 14) == [4, 5, 5]
+    assert fit_widths([10, 5, 40], [4, 3, 5], [False, False, True], 1) == [4, 3, 5]
+    assert truncate("abcdef", 4) == "abc…" and truncate("abc", 4) == "abc"

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from cluster.tables import Column, build
 
 MIN_WINDOW_S = 2.0
 
@@ -183,17 +187,27 @@ def fault_reports(
 # --------------------------------------------------------------------------- rendering
 
 
-def table(reports: Sequence[ScenarioReport]) -> Any:
-    """The summary as a rich Table: one row per scenario."""
-    from rich.table import Table
+# The narrow view (80 columns) keeps the verdict and what it rests on; --wide and the
+# report's .txt file show every column.
+COLUMNS = (
+    Column("scenario"),
+    Column("seed", justify="right", wide_only=True),
+    Column("sent", justify="right", wide_only=True),
+    Column("acked", justify="right"),
+    Column("lost", justify="right"),
+    Column("dup", justify="right"),
+    Column("refused", justify="right", wide_only=True),
+    Column("gateway", wide_only=True),
+    Column("analysis", justify="right", wide_only=True),
+    Column("faults", "faults (recovery s)", flex=True, wide_only=True),
+    Column("eps", "eps in faults / overall", justify="right", wide_only=True),
+    Column("verdict", flex=True),
+)
 
-    t = Table(title="tierflow chaos", show_lines=False)
-    for col in ("scenario", "seed", "sent", "acked", "lost", "dup", "refused", "gateway"):
-        t.add_column(col, justify="left" if col in ("scenario", "gateway") else "right")
-    t.add_column("analysis", justify="right")
-    t.add_column("faults (recovery s)")
-    t.add_column("eps in faults / overall", justify="right")
-    t.add_column("verdict")
+
+def rows(reports: Sequence[ScenarioReport]) -> list[dict[str, str]]:
+    """One row of cells per scenario (what `table` shows)."""
+    out = []
     for r in reports:
         gw = "-" if r.gateway is None else f"{r.gateway.received}/{r.gateway.expected}"
         if r.gateway is not None and not r.gateway.ok:
@@ -205,22 +219,29 @@ def table(reports: Sequence[ScenarioReport]) -> Any:
         )
         faults = "; ".join(f"{f.label} ({'ERR' if f.error else f.recovered_s})" for f in r.faults)
         during = [f.throughput_eps for f in r.faults]
-        eps = f"{min(during) if during else 0:.0f}/{r.throughput_eps:.0f}"
-        t.add_row(
-            r.scenario,
-            str(r.seed),
-            str(r.sent),
-            f"{r.acknowledged}/{r.events}",
-            str(len(r.lost) + len(r.altered)),
-            str(len(r.duplicated) + len(r.duplicated_payloads)),
-            _refusals(r),
-            gw,
-            an,
-            faults,
-            eps,
-            "PASS" if r.ok else f"FAIL{': ' + r.error[:60] if r.error else ''}",
+        out.append(
+            {
+                "scenario": r.scenario,
+                "seed": str(r.seed),
+                "sent": str(r.sent),
+                "acked": f"{r.acknowledged}/{r.events}",
+                "lost": str(len(r.lost) + len(r.altered)),
+                "dup": str(len(r.duplicated) + len(r.duplicated_payloads)),
+                "refused": _refusals(r),
+                "gateway": gw,
+                "analysis": an,
+                "faults": faults,
+                "eps": f"{min(during) if during else 0:.0f}/{r.throughput_eps:.0f}",
+                "verdict": "PASS" if r.ok else f"FAIL{': ' + r.error[:60] if r.error else ''}",
+            }
         )
-    return t
+    return out
+
+
+def table(reports: Sequence[ScenarioReport], *, wide: bool = True, width: int = 80) -> Table:
+    """The summary as a rich Table, one row per scenario: every column (wide), or the
+    verdict columns fitted to `width`."""
+    return build(COLUMNS, rows(reports), wide=wide, width=width, title="tierflow chaos")
 
 
 def _refusals(r: ScenarioReport) -> str:
@@ -234,10 +255,13 @@ def _refusals(r: ScenarioReport) -> str:
 
 
 def render_text(reports: Sequence[ScenarioReport], width: int = 200) -> str:
-    from rich.console import Console
-
-    console = Console(width=width, record=True, file=io.StringIO())
-    console.print(table(reports))
+    """The wide table as plain text (the report's .txt file): at least `width` columns,
+    more when the table needs them, so no cell is cut."""
+    t = table(reports)
+    probe = Console(width=width, file=io.StringIO())
+    need = probe.measure(t, options=probe.options.update(max_width=1 << 20)).maximum
+    console = Console(width=max(width, need), record=True, file=io.StringIO())
+    console.print(t)
     return console.export_text()
 
 

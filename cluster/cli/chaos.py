@@ -3,34 +3,49 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from cluster.chaos import report, scenarios
 from cluster.chaos.schedule import plan
+from cluster.cli.common import JsonOpt, WideOpt, console
+from cluster.tables import Column, build, print_tables
 
 app = typer.Typer(help="Fault injection with a zero-loss verdict.", no_args_is_help=True)
-console = Console()
+
+SCENARIO_COLUMNS = (
+    Column("scenario"),
+    Column("what", flex=True),
+    Column("schedule", flex=True),
+)
 
 
 @app.command("list")
 def list_(
     seed: Annotated[int, typer.Option(help="show the schedule this seed gives")] = 1,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """The scenarios and the faults each applies for SEED (fractions of the load window)."""
-    t = Table(title=f"chaos scenarios (seed {seed})")
-    t.add_column("scenario")
-    t.add_column("what")
-    t.add_column("schedule")
-    for s in scenarios.SCENARIOS.values():
-        faults = ", ".join(f"{f.at:.2f}: {f.label}" for f in plan(s, seed))
-        t.add_row(s.name, s.summary, faults)
-    console.print(t)
+    rows = [
+        {
+            "scenario": s.name,
+            "what": s.summary,
+            "schedule": ", ".join(f"{f.at:.2f}: {f.label}" for f in plan(s, seed)),
+        }
+        for s in scenarios.SCENARIOS.values()
+    ]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    title = f"chaos scenarios (seed {seed})"
+    print_tables(
+        lambda w: [build(SCENARIO_COLUMNS, rows, wide=wide, width=w, title=title)], wide=wide
+    )
 
 
 @app.command()
@@ -43,9 +58,11 @@ def run(
     workdir: Annotated[
         Path | None, typer.Option(help="keep state here (default: temporary)")
     ] = None,
+    wide: WideOpt = False,
 ) -> None:
     """Deploy, load, inject the scenario's faults, verify; exit 1 unless every scenario
-    lost and duplicated nothing acknowledged."""
+    lost and duplicated nothing acknowledged. The report's files hold every column."""
+    # Imported here: the runner loads Ray, NATS and the whole pipeline.
     from cluster.chaos.runner import RunOptions, run_all
 
     logging.basicConfig(level=logging.WARNING)
@@ -57,7 +74,7 @@ def run(
         raise typer.Exit(2) from None
     opts = RunOptions(events=events, rate=rate, seed=seed, workdir=workdir)
     reports = asyncio.run(run_all(chosen, opts))
-    Console(width=max(console.width, 180)).print(report.table(reports))
+    print_tables(lambda w: [report.table(reports, wide=wide, width=w)], wide=wide)
     path = report.write(reports, report_dir)
     console.print(f"report: {path} (table: {path.with_suffix('.txt')})")
     if not all(r.ok for r in reports):

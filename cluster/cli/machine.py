@@ -1,0 +1,135 @@
+"""`tierflow check`, `certs`, `config show`, `nats up` and `replay`: this machine's
+prerequisites, its configuration, and the servers it can run on its own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import typer
+
+from cluster.cli.common import ConfigOpt, console, err_console, load_config
+from cluster.replay import run_replay
+from runtime.certs import make_dev_certs, server_names
+from runtime.config import dumps_toml, redact
+from runtime.nats import NatsCluster, nats_server_binary
+from runtime.services import EngineError, nats_store_dir, require_java, start_nats
+from runtime.tls import certs_dir
+
+config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+nats_app = typer.Typer(help="Run NATS servers on this machine.", no_args_is_help=True)
+
+
+def check() -> None:
+    """Check the machine: Java 17+ for Spark and the nats-server binary."""
+    try:
+        java = require_java()
+        binary = nats_server_binary()
+    except (EngineError, RuntimeError) as err:
+        err_console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"java {java}, nats-server {binary}: ok")
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Print the effective config (file + TIERFLOW_* overrides + defaults); secrets redacted."""
+    cfg = load_config(config)
+    if as_json:
+        print(json.dumps(redact(cfg.to_dict()), indent=2))
+    else:
+        print(dumps_toml(cfg, redacted=True), end="")
+
+
+def certs(
+    config: ConfigOpt = None,
+    out: Annotated[
+        Path | None, typer.Option(help="directory (default: <state_dir>/certs, where [tls] looks)")
+    ] = None,
+    name: Annotated[
+        list[str] | None, typer.Option("--name", help="extra host name or IP for the server")
+    ] = None,
+    client: Annotated[bool, typer.Option(help="also a client certificate (mutual TLS)")] = True,
+) -> None:
+    """Make development certificates: a CA, a server certificate (127.0.0.1, localhost and
+    each --name) and a client certificate. Keys are written 0600; reruns keep the CA."""
+    made = make_dev_certs(out or certs_dir(load_config(config)), name or [], client=client)
+    console.print(f"[green]certificates in {made.dir}[/green]")
+    console.print(f"  CA      {made.ca}  (clients trust this)")
+    console.print(f"  server  {made.cert}  for {', '.join(server_names(made.cert))}")
+    if client:
+        console.print(f"  client  {made.client_cert}")
+    console.print("  enable with \\[tls] enabled = true (or TIERFLOW_TLS__ENABLED=true)")
+
+
+@nats_app.command("up")
+def nats_up(
+    config: ConfigOpt = None,
+    nodes: Annotated[int, typer.Option(min=1, max=5, help="1, or a cluster of N")] = 1,
+) -> None:
+    """Run nats-server (one node, or an N-node JetStream cluster on loopback) until Ctrl-C."""
+    cfg = load_config(config)
+    if nodes == 1:
+        # `nats up` always runs a local server, whatever nats.url says.
+        local = msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, url=""))
+        cluster: Any = start_nats(local)
+        urls = [cluster.url]
+    else:
+        cluster = NatsCluster(
+            base_dir=nats_store_dir(cfg) / "cluster",
+            nodes=nodes,
+            sync_interval=cfg.nats.sync_interval,
+        ).start()
+        urls = cluster.urls
+    console.print(f"[green]nats up[/green]: {','.join(urls)}  (Ctrl-C stops)")
+    stop = {"flag": False}
+
+    def _stop(*_: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stop["flag"]:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+        console.print("nats stopped")
+
+
+def replay(
+    seed: Annotated[int, typer.Option(help="synthetic Meetup generator seed")] = 0,
+    file: Annotated[Path | None, typer.Option("--file", help="replay an NDJSON file")] = None,
+    rate: Annotated[float, typer.Option(help="events/s per connection (0: unpaced)")] = 100.0,
+    count: Annotated[
+        int | None, typer.Option(help="stop after N events (default: endless)")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    close_at_end: Annotated[bool, typer.Option(help="close connections after --count")] = False,
+) -> None:
+    """Serve RSVPs as a WebSocket stream: the stand-in for the retired Meetup RSVP API."""
+
+    def ready(server: Any) -> None:
+        console.print(
+            f"replaying on {server.url}  (positioned: {server.stream_url}?from=N, "
+            f"stats: http://{host}:{server.port}/stats)  Ctrl-C stops"
+        )
+
+    run_replay(
+        seed=seed,
+        ndjson=str(file) if file else None,
+        rate=rate,
+        count=count,
+        host=host,
+        port=port,
+        close_at_end=close_at_end,
+        on_ready=ready,
+    )
