@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from runtime import runstate
 from runtime.config import Config
 from runtime.services import Services, connect_nats, ensure_streams
@@ -96,12 +98,16 @@ class Runtime:
 
         from cluster.deploy.gateway import start_gateways
 
+        options = self.cfg.gateway.options
+        if self.meetup_analysis and not options.topn_subject:
+            # the demo's `/streaming` is its all-time top-N query (cluster/demo/meetup.py)
+            options = msgspec.structs.replace(options, topn_subject="results.meetup_topn")
         self.gateways = start_gateways(
             self.cfg,
             self.services.nats_url,
             named_filters=self.cfg.gateway.filters,
             token_streams=self.cfg.auth.consumer_streams,
-            options=self.cfg.gateway.options or None,
+            options=options,
         )
         ep = ray.get(
             ray.get_actor(self.gateways[0], namespace=self.cfg.ray.namespace).endpoints.remote(),

@@ -12,6 +12,7 @@ as a TOML value when it parses as one (``2``, ``true``, ``["a","b"]``), else as 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -194,11 +195,99 @@ class TlsConfig(_Strict):
     verify_clients: bool = False
 
 
+Overflow = Literal["drop_oldest", "disconnect"]
+
+
+class WebhookOptions(_Strict, frozen=True):
+    """`[gateway.options.webhooks]`: delivery tuning (see actors/access/webhooks.py)."""
+
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    timeout_s: float = 10.0
+    lease_s: float = 5.0
+    bucket: str = "tierflow_webhooks"  # actors.access.webhooks.BUCKET
+    # CIDRs a target may be in besides public addresses (loopback, private, link-local
+    # ones are refused unless listed here), e.g. ["127.0.0.1/32", "10.20.0.0/16"]
+    allow_networks: list[str] = []
+
+    def __post_init__(self) -> None:
+        for net in self.allow_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"allow_networks: {net!r} is not a network "
+                    "(a CIDR such as '127.0.0.1/32' or '10.0.0.0/8')"
+                ) from None
+
+
+class GatewayOptions(_Strict, frozen=True):
+    """`[gateway.options]`: tuning; every default serves a dashboard-sized load.
+
+    Checked when the config loads, so a typo or a wrong type names its key at start-up
+    instead of failing in a restarting gateway actor.
+    """
+
+    ring_size: int = 8192  # recent events kept per stream (resume/poll from memory)
+    backfill: int = 4096  # a new feed starts this far before its first subscriber
+    fetch_batch: int = 512
+    send_batch: int = 64
+    max_lag: int = 2048  # per-client bound, in stream messages
+    warn_lag: int = 1024
+    warn_every_s: float = 1.0
+    default_overflow: Overflow = "disconnect"
+    overflow: dict[str, Overflow] = msgspec.field(  # by public stream name
+        default_factory=lambda: {"results": "drop_oldest"}
+    )
+    ack_window: int = 256
+    feed_idle_s: float = 30.0
+    cursor_bucket: str = "tierflow_cursors"  # actors.access.cursors.BUCKET
+    cursor_replicas: int = 0  # 0: min(3, cluster size)
+    cursor_flush_s: float = 0.1
+    cursor_flush_max: int = 256
+    poll_timeout_s: float = 25.0
+    poll_max_timeout_s: float = 60.0
+    poll_limit: int = 1000
+    ws_max_message: int = 64 << 10
+    max_subscriptions: int = 64
+    sse_keepalive_s: float = 15.0
+    close_timeout_s: float = 5.0
+    abort_after_s: float = 30.0  # a closed slow client that never reads is cut after this
+    idle_timeout_s: float = 15.0  # a connection idle, or still sending its request head
+    socket_sndbuf: int = 0  # SO_SNDBUF per client socket; 0 = the OS default
+    # `/streaming` serves the `top` list of the messages on this subject of `topn_stream`;
+    # empty: no top-N result is configured and `/streaming` refuses (404)
+    topn_stream: str = "results"
+    topn_subject: str = ""
+    internal_streams: list[str] = msgspec.field(
+        default_factory=lambda: ["KV_tierflow_cursors", "KV_tierflow_webhooks", "buffer"]
+    )
+    webhooks: WebhookOptions = msgspec.field(default_factory=WebhookOptions)
+
+    def __post_init__(self) -> None:
+        if self.ring_size < self.max_lag + 2 * self.fetch_batch:
+            raise ValueError(
+                f"ring_size {self.ring_size} must be >= max_lag + 2 * fetch_batch "
+                f"({self.max_lag + 2 * self.fetch_batch}): a client within its lag bound must "
+                "still find its events in memory"
+            )
+
+
+def gateway_options(data: Mapping[str, Any]) -> GatewayOptions:
+    """`[gateway.options]` from a mapping (a caller's overrides), checked as `load` checks
+    it: ConfigError names the key."""
+    try:
+        return msgspec.convert(dict(data), GatewayOptions)
+    except msgspec.ValidationError as err:
+        raise _explain(err, "gateway.options", "") from None
+
+
 class GatewayConfig(_Strict):
     """Static named filters (name -> SQL) and gateway tuning (see actors/access/gateway.py)."""
 
     filters: dict[str, str] = {}
-    options: dict[str, Any] = {}
+    options: GatewayOptions = msgspec.field(default_factory=GatewayOptions)
 
 
 class AdminConfig(_Strict):
@@ -220,7 +309,7 @@ class Config(_Strict):
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
-    # Analysis jobs by spec (see jobs/library.py JobSpec); checked by the analysis driver.
+    # Analysis jobs by spec (see jobs/specs.py JobSpec); checked by the analysis driver.
     jobs: list[dict[str, Any]] = []
 
     @property
@@ -415,24 +504,6 @@ def validate(data: Mapping[str, Any], source: str = "") -> Config:
     return cfg
 
 
-def _check_webhook_networks(hooks: Any) -> None:
-    """`gateway.options.webhooks.allow_networks`: the CIDRs webhook targets may be in
-    besides public addresses (loopback, private, link-local are refused otherwise)."""
-    import ipaddress
-
-    nets = hooks.get("allow_networks", []) if isinstance(hooks, Mapping) else []
-    if not isinstance(nets, list):
-        raise ConfigError("gateway.options.webhooks.allow_networks: expected a list of CIDRs")
-    for net in nets:
-        try:
-            ipaddress.ip_network(net, strict=False)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"gateway.options.webhooks.allow_networks: {net!r} is not a network "
-                "(a CIDR such as '127.0.0.1/32' or '10.0.0.0/8')"
-            ) from None
-
-
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
     for name, stream in cfg.streams.items():
@@ -443,7 +514,6 @@ def _check_cross_keys(cfg: Config) -> None:
             compile_filter(sql)
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
-    _check_webhook_networks(cfg.gateway.options.get("webhooks"))
     for role in ("collector", "logger", "bridge", "gateway"):
         auto = getattr(cfg.roles, role).autoscaling
         if auto is not None:

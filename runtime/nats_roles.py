@@ -100,7 +100,7 @@ def role_permissions(cfg: Config) -> dict[str, dict[str, Any]]:
     subjects = [sub for s in cfg.streams.values() for sub in s.subjects]
     # the bridge publishes producers' events and dead letters, never analysis results
     bridged = [sub for sub in subjects if not sub.startswith(ANALYSIS_ONLY)]
-    cursors = str(cfg.gateway.options.get("cursor_bucket") or CURSOR_BUCKET)
+    cursors = cfg.gateway.options.cursor_bucket or CURSOR_BUCKET
     return {
         "admin": _perm([">"], [">"]),
         "bridge": _perm([*_LOOK, *_manage(*cfg.streams), *bridged], [INBOX]),
@@ -114,8 +114,11 @@ def role_permissions(cfg: Config) -> dict[str, dict[str, Any]]:
             [*_LOOK, *_READ, *_manage(BUFFER_STREAM), f"{BUFFER_STREAM}.>", *_kv(LEASE_BUCKET)],
             [INBOX],
         ),
+        # webhook senders hold their leases in the lease bucket (actors/access/webhooks.py)
         "gateway": _perm(
-            [*_LOOK, *_READ, *_kv(cursors), *_kv(WEBHOOK_BUCKET), WEBHOOK_DEADLETTER], [INBOX]
+            [*_LOOK, *_READ, *_kv(cursors), *_kv(WEBHOOK_BUCKET), *_kv(LEASE_BUCKET)]
+            + [WEBHOOK_DEADLETTER],
+            [INBOX],
         ),
         "analysis": _perm(
             [*_LOOK, *_READ, "results.>", "deadletter.>", *_kv(RESULTS_BUCKET)], [INBOX]

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from actors.access.fanout import Event, Feed, LagPolicy, Subscriber, TokenBucket, judge_lag
+from actors.access.fanout import Feed, LagPolicy, Subscriber, TokenBucket, judge_lag
+from actors.access.messages import StreamMessage
 from runtime.query import compile_filter
 from runtime.waiting import await_until
 
@@ -21,14 +22,14 @@ class MemStream:
     """A stream in memory; readers block up to their timeout for new events."""
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self.events: list[StreamMessage] = []
         self.changed = asyncio.Event()
         self.opened: list[int] = []
 
     def publish(self, n: int, make: Callable[[int], dict] = lambda i: {"i": i}) -> None:
         for _ in range(n):
             seq = len(self.events) + 1
-            self.events.append(Event(seq, "raw.s", msgspec.json.encode(make(seq))))
+            self.events.append(StreamMessage(seq, "raw.s", msgspec.json.encode(make(seq))))
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -42,7 +43,7 @@ class MemReader:
         self.stream = stream
         self.pos = max(1, start)
 
-    async def fetch(self, max_events: int, timeout: float) -> list[Event]:
+    async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
         if self.pos > len(self.stream.events):
             try:
                 await asyncio.wait_for(self.stream.changed.wait(), timeout)
@@ -50,7 +51,7 @@ class MemReader:
                 return []
         out = self.stream.events[self.pos - 1 : self.pos - 1 + max_events]
         self.pos += len(out)
-        return [Event(e.seq, e.subject, e.raw) for e in out]  # fresh objects, like NATS
+        return [StreamMessage(e.seq, e.subject, e.raw) for e in out]  # fresh objects, like NATS
 
     async def close(self) -> None:
         pass
@@ -80,7 +81,7 @@ class Client:
             **kw,  # type: ignore[arg-type]
         )
 
-    async def deliver(self, batch: list[tuple[Event, bytes]]) -> None:
+    async def deliver(self, batch: list[tuple[StreamMessage, bytes]]) -> None:
         await self.gate.wait()
         self.seqs.extend(e.seq for e, _ in batch)
 
@@ -217,9 +218,9 @@ async def test_acks_past_what_was_delivered_are_refused() -> None:
 
 
 async def test_filters_render_once_per_event() -> None:
-    ev = Event(1, "raw.s", b'{"a": 1,\n "b": 2}')
+    ev = StreamMessage(1, "raw.s", b'{"a": 1,\n "b": 2}')
     f = compile_filter("SELECT a")
     assert ev.view(f) == b'{"a":1}' and ev.view(f) is ev.view(f)
     assert ev.json == b'{"a":1,"b":2}'  # a multi-line payload is re-encoded on one line
-    assert Event(2, "s", b"not json").json == b'"not json"'
-    assert Event(3, "s", b'{"a":1}').view(compile_filter("WHERE a = 2")) is None
+    assert StreamMessage(2, "s", b"not json").json == b'"not json"'
+    assert StreamMessage(3, "s", b'{"a":1}').view(compile_filter("WHERE a = 2")) is None

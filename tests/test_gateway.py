@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,22 +29,32 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from actors.access import cursors, webhooks
+from actors.access.auth import Access
 from actors.access.cursors import FlushPolicy, cursor_key
-from actors.access.gateway import (
+from actors.access.gateway import Gateway
+from actors.access.protocol import (
     CLOSE_BAD_MESSAGE,
     CLOSE_FORBIDDEN,
     CLOSE_TOO_SLOW,
     CLOSE_UNAUTHORIZED,
     CLOSE_UNKNOWN_STREAM,
-    Access,
-    Gateway,
     Problem,
+    first_seq_to_deliver,
     parse_start,
-    resolve_start,
     stream_ref,
 )
-from cluster.deploy.gateway import start_gateways, stop_gateways
-from runtime.config import Config, load
+from cluster.deploy.gateway import gateway_spec, start_gateways, stop_gateways
+from runtime.config import (
+    Config,
+    ConfigError,
+    GatewayOptions,
+    WebhookOptions,
+    dumps_toml,
+    gateway_options,
+    load,
+    validate,
+)
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
 from runtime.services import ensure_streams
@@ -54,24 +65,25 @@ TOKEN = "tok-all"
 LIMITED = "tok-results"
 H = {"Authorization": f"Bearer {TOKEN}"}
 NAMED = {"yes_only": "WHERE response = 'yes'"}
-OPTIONS: dict[str, Any] = {
-    "max_lag": 300,
-    "warn_lag": 100,
-    "warn_every_s": 0.2,
-    "ring_size": 4096,
-    "backfill": 2048,
-    "socket_sndbuf": 16384,
-    "close_timeout_s": 2.0,
-    "cursor_flush_s": 0.1,
-    "webhooks": {
-        "max_attempts": 3,
-        "backoff_base_s": 0.05,
-        "backoff_cap_s": 0.2,
-        "lease_s": 2.0,
-        "timeout_s": 2.0,
-        "allow_networks": ["127.0.0.1/32"],  # the receiver is on loopback
-    },
-}
+OPTIONS = GatewayOptions(
+    max_lag=300,
+    warn_lag=100,
+    warn_every_s=0.2,
+    ring_size=4096,
+    backfill=2048,
+    socket_sndbuf=16384,
+    close_timeout_s=2.0,
+    cursor_flush_s=0.1,
+    topn_subject="results.meetup_topn",  # what `/streaming` serves (the demo's setting)
+    webhooks=WebhookOptions(
+        max_attempts=3,
+        backoff_base_s=0.05,
+        backoff_cap_s=0.2,
+        lease_s=2.0,
+        timeout_s=2.0,
+        allow_networks=["127.0.0.1/32"],  # the receiver is on loopback
+    ),
+)
 STREAMS = ["meetup", "results", "deadletter", "fo", "slow", "hooks", "polls", "sse", "hist"]
 CURL = shutil.which("curl")
 _json = msgspec.json.Encoder()
@@ -103,20 +115,83 @@ def test_stream_names_and_start_positions() -> None:
     with pytest.raises(Problem) as info:
         stream_ref("a.b")
     assert info.value.status == 404
-    assert [resolve_start(parse_start(s), 5, 9) for s in ["new", "all", "last", 7, "3"]] == [
+    assert [first_seq_to_deliver(parse_start(s), 5, 9) for s in ["new", "all", "last", 7, "3"]] == [
         10,
         5,
         9,
         7,
         3,
     ]
-    assert resolve_start("last", 1, 0) == 1  # empty stream: the first message to come
+    assert first_seq_to_deliver("last", 1, 0) == 1  # empty stream: the first message to come
     for bad in [-1, "soon", True, 1.5]:
         with pytest.raises(Problem):
             parse_start(bad)
     assert FlushPolicy(0.1, 3).due(3, 0.0) and FlushPolicy(0.1, 3).due(1, 0.2)
     assert not FlushPolicy(0.1, 3).due(0, 9.0)
     assert cursor_key("a.b c", "x/y").count(".") == 1  # any ids make one valid KV key
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[gateway.options]\nmax_lagg = 100\n", r"gateway\.options: .*unknown field `max_lagg`"),
+        ('[gateway.options]\nmax_lag = "lots"\n', r"gateway\.options\.max_lag: Expected `int`"),
+        ('[gateway.options]\ndefault_overflow = "drop"\n', r"gateway\.options\.default_overflow"),
+        ("[gateway.options]\nring_size = 100\n", r"gateway\.options: ring_size 100 must be"),
+        ("[gateway.options.webhooks]\nmax_attempt = 3\n", r"webhooks: .*unknown field"),
+        ('[gateway.options.webhooks]\nlease_s = "5s"\n', r"gateway\.options\.webhooks\.lease_s"),
+    ],
+)
+def test_gateway_options_are_refused_at_load_naming_the_key(
+    tmp_path: Path, toml: str, key: str
+) -> None:
+    """A typo or a wrong type fails `load` (tierflow up, the CLI) with the key, not later
+    in a restarting gateway actor; a caller's mapping is checked the same way."""
+    path = tmp_path / "tierflow.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=key):
+        load(path, environ={})
+    table = tomllib.loads(toml)["gateway"]["options"]
+    with pytest.raises(ConfigError, match=key):
+        gateway_options(table)
+    with pytest.raises(ConfigError, match=key):
+        gateway_spec(load(environ={}), "gateway-0", nats_url="nats://x:4222", port=1, options=table)
+    env = {"TIERFLOW_GATEWAY__OPTIONS__POLL_LIMIT": "many"}
+    with pytest.raises(ConfigError, match=r"gateway\.options\.poll_limit: Expected `int`"):
+        load(environ=env)
+
+
+@pytest.mark.unit
+def test_a_valid_gateway_options_table_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "tierflow.toml"
+    path.write_text(
+        "[gateway.options]\n"
+        "max_lag = 300\nwarn_lag = 100\nwarn_every_s = 0.5\nsocket_sndbuf = 16384\n"
+        'topn_subject = "results.meetup_topn"\ninternal_streams = ["buffer"]\n'
+        "[gateway.options.overflow]\n"
+        'meetup = "drop_oldest"\n'
+        "[gateway.options.webhooks]\n"
+        'max_attempts = 3\nlease_s = 2\nallow_networks = ["127.0.0.1/32", "::1/128"]\n'
+    )
+    cfg = load(path, environ={})
+    o = cfg.gateway.options
+    assert (o.max_lag, o.warn_lag, o.warn_every_s, o.socket_sndbuf) == (300, 100, 0.5, 16384)
+    assert o.topn_subject == "results.meetup_topn" and o.internal_streams == ["buffer"]
+    assert o.overflow == {"meetup": "drop_oldest"}  # the table replaces the default one
+    assert o.webhooks == WebhookOptions(
+        max_attempts=3, lease_s=2.0, allow_networks=["127.0.0.1/32", "::1/128"]
+    )
+    assert o.ring_size == GatewayOptions().ring_size  # untouched keys keep their defaults
+    again = tmp_path / "again.toml"
+    again.write_text(dumps_toml(cfg))
+    assert load(again, environ={}) == cfg
+    assert validate(cfg.to_dict()) == cfg  # what a gateway actor is given
+    assert gateway_options(msgspec.to_builtins(o)) == o
+    # the defaults name the buckets the access tier uses; nothing names the Meetup demo
+    assert GatewayOptions().cursor_bucket == cursors.BUCKET
+    assert GatewayOptions().webhooks.bucket == webhooks.BUCKET
+    assert GatewayOptions().topn_subject == ""
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from actors.access.gateway import Gateway
 from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
-from runtime.config import Config, load
+from runtime.config import Config, GatewayOptions, WebhookOptions, load
 from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
 from runtime.services import ensure_streams
@@ -36,18 +36,18 @@ ALICE = "tok-alice"
 BOB = "tok-bob"
 LIMITED = "tok-results-only"
 _json = msgspec.json.Encoder()
-OPTIONS: dict[str, Any] = {
-    "cursor_flush_s": 0.05,
-    "close_timeout_s": 2.0,
-    "webhooks": {
-        "max_attempts": 2,
-        "backoff_base_s": 0.05,
-        "backoff_cap_s": 0.1,
-        "lease_s": 2.0,
-        "timeout_s": 2.0,
-        "allow_networks": ["127.0.0.1/32"],
-    },
-}
+OPTIONS = GatewayOptions(
+    cursor_flush_s=0.05,
+    close_timeout_s=2.0,
+    webhooks=WebhookOptions(
+        max_attempts=2,
+        backoff_base_s=0.05,
+        backoff_cap_s=0.1,
+        lease_s=2.0,
+        timeout_s=2.0,
+        allow_networks=["127.0.0.1/32"],
+    ),
+)
 
 
 def auth(token: str) -> dict[str, str]:
@@ -469,6 +469,20 @@ async def test_a_missing_cursor_is_an_error_naming_the_oldest_sequence(js: Any, 
         ws, frames = await _ws_sub(s, gw, {**sub, "from": "all"}, 1)
         async with ws:
             assert frames[0]["op"] == "subscribed" and frames[0]["from_seq"] == first
+
+
+async def test_streaming_serves_only_a_configured_topn_subject(gw: str) -> None:
+    """The gateway knows no demo: without `gateway.options.topn_subject` (the default),
+    `/streaming` says so (error frame, close 4404) instead of guessing a subject."""
+    async with (
+        aiohttp.ClientSession(headers=auth(ALICE)) as s,
+        s.ws_connect(f"{gw}/streaming") as ws,
+    ):
+        error = await recv_json(ws)
+        assert error["op"] == "error" and error["code"] == 404, error
+        assert "gateway.options.topn_subject" in error["reason"]
+        closed = await ws.receive(timeout=10)
+        assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4404, closed
 
 
 def test_a_bad_webhook_allow_list_fails_at_config_load() -> None:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +112,6 @@ async def open_bucket(
 
     `replicas=None` asks for min(3, cluster size): it tries 3, then 2, then 1, since the
     server refuses more replicas than it has peers (or any on a single node)."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import APIError, BucketNotFoundError
-
     with contextlib.suppress(BucketNotFoundError):
         return await js.key_value(bucket)
     tries = [replicas] if replicas else [3, 2, 1]
@@ -172,8 +171,6 @@ class CursorStore:
 
     async def get(self, client: str, sub: str, owner: str = "") -> CursorRecord | None:
         """The stored cursor, with any not yet flushed update of this process on top."""
-        from nats.js.errors import KeyDeletedError, KeyNotFoundError
-
         key = cursor_key(client, sub, owner)
         if key in self._dirty:
             return self._dirty[key]

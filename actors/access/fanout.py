@@ -21,8 +21,9 @@ own pace (so does a live subscriber within its lag bound that the ring trimmed p
 Rewinding the shared consumer instead would make every live client wait for the slowest
 history reader.
 
-Everything here runs on one event loop; I/O is behind the `Reader` protocol, so the policy
-and the ring are tested with an in-memory reader.
+Everything here runs on one event loop; I/O is behind the `Reader` protocol
+(actors/access/messages.py; JetStream's is actors/access/reader.py), so the policy and the
+ring are tested with an in-memory reader.
 """
 
 from __future__ import annotations
@@ -33,101 +34,27 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
+from actors.access.messages import OpenReader, Reader, StreamMessage
+from runtime.config import Overflow
 from runtime.query import Filter
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Event",
     "Feed",
     "Hub",
     "LagPolicy",
-    "Reader",
     "Subscriber",
     "TokenBucket",
     "Verdict",
     "judge_lag",
 ]
 
-Overflow = Literal["drop_oldest", "disconnect"]
 Verdict = Literal["ok", "warn", "overflow"]
-_json = msgspec.json.Encoder()
-_decode = msgspec.json.Decoder()
-
-
-# --------------------------------------------------------------------------- events
-
-
-class Event:
-    """One stream message, decoded at most once and rendered once per distinct filter."""
-
-    __slots__ = ("_data", "_json", "_views", "raw", "seq", "subject")
-
-    def __init__(self, seq: int, subject: str, raw: bytes, data: Any = ...) -> None:
-        self.seq = seq
-        self.subject = subject
-        self.raw = raw
-        self._data = data
-        self._json: bytes | None = None
-        self._views: dict[Filter, bytes | None] | None = None
-
-    @property
-    def data(self) -> Any:
-        """The payload as JSON; a payload that is not JSON is its text."""
-        if self._data is ...:
-            try:
-                self._data = _decode.decode(self.raw)
-                raw = self.raw.strip()
-                if raw and b"\n" not in raw and b"\r" not in raw:
-                    self._json = raw  # valid, one line: reuse the producer's bytes
-            except msgspec.DecodeError:
-                self._data = self.raw.decode("utf-8", "replace")
-        return self._data
-
-    @property
-    def json(self) -> bytes:
-        """The payload as one line of JSON."""
-        if self._json is None:
-            data = self.data
-            if self._json is None:
-                self._json = _json.encode(data)
-        return self._json
-
-    def view(self, flt: Filter) -> bytes | None:
-        """The payload as `flt` selects it (JSON, one line), or None if it does not match."""
-        if flt.match_all and flt.select_all:
-            return self.json
-        views = self._views
-        if views is None:
-            views = self._views = {}
-        elif flt in views:
-            return views[flt]
-        data = self.data
-        out: bytes | None = None
-        if flt.matches(data, self.subject):
-            out = self.json if flt.select_all else _json.encode(flt.select(data, self.subject))
-        views[flt] = out
-        return out
-
-    def __repr__(self) -> str:
-        return f"Event(seq={self.seq}, subject={self.subject!r})"
-
-
-class Reader(Protocol):
-    """A source of stream events from a start sequence on, in sequence order."""
-
-    async def fetch(self, max_events: int, timeout: float) -> list[Event]:
-        """Up to `max_events` next events; [] when none came within `timeout`."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-OpenReader = Callable[[int], Awaitable[Reader]]
 
 
 # --------------------------------------------------------------------------- policy
@@ -197,14 +124,14 @@ class _Ring:
     def __init__(self, capacity: int, base: int) -> None:
         self.capacity = capacity
         self.base = base
-        self._events: list[Event] = []
+        self._events: list[StreamMessage] = []
         self._seqs: list[int] = []
         self._head = 0
 
     def __len__(self) -> int:
         return len(self._events) - self._head
 
-    def append(self, events: Sequence[Event]) -> None:
+    def append(self, events: Sequence[StreamMessage]) -> None:
         self._events.extend(events)
         self._seqs.extend(e.seq for e in events)
         over = len(self) - self.capacity
@@ -216,12 +143,12 @@ class _Ring:
                 del self._seqs[: self._head]
                 self._head = 0
 
-    def read(self, seq: int, limit: int) -> list[Event]:
+    def read(self, seq: int, limit: int) -> list[StreamMessage]:
         """Events with seq >= `seq` (which must be >= base), at most `limit`."""
         i = bisect.bisect_left(self._seqs, seq, self._head)
         return self._events[i : i + limit]
 
-    def last(self) -> Event | None:
+    def last(self) -> StreamMessage | None:
         return self._events[-1] if len(self) else None
 
     def count(self, flt: Filter, start: int, end: int) -> int:
@@ -251,7 +178,7 @@ class Subscriber:
         flt: Filter,
         policy: LagPolicy,
         *,
-        deliver: Callable[[list[tuple[Event, bytes]]], Awaitable[None]],
+        deliver: Callable[[list[tuple[StreamMessage, bytes]]], Awaitable[None]],
         on_lag: Callable[[int], None] = lambda behind: None,
         on_dropped: Callable[[int, int, int], None] = lambda count, first, last: None,
         on_overflow: Callable[[int], None] = lambda behind: None,
@@ -403,9 +330,9 @@ class Subscriber:
             if reader is not None:
                 await feed.close_history(reader)
 
-    async def _send(self, events: list[Event], gen: int) -> None:
+    async def _send(self, events: list[StreamMessage], gen: int) -> None:
         flt = self.filter
-        out: list[tuple[Event, bytes]] = []
+        out: list[tuple[StreamMessage, bytes]] = []
         for ev in events:
             if ev.seq < self.next_seq:
                 continue
@@ -616,7 +543,7 @@ class Feed:
                 with contextlib.suppress(Exception):
                     await reader.close()
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[StreamMessage]) -> None:
         events = [e for e in events if e.seq >= self.position]
         if not events:
             return
@@ -684,112 +611,3 @@ class Hub:
 
     def stats(self) -> dict[str, Any]:
         return {name: feed.stats() for name, feed in self.feeds.items()}
-
-
-# --------------------------------------------------------------------------- JetStream
-
-KV_PREFIX = "KV_"
-KV_OP_HEADER = "KV-Operation"
-
-
-def kv_event(seq: int, subject: str, raw: bytes, headers: dict[str, str] | None) -> Event:
-    """A KV bucket message as the change it is: `{"key","op","value","revision"}`."""
-    op = ((headers or {}).get(KV_OP_HEADER) or "PUT").lower()
-    key = subject.split(".", 2)[2] if subject.count(".") >= 2 else subject
-    value: Any = None
-    if op == "put":
-        try:
-            value = _decode.decode(raw)
-        except msgspec.DecodeError:
-            value = raw.decode("utf-8", "replace")
-    return Event(seq, subject, raw, {"key": key, "op": op, "value": value, "revision": seq})
-
-
-class JetStreamReader:
-    """An ephemeral pull consumer (no acks, memory storage, one replica) from `start_seq`,
-    or of the last message per subject (a KV snapshot). Deleted with `close()`, and by the
-    server after `inactive_s` if this process dies."""
-
-    def __init__(
-        self,
-        js: Any,
-        stream: str,
-        start_seq: int = 1,
-        *,
-        last_per_subject: bool = False,
-        inactive_s: float = 30.0,
-        pending_msgs: int = 8192,
-    ) -> None:
-        self.js = js
-        self.stream = stream
-        self.start_seq = max(1, start_seq)
-        self.kv = stream.startswith(KV_PREFIX)
-        self._last_per_subject = last_per_subject
-        self._inactive_s = inactive_s
-        self._pending_msgs = pending_msgs
-        self._sub: Any = None
-        self.name = ""
-        self.num_pending = 0
-
-    async def open(self) -> JetStreamReader:
-        import uuid
-
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        self.name = f"tf-gw-{uuid.uuid4().hex[:16]}"
-        config = ConsumerConfig(
-            name=self.name,
-            ack_policy=AckPolicy.NONE,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=self._inactive_s,
-        )
-        if self._last_per_subject:
-            config.deliver_policy = DeliverPolicy.LAST_PER_SUBJECT
-            bucket = self.stream[len(KV_PREFIX) :]
-            config.filter_subject = f"$KV.{bucket}.>" if self.kv else ">"
-        else:
-            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-            config.opt_start_seq = self.start_seq
-        info = await self.js.add_consumer(self.stream, config)
-        self.num_pending = info.num_pending or 0
-        self._sub = await self.js.pull_subscribe_bind(
-            name=self.name,
-            stream=self.stream,
-            pending_msgs_limit=self._pending_msgs,
-            pending_bytes_limit=256 << 20,
-        )
-        return self
-
-    async def fetch(self, max_events: int, timeout: float) -> list[Event]:
-        try:
-            msgs = await self._sub.fetch(max_events, timeout=timeout)
-        except TimeoutError:  # nats-py raises its TimeoutError, a subclass
-            return []
-        out: list[Event] = []
-        for m in msgs:
-            meta = m.metadata
-            seq = meta.sequence.stream
-            self.num_pending = meta.num_pending
-            if self.kv:
-                out.append(kv_event(seq, m.subject, m.data, m.headers))
-            else:
-                out.append(Event(seq, m.subject, m.data))
-        return out
-
-    async def close(self) -> None:
-        sub, self._sub = self._sub, None
-        with contextlib.suppress(Exception):
-            if sub is not None:
-                await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await self.js.delete_consumer(self.stream, self.name)
-
-
-def jetstream_opener(js: Any, stream: str, **options: Any) -> OpenReader:
-    """`start_seq -> Reader` over JetStream `stream` (for a Feed or a history read)."""
-
-    async def open_reader(start_seq: int) -> Reader:
-        return await JetStreamReader(js, stream, start_seq, **options).open()
-
-    return open_reader

@@ -2,8 +2,11 @@
 
 A registration (url, stream, filter, secret, start position) is stored in the KV bucket
 `tierflow_webhooks`, so it survives any gateway restart, and every replica watches that
-bucket. Exactly one replica delivers a given webhook at a time: it holds the webhook's lease
-(a KV key renewed by compare-and-set; taken over once it expires, e.g. after a SIGKILL).
+bucket. Exactly one replica delivers a given webhook at a time: the one holding the webhook's
+lease, key `webhook.<id>` of the lease bucket (runtime/lease.py: revision-checked renewals, a
+server-side TTL of `lease_s` rounded up to whole seconds, so the lease of a replica that was
+SIGKILLed lapses by itself and another takes over). A sender checks that its lease is fresh
+before each POST.
 
 Delivery is in stream order, one event at a time per webhook, from the webhook's own
 ephemeral consumer (a webhook waits minutes in backoff; it must not hold a shared feed).
@@ -27,6 +30,9 @@ at registration (400 otherwise) and again at each connection (the sender connect
 addresses its resolver checked, so a name rebound to a private address after registration is
 refused). Redirects are not followed: a 3xx is a failed attempt. A registration belongs to
 the token that made it (its owner): other tokens neither see nor delete it.
+
+Tuning (attempts, backoff, lease, allowed networks) is `[gateway.options.webhooks]`
+(runtime.config.WebhookOptions, checked when the config loads).
 """
 
 from __future__ import annotations
@@ -37,20 +43,25 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import random
 import secrets
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from actors.access.cursors import CursorRecord, CursorStore, open_bucket
-from actors.access.fanout import Event, OpenReader
+from actors.access.messages import OpenReader, StreamMessage
 from runtime.clock import now_ms
+from runtime.config import WebhookOptions
+from runtime.lease import KvLease, Leadership, Term, ensure_lease_bucket
 from runtime.query import Filter
 from runtime.supervision import backoff_delay
 
@@ -63,7 +74,6 @@ __all__ = [
     "Registration",
     "TargetPolicy",
     "WebhookError",
-    "WebhookOptions",
     "Webhooks",
     "check_target",
     "delivery_id",
@@ -73,6 +83,7 @@ __all__ = [
 ]
 
 BUCKET = "tierflow_webhooks"
+LEASE_PREFIX = "webhook"  # lease keys `webhook.<id>` in runtime.lease.LEASE_BUCKET
 DEADLETTER_SUBJECT = "deadletter.webhooks"
 CURSOR_CLIENT = "webhook"
 SIGNATURE_HEADER = "X-Tierflow-Signature"
@@ -88,18 +99,6 @@ class WebhookError(ValueError):
         self.status = status
         self.reason = reason
         super().__init__(reason)
-
-
-class WebhookOptions(msgspec.Struct, frozen=True, kw_only=True):
-    max_attempts: int = 5
-    backoff_base_s: float = 0.5
-    backoff_cap_s: float = 30.0
-    timeout_s: float = 10.0
-    lease_s: float = 5.0
-    bucket: str = BUCKET
-    # CIDRs a target may be in besides public addresses (loopback, private, link-local
-    # ones are refused unless listed here), e.g. ["127.0.0.1/32", "10.20.0.0/16"]
-    allow_networks: list[str] = []
 
 
 class Registration(msgspec.Struct, kw_only=True):
@@ -118,11 +117,6 @@ class Registration(msgspec.Struct, kw_only=True):
         out.pop("secret")
         out.pop("owner", None)
         return out
-
-
-class _Lease(msgspec.Struct):
-    owner: str
-    until_ms: int
 
 
 def sign(secret: str, body: bytes) -> str:
@@ -253,15 +247,17 @@ async def check_target(url: Any, policy: TargetPolicy, resolver: GuardedResolver
 
 
 class Webhooks:
-    """The webhooks of one gateway replica: registry, leases and one sender task per lease.
+    """The webhooks of one gateway replica: registry, and per webhook a sender that runs
+    while this replica holds the webhook's lease (`owner` names the replica and its
+    incarnation: a restarted replica waits for its predecessor's leases to lapse).
 
-    `resolve(stream) -> (jetstream name, Filter maker)` and `open_reader(jetstream name)`
-    come from the gateway, so webhooks see streams and filters exactly as clients do.
+    `stream_name(public name)`, `compile_filter` and `open_reader(jetstream name)` come
+    from the gateway, so webhooks see streams and filters exactly as clients do.
     """
 
     def __init__(
         self,
-        js: Any,
+        nc: Any,
         *,
         owner: str,
         cursors: CursorStore,
@@ -270,7 +266,8 @@ class Webhooks:
         compile_filter: Callable[[str], Filter],
         options: WebhookOptions | None = None,
     ) -> None:
-        self.js = js
+        self.nc = nc
+        self.js = nc.jetstream()
         self.owner = owner
         self.cursors = cursors
         self._open_reader = open_reader
@@ -279,13 +276,15 @@ class Webhooks:
         self.options = options or WebhookOptions()
         self.policy = TargetPolicy.from_networks(self.options.allow_networks)
         self.kv: Any = None
+        self.lease_kv: Any = None
         self.registrations: dict[str, Registration] = {}
-        self._runners: dict[str, asyncio.Task[None]] = {}
+        self._senders: dict[str, _Sender] = {}
+        self._ending: set[asyncio.Task[None]] = set()
+        self._lost_before = 0  # leases lost by senders since dropped
         self._watch: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._resolver = GuardedResolver(self.policy)
         self._stopping = False
-        self.holding: set[str] = set()
         self.counters = {
             "delivered": 0,
             "attempts": 0,
@@ -300,18 +299,19 @@ class Webhooks:
 
     async def start(self) -> None:
         self.kv = await open_bucket(self.js, self.options.bucket)
+        self.lease_kv = await ensure_lease_bucket(self.js)
         self._session = sender_session(self._resolver, self.options.timeout_s)
         self._watch = asyncio.get_running_loop().create_task(self._watch_registrations())
 
     async def stop(self) -> None:
+        """Stop every sender (cursor flushed) and hand its lease over at once."""
         self._stopping = True
-        tasks = [t for t in (self._watch, *self._runners.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for wid in list(self.holding):  # hand the leases over at once
-            with contextlib.suppress(Exception):
-                await self.kv.delete(f"lease.{wid}")
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        for wid in list(self._senders):
+            self._drop(wid)
+        await asyncio.gather(*self._ending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -348,8 +348,6 @@ class Webhooks:
         return reg
 
     async def get(self, wid: str) -> Registration | None:
-        from nats.js.errors import KeyDeletedError, KeyNotFoundError
-
         if wid in self.registrations:
             return self.registrations[wid]
         if not wid.isalnum():
@@ -365,23 +363,17 @@ class Webhooks:
         if reg is None:
             return False
         await self.kv.delete(f"reg.{wid}")
-        self._drop(wid)
-        with contextlib.suppress(Exception):
-            await self.kv.delete(f"lease.{wid}")
+        self._drop(wid)  # the holder, here or on another replica, releases the lease
         return True
 
     async def status(self, wid: str) -> dict[str, Any] | None:
-        from nats.js.errors import KeyDeletedError, KeyNotFoundError
-
         reg = await self.get(wid)
         if reg is None:
             return None
         cursor = await self.cursors.get(CURSOR_CLIENT, wid)
         owner = None
-        with contextlib.suppress(KeyNotFoundError, KeyDeletedError, msgspec.DecodeError):
-            entry = await self.kv.get(f"lease.{wid}")
-            if entry.value:
-                owner = msgspec.json.decode(entry.value, type=_Lease).owner
+        with contextlib.suppress(msgspec.DecodeError):
+            owner = await self._lease(wid).current_holder()
         return {
             **reg.public(),
             "delivered_seq": cursor.seq if cursor else reg.start_seq - 1,
@@ -390,15 +382,26 @@ class Webhooks:
 
     def _adopt(self, reg: Registration) -> None:
         self.registrations[reg.id] = reg
-        if reg.id not in self._runners and not self._stopping:
-            task = asyncio.get_running_loop().create_task(self._run(reg), name=f"webhook-{reg.id}")
-            self._runners[reg.id] = task
+        if reg.id in self._senders or self._stopping:
+            return
+        lease = self._lease(reg.id)
+        leadership = Leadership(lease, lambda: self._deliver_all(reg, lease), new_term=self._term)
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(
+            leadership.run(stop), name=f"webhook-{reg.id}"
+        )
+        self._senders[reg.id] = _Sender(leadership, stop, task)
 
     def _drop(self, wid: str) -> None:
+        """Stop the webhook's sender: its delivery ends, its lease is released."""
         self.registrations.pop(wid, None)
-        task = self._runners.pop(wid, None)
-        if task is not None:
-            task.cancel()
+        sender = self._senders.pop(wid, None)
+        if sender is None:
+            return
+        self._lost_before += sender.leadership.lost
+        sender.stop.set()
+        self._ending.add(sender.task)
+        sender.task.add_done_callback(self._ending.discard)
 
     async def _watch_registrations(self) -> None:
         """Follow the registry (all replicas register into it) until stopped."""
@@ -429,73 +432,25 @@ class Webhooks:
 
     # ---- leases -----------------------------------------------------------------------
 
-    def _lease_value(self) -> bytes:
-        until = now_ms() + int(self.options.lease_s * 1000)
-        return msgspec.json.encode(_Lease(self.owner, until))
+    def _lease(self, wid: str) -> KvLease:
+        ttl_s = max(1, math.ceil(self.options.lease_s))  # the server's TTL: whole seconds
+        return KvLease(self.nc, self.lease_kv, f"{LEASE_PREFIX}.{wid}", self.owner, ttl_s=ttl_s)
 
-    async def _acquire(self, wid: str) -> int | None:
-        """The lease's revision if this replica holds it now, else None."""
-        from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-
-        key = f"lease.{wid}"
-        try:
-            entry = await self.kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            entry = None
-        try:
-            if entry is None or not entry.value:
-                return await self.kv.create(key, self._lease_value())
-            lease = msgspec.json.decode(entry.value, type=_Lease)
-            if lease.owner == self.owner or lease.until_ms < now_ms():
-                return await self.kv.update(key, self._lease_value(), last=entry.revision)
-        except (KeyWrongLastSequenceError, msgspec.DecodeError):
-            return None
-        return None
-
-    async def _run(self, reg: Registration) -> None:
-        """Hold the lease and deliver; without it, check again every half lease."""
-        while not self._stopping:
-            try:
-                revision = await self._acquire(reg.id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001
-                log.info("webhook %s: lease: %r", reg.id, err)
-                revision = None
-            if revision is None:
-                await asyncio.sleep(self.options.lease_s / 2)
-                continue
-            self.counters["leases_taken"] += 1
-            self.holding.add(reg.id)
-            deliver = asyncio.get_running_loop().create_task(self._deliver_all(reg))
-            try:
-                await self._hold(reg.id, revision, deliver)
-            finally:
-                self.holding.discard(reg.id)
-                deliver.cancel()
-                await asyncio.gather(deliver, return_exceptions=True)
-                with contextlib.suppress(Exception):
-                    await self.cursors.flush([(CURSOR_CLIENT, reg.id)])
-            if not deliver.cancelled() and deliver.exception() is not None:
-                log.info("webhook %s: delivery stopped: %r", reg.id, deliver.exception())
-                await asyncio.sleep(1.0)
-
-    async def _hold(self, wid: str, revision: int, deliver: asyncio.Task[None]) -> None:
-        """Renew the lease every third of its length until lost or delivery ends."""
-        while not deliver.done():
-            done, _ = await asyncio.wait({deliver}, timeout=self.options.lease_s / 3)
-            if done:
-                return
-            try:
-                revision = await self.kv.update(f"lease.{wid}", self._lease_value(), last=revision)
-            except Exception as err:  # noqa: BLE001 - taken over, or NATS unreachable
-                self.counters["leases_lost"] += 1
-                log.info("webhook %s: lease lost: %r", wid, err)
-                return
+    def _term(self, acquired_at: float) -> Term:
+        self.counters["leases_taken"] += 1
+        return Term(acquired_at)
 
     # ---- delivery ---------------------------------------------------------------------
 
-    async def _deliver_all(self, reg: Registration) -> None:
+    async def _deliver_all(self, reg: Registration, lease: KvLease) -> None:
+        """Deliver from the webhook's cursor on while `lease` is held (Leadership's work)."""
+        try:
+            await self._deliver_from_cursor(reg, lease)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.cursors.flush([(CURSOR_CLIENT, reg.id)])
+
+    async def _deliver_from_cursor(self, reg: Registration, lease: KvLease) -> None:
         cursor = await self.cursors.get(CURSOR_CLIENT, reg.id)
         next_seq = cursor.seq + 1 if cursor else reg.start_seq
         flt = self._compile(reg.filter)
@@ -505,7 +460,7 @@ class Webhooks:
                 for ev in await reader.fetch(32, 1.0):
                     body = ev.view(flt)
                     if body is not None:
-                        await self._deliver(reg, ev, body)
+                        await self._deliver(reg, ev, body, lease)
                     self.cursors.update(
                         CursorRecord(
                             client=CURSOR_CLIENT,
@@ -520,7 +475,9 @@ class Webhooks:
         finally:
             await reader.close()
 
-    async def _deliver(self, reg: Registration, ev: Event, data: bytes) -> None:
+    async def _deliver(
+        self, reg: Registration, ev: StreamMessage, data: bytes, lease: KvLease
+    ) -> None:
         body = b'{"webhook":%s,"stream":%s,"seq":%d,"subject":%s,"data":%s}' % (
             _json.encode(reg.id),
             _json.encode(reg.stream),
@@ -537,6 +494,8 @@ class Webhooks:
         error = ""
         opts = self.options
         for attempt in range(opts.max_attempts):
+            if not lease.fresh():  # another replica may hold it soon: stop before sending
+                raise _StaleLease(f"webhook {reg.id}: lease not renewed in time")
             self.counters["attempts"] += 1
             error = await self._post(reg.url, body, {**headers, ATTEMPT_HEADER: str(attempt + 1)})
             if not error:
@@ -575,7 +534,9 @@ class Webhooks:
         except (aiohttp.ClientError, TimeoutError) as err:
             return f"{type(err).__name__}: {err}"
 
-    async def _dead_letter(self, reg: Registration, ev: Event, data: bytes, error: str) -> None:
+    async def _dead_letter(
+        self, reg: Registration, ev: StreamMessage, data: bytes, error: str
+    ) -> None:
         record = b'{"webhook":%s,"url":%s,"stream":%s,"seq":%d,"subject":%s,' % (
             _json.encode(reg.id),
             _json.encode(reg.url),
@@ -595,11 +556,27 @@ class Webhooks:
         self.counters["dead_lettered"] += 1
 
     def stats(self) -> dict[str, Any]:
+        senders = self._senders
+        lost = self._lost_before + sum(x.leadership.lost for x in senders.values())
         return {
             **self.counters,
+            "leases_lost": lost,
             "registered": len(self.registrations),
-            "holding": sorted(self.holding),
+            "holding": sorted(w for w, x in senders.items() if x.leadership.role == "active"),
         }
+
+
+@dataclass(frozen=True)
+class _Sender:
+    """One webhook's sender on this replica: its lease loop, until `stop` is set."""
+
+    leadership: Leadership[Term]
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+
+class _StaleLease(Exception):
+    """The lease was not renewed in time: deliver nothing until it is (or it is lost)."""
 
 
 async def _until_done(call: Callable[[], Awaitable[Any]], what: str) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from actors.access.gateway import SUPERVISOR
-from runtime.config import Config
+from runtime.config import Config, GatewayOptions, gateway_options
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +25,13 @@ def gateway_spec(
     port: int,
     named_filters: Mapping[str, str] | None = None,
     token_streams: Mapping[str, Sequence[str]] | None = None,
-    options: Mapping[str, Any] | None = None,
+    options: GatewayOptions | Mapping[str, Any] | None = None,
     node: str | None = None,
 ) -> Any:
-    """The child spec of one gateway replica, softly pinned to `node`."""
+    """The child spec of one gateway replica, softly pinned to `node`.
+
+    `options` default to the config's `[gateway.options]`; a mapping is checked here as
+    `load` checks the file (ConfigError names the key), not in the restarting actor."""
     from runtime.placement import affinity
     from runtime.supervision import ChildSpec
 
@@ -43,7 +46,7 @@ def gateway_spec(
             "port": port,
             "named_filters": dict(named_filters or {}),
             "token_streams": dict(token_streams or {}),
-            "options": dict(options or {}),
+            "options": _typed(options),
         },
         ray_options={"num_cpus": 0, **affinity(node)},
     )
@@ -57,7 +60,7 @@ def start_gateways(
     *,
     named_filters: Mapping[str, str] | None = None,
     token_streams: Mapping[str, Sequence[str]] | None = None,
-    options: Mapping[str, Any] | None = None,
+    options: GatewayOptions | Mapping[str, Any] | None = None,
     timeout_s: float = 120.0,
 ) -> list[str]:
     """Start `replicas` gateways (default `roles.gateway.replicas`) under the `gateways`
@@ -99,6 +102,12 @@ def start_gateways(
     for name in names:
         wait_gateway(cfg, name, timeout_s)
     return names
+
+
+def _typed(options: GatewayOptions | Mapping[str, Any] | None) -> GatewayOptions | None:
+    if options is None or isinstance(options, GatewayOptions):
+        return options
+    return gateway_options(options)
 
 
 def wait_gateway(cfg: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:

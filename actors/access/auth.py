@@ -1,0 +1,79 @@
+"""Consumer auth: which token may connect, which streams it may read, whom it acts for.
+
+Tokens are `auth.consumer_tokens` (empty: auth off), sent as `Authorization: Bearer
+<token>` or `?token=`, compared in constant time. `auth.consumer_streams` may restrict a
+token to some stream patterns (403 otherwise). The gateway's own buckets (cursors,
+webhooks) and the stream pattern's buffer are never served (403). What a token makes
+(cursors, webhooks) is owned by its identity (cursors.owner_of), not by the client ids it
+chooses. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+from collections.abc import Iterable, Mapping, Sequence
+
+from aiohttp import web
+
+from actors.access.cursors import owner_of
+from actors.access.protocol import Problem, StreamRef
+
+__all__ = ["Access", "request_token"]
+
+
+class Access:
+    """Consumer auth (pure): 401 without a valid token, 403 for a stream it may not read."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        token_streams: Mapping[str, Sequence[str]] | None = None,
+        internal: Iterable[str] = (),
+    ) -> None:
+        self.tokens = [t for t in tokens if t]
+        self.token_streams = {k: list(v) for k, v in (token_streams or {}).items()}
+        self.internal = frozenset(internal)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens)
+
+    def authenticate(self, token: str | None) -> None:
+        if not self.tokens:
+            return
+        if not token:
+            raise Problem(
+                401, "missing token: send 'Authorization: Bearer <token>' or '?token=<token>'"
+            )
+        if not any(hmac.compare_digest(token.encode(), t.encode()) for t in self.tokens):
+            raise Problem(401, "invalid token")
+
+    def owner(self, token: str | None) -> str:
+        """Who owns what this token makes (cursors, webhooks): one identity per token, or
+        "anon" for everyone when auth is off."""
+        return owner_of(token if self.enabled else None)
+
+    def may_read(self, token: str | None, ref: StreamRef) -> bool:
+        try:
+            self.authorize(token, ref)
+        except Problem:
+            return False
+        return True
+
+    def authorize(self, token: str | None, ref: StreamRef) -> None:
+        if ref.js in self.internal:
+            raise Problem(403, f"stream {ref.public!r} is internal to tierflow")
+        allowed = self.token_streams.get(token or "")
+        if allowed is not None and not any(
+            fnmatch.fnmatchcase(ref.public, p) or fnmatch.fnmatchcase(ref.js, p) for p in allowed
+        ):
+            raise Problem(403, f"this token may not read stream {ref.public!r}")
+
+
+def request_token(request: web.Request) -> str | None:
+    """The token a request carries: `Authorization: Bearer <token>`, else `?token=`."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.query.get("token") or None

@@ -1,0 +1,113 @@
+"""A stream message as the access tier serves it, and where such messages come from.
+
+Every protocol (WebSocket, SSE, polling, webhooks) sends the same `StreamMessage` objects
+out of a feed's ring (actors/access/fanout.py): the payload is decoded at most once and
+rendered once per distinct filter, so a thousand clients with one filter cost one render.
+A `Reader` yields them in sequence order (actors/access/reader.py reads JetStream; the
+fan-out tests read memory). Not the collection tier's envelope (runtime/events.py): this
+is what a stream holds, as a client is sent it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from runtime.query import Filter
+
+__all__ = [
+    "KV_OP_HEADER",
+    "KV_PREFIX",
+    "OpenReader",
+    "Reader",
+    "StreamMessage",
+    "kv_message",
+]
+
+KV_PREFIX = "KV_"
+KV_OP_HEADER = "KV-Operation"
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+
+
+class StreamMessage:
+    """One stream message, decoded at most once and rendered once per distinct filter."""
+
+    __slots__ = ("_data", "_json", "_views", "raw", "seq", "subject")
+
+    def __init__(self, seq: int, subject: str, raw: bytes, data: Any = ...) -> None:
+        self.seq = seq
+        self.subject = subject
+        self.raw = raw
+        self._data = data
+        self._json: bytes | None = None
+        self._views: dict[Filter, bytes | None] | None = None
+
+    @property
+    def data(self) -> Any:
+        """The payload as JSON; a payload that is not JSON is its text."""
+        if self._data is ...:
+            try:
+                self._data = _decode.decode(self.raw)
+                raw = self.raw.strip()
+                if raw and b"\n" not in raw and b"\r" not in raw:
+                    self._json = raw  # valid, one line: reuse the producer's bytes
+            except msgspec.DecodeError:
+                self._data = self.raw.decode("utf-8", "replace")
+        return self._data
+
+    @property
+    def json(self) -> bytes:
+        """The payload as one line of JSON."""
+        if self._json is None:
+            data = self.data
+            if self._json is None:
+                self._json = _json.encode(data)
+        return self._json
+
+    def view(self, flt: Filter) -> bytes | None:
+        """The payload as `flt` selects it (JSON, one line), or None if it does not match."""
+        if flt.match_all and flt.select_all:
+            return self.json
+        views = self._views
+        if views is None:
+            views = self._views = {}
+        elif flt in views:
+            return views[flt]
+        data = self.data
+        out: bytes | None = None
+        if flt.matches(data, self.subject):
+            out = self.json if flt.select_all else _json.encode(flt.select(data, self.subject))
+        views[flt] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"StreamMessage(seq={self.seq}, subject={self.subject!r})"
+
+
+def kv_message(seq: int, subject: str, raw: bytes, headers: dict[str, str] | None) -> StreamMessage:
+    """A KV bucket message as the change it is: `{"key","op","value","revision"}`."""
+    op = ((headers or {}).get(KV_OP_HEADER) or "PUT").lower()
+    key = subject.split(".", 2)[2] if subject.count(".") >= 2 else subject
+    value: Any = None
+    if op == "put":
+        try:
+            value = _decode.decode(raw)
+        except msgspec.DecodeError:
+            value = raw.decode("utf-8", "replace")
+    return StreamMessage(seq, subject, raw, {"key": key, "op": op, "value": value, "revision": seq})
+
+
+class Reader(Protocol):
+    """A source of stream messages from a start sequence on, in sequence order."""
+
+    async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
+        """Up to `max_events` next messages; [] when none came within `timeout`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+OpenReader = Callable[[int], Awaitable[Reader]]
