@@ -4,6 +4,11 @@ Ray reruns `__init__` on restart, so an actor that starts its servers and backgr
 loops there serves again after a crash with no outside call. Running them on their own
 loop also keeps data-plane work from queueing Ray's control calls (heartbeats, stats,
 scaling) behind it. Ray methods hand work to this loop with `call` / `run`.
+
+Sync code that drives an async client (the Spark source's readers) starts one with no
+`main`: the loop then only runs what it is handed, and `run_sync` blocks for the answer.
+The loop keeps running between calls, so the client answers pings and buffers what it
+reads next.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ class LoopThread:
 
     def start(
         self,
-        main: Callable[[asyncio.Event, Callable[[], None]], Awaitable[None]],
+        main: Callable[[asyncio.Event, Callable[[], None]], Awaitable[None]] | None = None,
         timeout: float = 30.0,
     ) -> None:
+        """Start the thread; with no `main` the loop serves `call` / `run_sync` until `stop`."""
+        main = main or _serve_until_stopped
+
         def run() -> None:
             async def body() -> None:
                 self.loop = asyncio.get_running_loop()
@@ -65,6 +73,16 @@ class LoopThread:
         """Await `coro` on the data-plane loop from another loop (a Ray async method)."""
         return await asyncio.wrap_future(self.call(coro))
 
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Block this thread (never the loop's own) until `coro`, run on the loop, returns;
+        after `timeout` s (None: no limit) it is cancelled and TimeoutError raised."""
+        fut = self.call(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
     def stop(self, timeout: float = 30.0) -> bool:
         """Set the stop event and wait for `main` to finish its cleanup."""
         if self.loop is not None and self._stop is not None and not self.loop.is_closed():
@@ -73,3 +91,9 @@ class LoopThread:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
+
+
+async def _serve_until_stopped(stop: asyncio.Event, ready: Callable[[], None]) -> None:
+    """The `main` of a loop that only runs the coroutines handed to it."""
+    ready()
+    await stop.wait()

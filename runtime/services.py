@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import Config
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsEndpoint, NatsServer
 
 if TYPE_CHECKING:
-    import nats.aio.client
+    from nats.aio.client import Client
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
@@ -74,27 +74,13 @@ def start_nats(cfg: Config) -> NatsServer | None:
 
 async def connect_nats(
     cfg: Config, url: str | None = None, name: str = "tierflow", role: str = "admin"
-) -> Any:
-    """A nats-py client for the configured (or given) URL, as `role` (its NATS user when
-    `nats.role_users` or `[nats.users.<role>]` say so), over TLS when `[tls]` is on."""
-    from runtime.nats_roles import credentials
-    from runtime.tls import client_ssl_context
-
-    who = credentials(cfg, role)
-    ctx = client_ssl_context(cfg)
-    return await connect(
-        url or cfg.nats.url,
-        user=who.user or None,
-        password=who.password or None,
-        token=who.token or None,
-        creds=who.creds or None,
-        tls_ca=cfg.nats.tls_ca or None,
-        name=name,
-        **({"tls": ctx} if ctx is not None else {}),
-    )
+) -> Client:
+    """A nats-py client for the configured (or given) URL, as `role`, over TLS when `[tls]`
+    is on: `runtime.nats.NatsEndpoint.from_config` opened with `runtime.nats.connect`."""
+    return await NatsEndpoint.from_config(cfg, role, url=url or "", name=name).connect()
 
 
-async def ensure_streams(nc: nats.aio.client.Client, cfg: Config) -> list[str]:
+async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
     """Create or update the configured JetStream streams (file storage, dedup window)."""
     from nats.js.api import StorageType, StreamConfig
     from nats.js.errors import NotFoundError

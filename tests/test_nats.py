@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -14,8 +15,11 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType
 from nats.js.client import JetStreamContext
 
+from runtime.certs import make_dev_certs
+from runtime.config import load
 from runtime.nats import (
     NatsCluster,
+    NatsEndpoint,
     NatsServer,
     NatsServerError,
     connect,
@@ -368,6 +372,61 @@ async def test_connect_with_user_password(tmp_path: Path) -> None:
             await asyncio.wait_for(connect(s.url, user="tierflow", password="wrong"), 15)
         with pytest.raises(nats.errors.AuthorizationError):
             await asyncio.wait_for(connect(s.url), 15)
+
+        # the same through an endpoint; keywords given to its connect win
+        ep = NatsEndpoint(s.url, user="tierflow", password="s3cret$#x", name="ep-default")
+        nc = await ep.connect(name="ep-given")
+        try:
+            status, connz = s.monitor("connz")
+            assert status == 200 and [c["name"] for c in connz["connections"]] == ["ep-given"]
+        finally:
+            await nc.close()
+
+
+@pytest.mark.unit
+def test_endpoint_from_config_names_the_role_its_credentials_and_tls(tmp_path: Path) -> None:
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path),
+            "nats": {
+                "url": "nats://nats.example:4222",
+                "tls_ca": "/etc/ca.pem",
+                "users": {"analysis": {"user": "tf-analysis", "password": "pw"}},
+            },
+        },
+    )
+    ep = NatsEndpoint.from_config(cfg, "analysis", name="spark")
+    assert (ep.url, ep.user, ep.password, ep.name) == (
+        "nats://nats.example:4222",
+        "tf-analysis",
+        "pw",
+        "spark",
+    )
+    assert (ep.tls_ca, ep.tls_cert, ep.tls_key) == ("/etc/ca.pem", None, None)
+    assert "pw" not in repr(ep)
+    shared = NatsEndpoint.from_config(cfg, url="nats://other:4222")  # admin: the shared ones
+    assert (shared.url, shared.user, shared.password) == ("nats://other:4222", None, None)
+    assert shared.named("probe") == NatsEndpoint(
+        "nats://other:4222", tls_ca="/etc/ca.pem", name="probe"
+    )
+    with pytest.raises(ValueError, match="unknown NATS role"):
+        NatsEndpoint.from_config(cfg, "nobody")
+
+    make_dev_certs(tmp_path / "certs")
+    tls = load(
+        environ={},
+        overrides={"state_dir": str(tmp_path), "tls": {"enabled": True, "verify_clients": True}},
+    )
+    ep = NatsEndpoint.from_config(tls, "analysis")
+    certs = tmp_path.resolve() / "certs"
+    assert ep.tls_ca == str(certs / "ca.pem") and ep.tls_cert and ep.tls_key
+    kw = ep.connect_kwargs()
+    assert kw["servers"] == "" and kw["user"] is None  # no nats.url: the caller gives one
+    ctx = kw["tls"]
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert "tls" not in NatsEndpoint("nats://plain:4222").connect_kwargs()
 
 
 async def test_connect_unreachable_fails_fast() -> None:
