@@ -17,6 +17,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.roles import LOAD_FIELD
+
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
 ScaleFn = Callable[[str, int], Awaitable[list[str]]]
 
@@ -81,7 +83,6 @@ class StatusMetrics:
 
     def update(self, status: dict[str, Any]) -> None:
         self.up.set(1)
-        from cluster.roles import LOAD_FIELD
 
         for role, view in status.get("roles", {}).items():
             self.role_replicas.labels(role).set(len(view.get("replicas", [])))

@@ -18,15 +18,31 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import ray
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from cluster.admin import serve
+from cluster.demo.meetup import STREAM, meetup_jobs
+from cluster.deploy.analysis import start_driver, stop_driver
+from cluster.deploy.deployer import deploy
+from cluster.deploy.gateway import scale_gateways, start_gateways, stop_gateways
+from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec
+from cluster.pipeline import start_collection_tier
+from cluster.replay import ReplayServer
+from cluster.roles import RoleView, load, rates, scalars
+from jobs.library import decode_spec
 from runtime import runstate
-from runtime.config import Config
+from runtime.autoscaling import Controller, Sample
+from runtime.config import Config, SourceConfig
+from runtime.roles import SCALABLE_ROLES
 from runtime.services import Services, connect_nats, ensure_streams
+from runtime.supervision import Intensity
+from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
 
 ROOT_SUPERVISOR = "tierflow-root"
-ROLES = ("collector", "logger", "bridge", "gateway")
 
 
 class Runtime:
@@ -59,8 +75,6 @@ class Runtime:
         self._rates: dict[str, dict[str, float]] = {}
 
     async def start(self) -> None:
-        from cluster.admin import serve
-
         loop = asyncio.get_running_loop()
         self.services = await loop.run_in_executor(None, Services.start, self.cfg)
         self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
@@ -69,20 +83,14 @@ class Runtime:
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
         if self.demo_rate:
             await self._start_demo_source()
-        from cluster.pipeline import start_collection_tier
-
         self.tier = await loop.run_in_executor(
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
         await loop.run_in_executor(None, self._start_gateways)
-        from cluster.roles import RoleView
-
         self.roles = RoleView(self.cfg.ray.namespace, self.tier, self.gateways)
         if self.analysis:
             await loop.run_in_executor(None, self._start_analysis)
         self._start_autoscaler(loop)
-        from runtime.tls import http_scheme, server_ssl_context
-
         self.admin_runner, port = await serve(
             self.status,
             self.cfg.admin.host,
@@ -94,10 +102,6 @@ class Runtime:
 
     def _start_gateways(self) -> None:
         """The data access tier: gateways sharing one port (dashboard at `/`)."""
-        import ray
-
-        from cluster.deploy.gateway import start_gateways
-
         options = self.cfg.gateway.options
         if self.meetup_analysis and not options.topn_subject:
             # the demo's `/streaming` is its all-time top-N query (cluster/demo/meetup.py)
@@ -119,16 +123,12 @@ class Runtime:
         """The controller loop of every role with a `[roles.<role>.autoscaling]` table, on
         its own thread: it reads the roles' load (Ray calls) and resizes through `scale`,
         the same path as `tierflow scale`, one resize at a time."""
-        from runtime.autoscaling import Controller, Sample
-
-        policies = {r: getattr(self.cfg.roles, r).autoscaling for r in ROLES}
+        policies = {r: getattr(self.cfg.roles, r).autoscaling for r in SCALABLE_ROLES}
         policies = {r: p for r, p in policies.items() if p is not None}
         if not policies:
             return
 
         def metrics(role: str) -> list[Sample]:
-            from cluster.roles import load
-
             return [Sample(time.monotonic(), load(role, self._snapshot(max_age_s=0.5)[role]))]
 
         def resize(role: str, n: int) -> None:
@@ -147,8 +147,6 @@ class Runtime:
     def _snapshot(self, max_age_s: float = 0.0) -> dict[str, list[dict[str, Any]]]:
         """The roles' figures, re-read unless the last read is younger than `max_age_s`;
         rates are computed between consecutive reads."""
-        from cluster.roles import rates
-
         t, snap = self._snap
         now = time.monotonic()
         if snap and now - t < max_age_s:
@@ -162,10 +160,6 @@ class Runtime:
     def _start_analysis(self) -> None:
         """The analyses in the Spark driver actor (its first query takes ~10 s): the config's
         `[[jobs]]`, plus the Meetup ones when asked for and a `meetup` stream exists."""
-        from cluster.demo.meetup import STREAM, meetup_jobs
-        from cluster.deploy.analysis import start_driver
-        from jobs.library import decode_spec
-
         specs = [decode_spec(j) for j in self.cfg.jobs]
         if self.meetup_analysis and STREAM in self.cfg.streams:
             mine = {s.name for s in specs}
@@ -175,11 +169,6 @@ class Runtime:
     async def _start_demo_source(self) -> None:
         """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by
         the `meetup` stream's ingest nodes (the book's stream pattern)."""
-        import msgspec
-
-        from cluster.replay import ReplayServer
-        from runtime.config import SourceConfig
-
         self.replay = ReplayServer(0, rate=self.demo_rate)
         await self.replay.start()
         streams = dict(self.cfg.streams)
@@ -189,8 +178,6 @@ class Runtime:
         self.cfg = msgspec.structs.replace(self.cfg, streams=streams)
 
     async def stop(self) -> None:
-        import ray
-
         self._auto_stop.set()
         if self._auto_thread is not None:  # a resize in progress finishes first
             await asyncio.get_running_loop().run_in_executor(None, self._auto_thread.join, 900)
@@ -200,13 +187,9 @@ class Runtime:
             self.admin_runner = None
         loop = asyncio.get_running_loop()
         if self.driver is not None:
-            from cluster.deploy.analysis import stop_driver
-
             await loop.run_in_executor(None, stop_driver, self.driver)
             self.driver = None
         if self.gateways:
-            from cluster.deploy.gateway import stop_gateways
-
             await loop.run_in_executor(None, stop_gateways, self.cfg, self.gateways)
             self.gateways = []
         if self.tier is not None:  # collectors drain first, then bridges, then loggers
@@ -236,13 +219,11 @@ class Runtime:
         """Resize a role while it runs (blocking Ray calls, so off the event loop); one
         resize at a time, so an operator's `tierflow scale` and the autoscaler never
         interleave their steps."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+        if role not in SCALABLE_ROLES:
+            raise ValueError(f"unknown role {role!r}: one of {', '.join(SCALABLE_ROLES)}")
         loop = asyncio.get_running_loop()
         async with self._scaling:
             if role == "gateway":
-                from cluster.deploy.gateway import scale_gateways
-
                 if not self.gateways:
                     raise ValueError("the gateways are not running")
                 return await loop.run_in_executor(None, scale_gateways, self.cfg, self.gateways, n)
@@ -263,8 +244,6 @@ class Runtime:
 
     async def status(self) -> dict[str, Any]:
         """A snapshot for `tierflow status` and /metrics; every probe is bounded in time."""
-        import ray
-
         svc = self.services
         out: dict[str, Any] = {
             "pid": os.getpid(),
@@ -326,8 +305,6 @@ class Runtime:
         return out
 
     async def _roles_status(self) -> dict[str, Any]:
-        from cluster.roles import load
-
         snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         return {
             role: {
@@ -341,8 +318,6 @@ class Runtime:
 
     async def _analysis_status(self) -> dict[str, Any]:
         """The driver's queries with their lag: events in the stream not yet committed."""
-        from cluster.roles import scalars
-
         try:
             st = await asyncio.wait_for(self.driver.status.remote(), timeout=10)
         except Exception as err:
@@ -389,8 +364,6 @@ def sweep_named_actors(namespace: str) -> list[str]:
     """Kill whatever named actor of ours the orderly stop left (a replica restarting at that
     moment, a stream-ingest standby): on a shared cluster detached actors outlive the job
     that made them, so stopping must not rely on every earlier step having succeeded."""
-    import ray
-
     if not ray.is_initialized():
         return []
     killed: list[str] = []
@@ -411,9 +384,6 @@ async def ensure_results_bucket(nc: Any, bucket: str = "results") -> None:
     """The in-memory store tier: latest result per key. Made at start-up so readers
     (the dashboard's snapshot, `kv:results` subscriptions) find it before the first
     analysis batch lands."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError, NotFoundError
-
     js = nc.jetstream()
     try:
         await js.key_value(bucket)
@@ -423,20 +393,16 @@ async def ensure_results_bucket(nc: Any, bucket: str = "results") -> None:
         )
 
 
-def start_root_supervisor(cfg: Config) -> Any:
-    """The top of the supervision tree; tiers add their role supervisors under it."""
-    from runtime.ray_supervisor import start_supervisor
-    from runtime.supervision import Intensity, Strategy
+def root_role() -> RoleSpec:
+    """The top of the supervision tree: no children of its own, 5 restarts a minute."""
+    supervisor = SupervisorSpec(ROOT_SUPERVISOR, intensity=Intensity(max_restarts=5, period_s=60.0))
+    return RoleSpec(role="root", children=(), start=Start.SUPERVISED, supervisor=supervisor)
 
-    return start_supervisor(
-        ROOT_SUPERVISOR,
-        [],
-        state_dir=cfg.state_path,
-        namespace=cfg.ray.namespace,
-        ray_options={"num_cpus": 0},
-        strategy=Strategy.ONE_FOR_ONE,
-        intensity=Intensity(max_restarts=5, period_s=60.0),
-    )
+
+def start_root_supervisor(cfg: Config) -> Any:
+    """Start (or get) the root supervisor."""
+    (root,) = deploy([root_role()], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
+    return root.supervisor
 
 
 async def serve_forever(

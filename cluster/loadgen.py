@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from cluster.verify import payload_digest
+
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 
@@ -155,8 +157,6 @@ class Planned:
 
     @property
     def digest(self) -> str:
-        from cluster.verify import payload_digest
-
         return payload_digest(self.body)
 
 

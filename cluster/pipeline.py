@@ -1,25 +1,53 @@
-"""Start the collection tier's roles on Ray: loggers, bridges and collectors.
+"""The collection tier on Ray: loggers, bridges and collectors, started and resized as one.
 
 Loggers are replica groups (k+1 copies on distinct nodes where possible, restarted by
 Ray, fenced by epoch). Bridges and collectors are children of the `collection` role
 supervisor, which adds restart intensity, heartbeats and escalation to Ray's restarts.
-Every actor gets its whole configuration at construction, because Ray reruns
-`__init__` with the same arguments on restart: nothing set later survives a crash.
+Their specs come from `cluster.deploy.logger` and `cluster.deploy.collection`; they are
+started, resized and stopped through `cluster.deploy.deployer`. What this module adds is
+the order between them: a collector names its logger group and the bridges at
+construction (Ray reruns `__init__` with the same arguments), so resizing loggers or
+bridges rolls the collectors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
+from cluster.deploy.collection import (
+    BRIDGE_READY,
+    COLLECTOR_READY,
+    SUPERVISOR,
+    bridge_child,
+    bridge_role,
+    collector_child,
+    collector_role,
+)
+from cluster.deploy.deployer import (
+    add_replica,
+    deploy,
+    drain,
+    remove_replica,
+    stop_supervisor,
+    wait_ready,
+)
+from cluster.deploy.logger import logger_role
+from cluster.deploy.stream_ingest import ingest_role
 from runtime.config import Config
-from runtime.placement import affinity, next_index
-from runtime.supervision import ChildSpec, Intensity, Strategy
+from runtime.nats import free_port
+from runtime.placement import actor_nodes, next_index
+from runtime.supervision import ChildSpec
+from runtime.tls import http_scheme
+from runtime.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR = "collection"
+__all__ = ["SUPERVISOR", "CollectionTier", "start_collection_tier"]
 
 
 @dataclass
@@ -36,65 +64,42 @@ class CollectionTier:
     collector_port: int = 0
     udp_port: int = 0
     ingest: list[str] = field(default_factory=list)  # stream-pattern ingest nodes
+    nats_url: str = ""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # role -> extra kwargs
 
     @property
     def url(self) -> str:
         """The collectors' base URL as clients reach it (https when `[tls]` is on)."""
-        from runtime.tls import http_scheme
-
         return f"{http_scheme(self.cfg)}://127.0.0.1:{self.collector_port}"
 
-    nats_url: str = ""
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def spec(
-        self, role: str, i: int, node: str | None = None, *, replay: bool | None = None
-    ) -> ChildSpec:
-        """The child spec of replica `i` of a role (the whole configuration: Ray reruns
-        `__init__` with exactly these arguments on restart), softly pinned to `node`."""
-        common = {
-            "state_dir": str(self.cfg.state_path),
-            "config": self.cfg.to_dict(),
-            "nats_url": self.nats_url,
-            **self.options.get(role, {}),
-        }
+    def child(self, role: str, i: int, *, replay: bool | None = None) -> ChildSpec:
+        """The child spec of replica `i` of a role, wired to the tier as it is now (the
+        whole configuration: Ray reruns `__init__` with exactly these arguments)."""
         if role == "bridge":
-            kwargs = {
-                "name": f"bridge-{i}",
-                "loggers": self.loggers,
-                "replay": i == 0 if replay is None else replay,
-            }
-            start = "actors.queue.bridge:BrokerBridge"
-        elif role == "collector":
-            kwargs = {
-                "name": f"collector-{i}",
-                "logger": self.loggers[i % len(self.loggers)],
-                "bridges": self.bridges,
-                "port": self.collector_port,
-                "udp_port": self.udp_port,
-                "namespace": self.namespace,
-            }
-            start = "actors.collection.collector:Collector"
-        else:
-            raise ValueError(f"no spec for role {role!r}")
-        return ChildSpec(
-            id=kwargs["name"],
-            start=start,
-            kwargs={**common, **kwargs},
-            ray_options={"num_cpus": 0, **affinity(node)},
-        )
+            return bridge_child(
+                self.cfg,
+                i,
+                nats_url=self.nats_url,
+                loggers=self.loggers,
+                replay=i == 0 if replay is None else replay,
+                options=self.options.get(role),
+            )
+        if role == "collector":
+            return collector_child(
+                self.cfg,
+                i,
+                nats_url=self.nats_url,
+                loggers=self.loggers,
+                bridges=self.bridges,
+                port=self.collector_port,
+                udp_port=self.udp_port,
+                namespace=self.namespace,
+                options=self.options.get(role),
+            )
+        raise ValueError(f"no spec for role {role!r}")
 
     def wait_serving(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
-        import ray
-
-        from runtime.waiting import wait_until
-
-        return wait_until(
-            lambda: ray.get(self.actor(name).endpoints.remote(), timeout=30),
-            timeout=timeout,
-            what=f"{name} serving",
-            swallow=True,
-        )
+        return wait_ready(self.namespace, name, COLLECTOR_READY, timeout)
 
     def scale(self, role: str, n: int) -> list[str]:
         """Grow or shrink a role to `n` replicas while data flows; returns its replicas.
@@ -121,25 +126,15 @@ class CollectionTier:
         raise ValueError(f"role {role!r} does not scale here (collector, bridge, logger)")
 
     def _add(self, role: str, names: list[str], replay: bool | None = None) -> str:
-        import ray
-
-        from runtime.placement import actor_nodes, alive_nodes, plan
-
-        placed = actor_nodes({name: self.actor(name) for name in names})
-        i = next_index(names, role)
-        spec = self.spec(role, i, plan(1, alive_nodes(), placed.values())[0], replay=replay)
-        ray.get(self.supervisor.add_child.remote(spec), timeout=60)
-        if role == "collector":
-            self.wait_serving(spec.id)
-        else:
-            self.wait_bridge(spec.id)
+        """One more replica of `role` on the node with the fewest of `names`, serving."""
+        spec = self.child(role, next_index(names, role), replay=replay)
+        ready = COLLECTOR_READY if role == "collector" else BRIDGE_READY
+        add_replica(self.supervisor, spec, namespace=self.namespace, siblings=names, ready=ready)
         names.append(spec.id)
         return spec.id
 
     def _remove(self, name: str) -> bool:
-        import ray
-
-        return ray.get(self.supervisor.remove_child.remote(name, drain="shutdown"), timeout=180)
+        return remove_replica(self.supervisor, name, timeout_s=180)
 
     def _scale_collectors(self, n: int) -> None:
         while len(self.collectors) < n:
@@ -179,19 +174,15 @@ class CollectionTier:
                 self._remove(name)
 
     def _scale_loggers(self, n: int) -> None:
-        from cluster.deploy.logger import start_logger_group
-
         if n > len(self.loggers):
             while len(self.loggers) < n:
                 i = next_index([g.name for g in self.loggers], "logger")
-                group, client = start_logger_group(
-                    f"logger-{i}",
-                    k=self.cfg.roles.logger.k,
-                    state_dir=str(self.cfg.state_path),
+                (added,) = deploy(
+                    [logger_role(self.cfg, groups=[i])],
                     namespace=self.namespace,
-                    max_events=self.cfg.logging.max_pending_events,
-                    max_bytes=self.cfg.logging.max_pending_bytes,
+                    state_dir=str(self.cfg.state_path),
                 )
+                group, client = added.groups[0]
                 self.logger_groups.append(group)
                 self.loggers.append(client)
             self._roll_bridges()  # bridges must know a group before collectors write to it
@@ -207,21 +198,10 @@ class CollectionTier:
                 group.shutdown()
 
     def wait_bridge(self, name: str, timeout: float = 120.0) -> None:
-        import ray
-
-        from runtime.waiting import wait_until
-
-        wait_until(
-            lambda: ray.get(self.actor(name).ready.remote(), timeout=30) is not None,
-            timeout=timeout,
-            what=f"{name} ready",
-            swallow=True,
-        )
+        wait_ready(self.namespace, name, BRIDGE_READY, timeout)
 
     def placement(self) -> dict[str, dict[str, str | None]]:
         """role -> {replica: node id} as the replicas report it now."""
-        from runtime.placement import actor_nodes
-
         loggers: dict[str, str | None] = {}
         for group in self.logger_groups:
             try:
@@ -236,32 +216,19 @@ class CollectionTier:
         }
 
     def actor(self, name: str) -> Any:
-        import ray
-
         return ray.get_actor(name, namespace=self.namespace)
 
     def stop(self) -> None:
         """Stop collectors first (they drain), then bridges, then the logger groups."""
-        import ray
-
-        for name in self.ingest:  # the source first: nothing new enters while draining
+        drain(self.namespace, self.ingest, "stop", 30)  # the source first: nothing new enters
+        for name in self.ingest:
             try:
-                handle = self.actor(name)
-                ray.get(handle.stop.remote(), timeout=30)
-                ray.kill(handle, no_restart=True)
+                ray.kill(self.actor(name), no_restart=True)
             except Exception as err:
                 log.info("ingest %s: %r", name, err)
-        for name in self.collectors:
-            try:
-                ray.get(self.actor(name).shutdown.remote(), timeout=60)
-            except Exception as err:  # already gone: nothing left to drain
-                log.info("collector %s: %r", name, err)
-        if self.supervisor is not None:
-            try:
-                ray.get(self.supervisor.stop.remote(), timeout=60)
-            except Exception as err:
-                log.warning("collection supervisor stop: %r", err)
-            ray.kill(self.supervisor, no_restart=True)
+        drain(self.namespace, self.collectors, "shutdown", 60)
+        if self.supervisor is not None:  # with it the bridges and the drained collectors
+            stop_supervisor(self.supervisor, 60)
             self.supervisor = None
         for group in self.logger_groups:
             group.shutdown()
@@ -271,9 +238,6 @@ class CollectionTier:
 def _wait_logger_empty(client: Any, timeout_s: float = 300.0) -> None:
     """Block until a logger group holds nothing JetStream lacks (what it held is handed
     over); raise, keeping the group, if that does not happen in time."""
-    import asyncio
-
-    from runtime.waiting import wait_until
 
     def empty() -> bool:  # every replica: one that missed forgets is not drained yet
         return asyncio.run(client.drained())
@@ -290,70 +254,49 @@ def start_collection_tier(
     bridge_options: dict[str, Any] | None = None,
     collector_options: dict[str, Any] | None = None,
 ) -> CollectionTier:
-    """Start loggers, bridges and collectors; returns once every collector serves."""
-    from cluster.deploy.logger import start_logger_group
-    from runtime.placement import alive_nodes, plan
-    from runtime.ray_supervisor import start_supervisor
-
-    ns = cfg.ray.namespace
-    state = str(cfg.state_path)
-    tier = CollectionTier(cfg=cfg, namespace=ns)
-    for i in range(cfg.roles.logger.replicas):
-        group, client = start_logger_group(
-            f"logger-{i}",
-            k=cfg.roles.logger.k,
-            state_dir=state,
-            namespace=ns,
-            max_events=cfg.logging.max_pending_events,
-            max_bytes=cfg.logging.max_pending_bytes,
-        )
-        tier.logger_groups.append(group)
-        tier.loggers.append(client)
-
-    tier.nats_url, tier.udp_port = nats_url, udp_port
+    """Start loggers, then bridges and collectors under one supervisor, then the stream
+    pattern's ingest nodes; returns once every bridge and collector serves."""
+    ns, state = cfg.ray.namespace, str(cfg.state_path)
+    tier = CollectionTier(cfg=cfg, namespace=ns, nats_url=nats_url, udp_port=udp_port)
+    (loggers,) = deploy([logger_role(cfg)], namespace=ns, state_dir=state)
+    tier.logger_groups = [group for group, _ in loggers.groups]
+    tier.loggers = [client for _, client in loggers.groups]
     tier.options = {
         "bridge": dict(bridge_options or {}),
         "collector": dict(collector_options or {}),
     }
     port = cfg.roles.collector.port if collector_port is None else collector_port
-    if not port:
-        from runtime.nats import free_port
-
-        port = free_port()  # replicas share it with SO_REUSEPORT, so it is fixed up front
-    tier.collector_port = port
-    tier.bridges = [f"bridge-{i}" for i in range(cfg.roles.bridge.replicas)]
-    tier.collectors = [f"collector-{i}" for i in range(cfg.roles.collector.replicas)]
-    nodes = alive_nodes()
-    specs = [tier.spec("bridge", i, node) for i, node in enumerate(plan(len(tier.bridges), nodes))]
-    specs += [
-        tier.spec("collector", i, node) for i, node in enumerate(plan(len(tier.collectors), nodes))
-    ]
-    tier.supervisor = start_supervisor(
-        SUPERVISOR,
-        specs,
-        state_dir=state,
+    # replicas share it with SO_REUSEPORT, so it is fixed up front
+    tier.collector_port = port or free_port()
+    bridges = bridge_role(cfg, nats_url=nats_url, loggers=tier.loggers, options=bridge_options)
+    collectors = collector_role(
+        cfg,
+        nats_url=nats_url,
+        loggers=tier.loggers,
+        bridges=bridges.names,
+        port=tier.collector_port,
+        udp_port=udp_port,
         namespace=ns,
-        ray_options={"num_cpus": 0},
-        strategy=Strategy.ONE_FOR_ONE,
-        intensity=Intensity(max_restarts=20, period_s=60.0),
+        options=collector_options,
     )
-    for name in tier.bridges:  # a bridge is ready once its streams exist
-        tier.wait_bridge(name)
+    tier.bridges, tier.collectors = bridges.names, collectors.names
+    started_bridges, started_collectors = deploy(
+        [bridges, collectors], namespace=ns, state_dir=state
+    )
+    tier.supervisor = started_bridges.supervisor
     for name in tier.collectors:
-        tier.udp_port = tier.wait_serving(name)["udp_port"]
+        tier.udp_port = started_collectors.answers[name]["udp_port"]
     for stream, sc in cfg.streams.items():
         if sc.source.url:
-            from cluster.deploy.stream_ingest import start_stream_ingest
-
-            start_stream_ingest(
+            ingest = ingest_role(
                 stream,
                 sc.source.url,
                 sc.source.kind,
                 replicas=sc.source.k + 1,
                 nats_url=nats_url,
                 state_dir=state,
-                namespace=ns,
                 config=cfg.to_dict(),
             )
-            tier.ingest += [f"ingest-{stream}-{i}" for i in range(sc.source.k + 1)]
+            deploy([ingest], namespace=ns, state_dir=state)
+            tier.ingest += ingest.names
     return tier

@@ -75,6 +75,8 @@ class RoleView:
 
     def snapshot(self, timeout_s: float = 5.0) -> dict[str, list[dict[str, Any]]]:
         """role -> one row per replica: name, node, pid, and its role's figures."""
+        # Imported here: `tierflow status` reads LOAD_FIELD from this module and must not
+        # pay for loading Ray (about a second); only the runtime itself snapshots.
         import ray
 
         def ask(names: Sequence[str]) -> list[tuple[str, Any, Any]]:

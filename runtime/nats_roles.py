@@ -15,11 +15,11 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from runtime.config import Config, NatsRole, NatsUser
+from runtime.config import Config, NatsUser
+from runtime.roles import NATS_ROLES
 
-ROLES: tuple[str, ...] = get_args(NatsRole)
 SECRETS_FILE = "nats-users.json"
 # Names owned by other modules, repeated here so this module imports no actor code
 # (tests/test_security.py checks they agree).
@@ -152,7 +152,7 @@ def generated_passwords(cfg: Config, *, create: bool) -> dict[str, str]:
     known: dict[str, str] = {}
     if path.is_file():
         known = json.loads(path.read_text())
-    missing = [r for r in ROLES if r not in known]
+    missing = [r for r in NATS_ROLES if r not in known]
     if missing and create:
         known.update({r: secrets.token_urlsafe(24) for r in missing})
         _write_private(path, json.dumps(known).encode())
@@ -169,7 +169,7 @@ def server_users(cfg: Config) -> list[dict[str, Any]]:
     generated = generated_passwords(cfg, create=True)
     perms = role_permissions(cfg)
     out = []
-    for role in ROLES:
+    for role in NATS_ROLES:
         entry = cfg.nats.users.get(role)  # type: ignore[call-overload]
         password = entry.password if entry is not None and entry.password else generated[role]
         out.append(
@@ -184,8 +184,8 @@ def credentials(cfg: Config, role: str) -> NatsUser:
     An explicit `[nats.users.<role>]` wins; with `role_users` on an embedded server the
     generated password; otherwise the shared `nats.user`/`password`/`token`/`creds`.
     """
-    if role not in ROLES:
-        raise ValueError(f"unknown NATS role {role!r}; one of {', '.join(ROLES)}")
+    if role not in NATS_ROLES:
+        raise ValueError(f"unknown NATS role {role!r}; one of {', '.join(NATS_ROLES)}")
     entry = cfg.nats.users.get(role)  # type: ignore[call-overload]
     if entry is not None and (entry.password or entry.token or entry.creds):
         return entry
@@ -201,4 +201,4 @@ def credentials(cfg: Config, role: str) -> NatsUser:
     return NatsUser(user=n.user, password=n.password, token=n.token, creds=n.creds)
 
 
-__all__ = ["ROLES", "credentials", "role_permissions", "secrets_path", "server_users"]
+__all__ = ["credentials", "role_permissions", "secrets_path", "server_users"]

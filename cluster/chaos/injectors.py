@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from cluster.chaos import schedule as s
+from cluster.chaos.proxy import Blackhole, Latency, ResetPeer
+from runtime.nats import connect
 from runtime.waiting import await_until
 
 log = logging.getLogger(__name__)
@@ -63,8 +67,6 @@ class FaultRecord:
 
 
 async def _ray(ref: Any, timeout: float = 10.0) -> Any:
-    import ray
-
     return await asyncio.to_thread(ray.get, ref, timeout=timeout)
 
 
@@ -237,8 +239,6 @@ async def _down_for(server: Any, f: s.Fault, rec: FaultRecord, t0: float, detail
 
 
 async def _stream_leader(d: Deployment) -> str | None:
-    from runtime.nats import connect
-
     nc = await connect(d.nats.url)
     try:
         info = await nc.jetstream(timeout=5).stream_info(d.stream)
@@ -299,8 +299,6 @@ async def _disk(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
 
 
 async def _link(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
-    from cluster.chaos.proxy import Blackhole, Latency, ResetPeer
-
     toxic: Any = {
         s.LATENCY: Latency(200, 100),
         s.RESETS: ResetPeer(0),

@@ -32,9 +32,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.access.client import TierflowClient
 from cluster.chaos.injectors import Deployment, FaultRecord, inject
+from cluster.chaos.proxy import ProxyThread
 from cluster.chaos.report import ScenarioReport, delivery_check, fault_reports, rate_between
 from cluster.chaos.schedule import Scenario, at_s, load_span, plan
+from cluster.demo.meetup import meetup_jobs, reference
+from cluster.demo.rsvps import RsvpGenerator
+from cluster.deploy.analysis import start_driver, stop_driver, wait_running
+from cluster.deploy.gateway import start_gateways, stop_gateways
+from cluster.loadgen import EXPECT_ACCEPTED, drive_mixed, mixed_plan
+from cluster.pipeline import start_collection_tier
+from cluster.verify import judge_streams, stream_records
+from jobs.sink import results_by_query
+from jobs.sketches import Distinct
+from runtime.config import default_streams, load
+from runtime.nats import NatsCluster, NatsServer, connect
 from runtime.waiting import await_until
 
 log = logging.getLogger(__name__)
@@ -74,13 +90,10 @@ def scenario_events(scn: Scenario, n: int, seed: int, max_payload: int) -> tuple
     The analysis scenario's `meetup` events are Meetup RSVPs (no refusals or padding
     there, so the analysis sees plain RSVPs); the other streams get generic bodies and
     every kind of event that must be refused."""
-    from cluster.loadgen import mixed_plan
 
     streams = load_streams(scn)
     make = None
     if scn.analysis:
-        from cluster.demo.rsvps import RsvpGenerator
-
         rsvps = iter(RsvpGenerator(seed=seed).take(n))
 
         def make(i: int, stream: str) -> dict[str, Any] | None:
@@ -103,8 +116,6 @@ def scenario_events(scn: Scenario, n: int, seed: int, max_payload: int) -> tuple
 
 
 def _config(scn: Scenario, work: Path, namespace: str, nats_url: str) -> Any:
-    from runtime.config import default_streams, load
-
     streams: dict[str, Any] = (
         default_streams() if scn.analysis else {GENERIC_STREAM: {"subjects": [GENERIC_SUBJECT]}}
     )
@@ -150,7 +161,6 @@ class _Stack:
 def _start_ray(scn: Scenario, namespace: str, stack: _Stack) -> Any:
     """A 3-node `ray.cluster_utils.Cluster` for node loss, else the process's local Ray
     (started here if none is up and left up for the next scenario)."""
-    import ray
 
     if scn.ray_nodes <= 1:
         if not ray.is_initialized():
@@ -162,7 +172,6 @@ def _start_ray(scn: Scenario, namespace: str, stack: _Stack) -> Any:
                 log_to_driver=False,
             )
         return None
-    from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()  # one driver connection per process
@@ -179,8 +188,6 @@ def _start_ray(scn: Scenario, namespace: str, stack: _Stack) -> Any:
 
 
 def _start_nats(scn: Scenario, work: Path, stack: _Stack) -> Any:
-    from runtime.nats import NatsCluster, NatsServer
-
     if scn.nats_nodes > 1:
         nats: Any = NatsCluster(work / "nats", nodes=scn.nats_nodes).start(60)
     else:
@@ -191,8 +198,6 @@ def _start_nats(scn: Scenario, work: Path, stack: _Stack) -> Any:
 
 async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> Deployment:
     """Start everything the scenario needs; each part registers its own undo."""
-    from cluster.deploy.gateway import start_gateways, stop_gateways
-    from cluster.pipeline import start_collection_tier
 
     namespace = f"chaos-{scn.name}-{secrets.token_hex(3)}"
     cluster = _start_ray(scn, namespace, stack)
@@ -200,8 +205,6 @@ async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> 
     tier_url = nats.url
     proxy = None
     if scn.proxy:
-        from cluster.chaos.proxy import ProxyThread
-
         proxy = ProxyThread(nats.host, nats.port, seed=opts.seed)
         proxy.start()
         stack.push("proxy", proxy.stop)
@@ -228,9 +231,6 @@ async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> 
         d.gateways = await asyncio.to_thread(start_gateways, cfg, nats.url, 2, 0)
         stack.push("gateways", lambda: stop_gateways(cfg, d.gateways))
     if scn.analysis:
-        from cluster.demo.meetup import meetup_jobs
-        from cluster.deploy.analysis import start_driver, stop_driver, wait_running
-
         d.driver = start_driver(cfg, nats.url, jobs=meetup_jobs(trigger_s=0.5))
         stack.push("analysis driver", lambda: stop_driver(d.driver))
         st = await asyncio.to_thread(wait_running, d.driver, 240)
@@ -240,8 +240,6 @@ async def deploy(scn: Scenario, opts: RunOptions, work: Path, stack: _Stack) -> 
 
 
 async def gateway_url(d: Deployment) -> str:
-    import ray
-
     ep = await asyncio.to_thread(
         ray.get, d.tier.actor(d.gateways[0]).endpoints.remote(), timeout=30
     )
@@ -261,8 +259,6 @@ class _Subscriber:
     error: str = ""
 
     async def start(self, url: str, stream: str, filter_sql: str) -> None:
-        from actors.access.client import TierflowClient
-
         self.client = TierflowClient(url, give_up_after=120.0)
 
         async def consume() -> None:
@@ -295,7 +291,6 @@ async def drained(d: Deployment) -> bool:
 
 async def _diagnose(d: Deployment) -> str:
     """What the tier holds when it did not drain: log counts and bridge counters."""
-    import ray
 
     out = []
     group = d.tier.loggers[0]
@@ -315,9 +310,6 @@ async def _diagnose(d: Deployment) -> str:
 
 
 async def read_results(url: str) -> dict[str, dict[Any, Any]]:
-    from jobs.sink import results_by_query
-    from runtime.nats import connect
-
     nc = await connect(url)
     try:
         return await results_by_query(nc.jetstream())
@@ -327,8 +319,6 @@ async def read_results(url: str) -> dict[str, dict[Any, Any]]:
 
 def analysis_mismatches(got: dict[str, Any], rsvps: list[dict[str, Any]]) -> list[str]:
     """Queries whose results differ from the exact recomputation (HLL within its bound)."""
-    from cluster.demo.meetup import reference
-    from jobs.sketches import Distinct
 
     want = reference(rsvps)
     bad = [
@@ -344,8 +334,6 @@ def analysis_mismatches(got: dict[str, Any], rsvps: list[dict[str, Any]]) -> lis
 
 
 async def _verify_analysis(d: Deployment, bodies: list[dict[str, Any]]) -> list[str]:
-    import ray
-
     idle = await asyncio.to_thread(ray.get, d.driver.await_idle.remote(300), timeout=330)
     if not idle.get("idle"):
         return [f"driver not idle: {idle}"]
@@ -368,7 +356,6 @@ async def _faults(
 
 async def _max_payload(url: str) -> int:
     """The server's max_payload (what it takes per message, headers included)."""
-    from runtime.nats import connect
 
     nc = await connect(url)
     try:
@@ -379,9 +366,6 @@ async def _max_payload(url: str) -> int:
 
 async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
     """Deploy, load, inject, verify, tear down; the report says what happened."""
-    from cluster.loadgen import EXPECT_ACCEPTED, drive_mixed
-    from cluster.verify import judge_streams, stream_records
-    from runtime.nats import connect
 
     span, rate = load_span(opts.events, opts.rate, scn)
     rep = ScenarioReport(scn.name, opts.seed, opts.events, round(rate, 1), 0, 0, 0)
@@ -488,7 +472,6 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
 
 async def run_all(scenarios: list[Scenario], opts: RunOptions) -> list[ScenarioReport]:
     """Run scenarios one after another; a local Ray this started is shut down at the end."""
-    import ray
 
     ours = not ray.is_initialized()
     try:

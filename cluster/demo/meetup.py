@@ -97,6 +97,7 @@ def meetup_jobs(
 
 def responses(events: DataFrame) -> DataFrame:
     """Custom job: yes and no RSVPs over all time, and their ratio (yes / no)."""
+    # Imported here: pyspark is the analysis tier's engine; the demo's oracle runs without it.
     from pyspark.sql import functions as F
 
     r = F.get_json_object("data", "$.response")

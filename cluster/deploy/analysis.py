@@ -1,4 +1,5 @@
-"""Starting, waiting for and stopping the AnalysisDriver actor."""
+"""The analysis role: the AnalysisDriver actor (it hosts the Spark driver) as a `RoleSpec`,
+started through `cluster.deploy.deployer`; waiting for Spark and stopping it."""
 
 from __future__ import annotations
 
@@ -6,21 +7,21 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import ray
 
-from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY, AnalysisDriver
-from jobs.library import (
-    JobSpec,
-    decode_spec,
-)
+from cluster.deploy.deployer import deploy
+from cluster.deploy.spec import RoleSpec, Start
+from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY
+from jobs.library import JobSpec, decode_spec
+from runtime.config import Config
 from runtime.ray_supervisor import supervised_options
+from runtime.supervision import ChildSpec
 
-if TYPE_CHECKING:
-    from runtime.config import Config
-    from runtime.supervision import ChildSpec
+ROLE = "analysis"
+START = "jobs.driver:AnalysisDriver"
 
 
 def driver_kwargs(
@@ -44,16 +45,38 @@ def driver_kwargs(
     }
 
 
-def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
-    """Ray options: detached, named, restarted forever, threaded, no CPU reserved; on a
-    node with `spark.driver_resource` when configured (a token amount of it, so several
-    drivers may share the node)."""
+def driver_ray_options(cfg: Config) -> dict[str, Any]:
+    """Threaded, no CPU reserved; on a node with `spark.driver_resource` when configured
+    (a token amount of it, so several drivers may share the node)."""
     extra: dict[str, Any] = {}
     if cfg.spark.driver_resource:
         extra["resources"] = {cfg.spark.driver_resource: 0.001}
-    return supervised_options(
-        name, cfg.ray.namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY, **extra
+    return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, **extra}
+
+
+def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
+    """Ray options: detached, named, restarted forever (`supervised_options`), plus
+    `driver_ray_options`."""
+    return supervised_options(name, cfg.ray.namespace, **driver_ray_options(cfg))
+
+
+def analysis_role(
+    cfg: Config,
+    nats_url: str,
+    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
+    *,
+    name: str = DRIVER_NAME,
+    master: str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+) -> RoleSpec:
+    """One driver, a detached actor Ray restarts (it restores its wanted jobs itself)."""
+    child = ChildSpec(
+        name,
+        START,
+        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir),
+        ray_options=driver_ray_options(cfg),
     )
+    return RoleSpec(role=ROLE, children=(child,), start=Start.DETACHED)
 
 
 def start_driver(
@@ -67,29 +90,9 @@ def start_driver(
 ) -> Any:
     """Start the named driver, or return the running one (its configured jobs unchanged:
     use `start` on it to add jobs)."""
-    remote = ray.remote(AnalysisDriver)
-    kwargs = driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir)
-    return remote.options(**driver_options(cfg, name)).remote(**kwargs)
-
-
-def driver_child_spec(
-    cfg: Config,
-    nats_url: str,
-    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
-    *,
-    name: str = DRIVER_NAME,
-    master: str | None = None,
-) -> ChildSpec:
-    """The driver as a child of a RaySupervisor (e.g. under tierflow's root supervisor)."""
-    from runtime.supervision import ChildSpec
-
-    return ChildSpec(
-        name,
-        "jobs.driver:AnalysisDriver",
-        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master),
-        ray_options={"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY},
-        shutdown_s=60.0,
-    )
+    spec = analysis_role(cfg, nats_url, jobs, name=name, master=master, state_dir=state_dir)
+    (deployed,) = deploy([spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
+    return deployed.actors[0]
 
 
 def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:

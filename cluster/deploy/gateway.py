@@ -1,20 +1,39 @@
-"""Starting, scaling and stopping the Gateway replicas under their supervisor."""
+"""The gateway role: Gateway replicas sharing one port under the ``gateways`` supervisor,
+as a `RoleSpec` built from the config, started, resized and stopped through
+`cluster.deploy.deployer`."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from actors.access.gateway import SUPERVISOR
+import ray
+
+from cluster.deploy.deployer import (
+    add_replica,
+    deploy,
+    drain,
+    remove_replica,
+    stop_supervisor,
+    wait_ready,
+)
+from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node, replica_name
 from runtime.config import Config, GatewayOptions, gateway_options
+from runtime.nats import free_port
+from runtime.placement import next_index
+from runtime.supervision import ChildSpec
 
 log = logging.getLogger(__name__)
 
+ROLE = "gateway"
+START = "actors.access.gateway:Gateway"
+SUPERVISOR = "gateways"
+READY = "endpoints"  # answers once the replica serves
+
 
 def gateway_names(replicas: int) -> list[str]:
-    return [f"gateway-{i}" for i in range(replicas)]
+    return [replica_name(ROLE, i) for i in range(replicas)]
 
 
 def gateway_spec(
@@ -27,17 +46,14 @@ def gateway_spec(
     token_streams: Mapping[str, Sequence[str]] | None = None,
     options: GatewayOptions | Mapping[str, Any] | None = None,
     node: str | None = None,
-) -> Any:
+) -> ChildSpec:
     """The child spec of one gateway replica, softly pinned to `node`.
 
     `options` default to the config's `[gateway.options]`; a mapping is checked here as
     `load` checks the file (ConfigError names the key), not in the restarting actor."""
-    from runtime.placement import affinity
-    from runtime.supervision import ChildSpec
-
-    return ChildSpec(
+    spec = ChildSpec(
         id=name,
-        start="actors.access.gateway:Gateway",
+        start=START,
         kwargs={
             "state_dir": str(cfg.state_path),
             "name": name,
@@ -48,7 +64,41 @@ def gateway_spec(
             "token_streams": dict(token_streams or {}),
             "options": _typed(options),
         },
-        ray_options={"num_cpus": 0, **affinity(node)},
+        ray_options={"num_cpus": 0},
+    )
+    return on_node(spec, node)
+
+
+def gateway_role(
+    cfg: Config,
+    nats_url: str,
+    port: int,
+    replicas: int | None = None,
+    *,
+    named_filters: Mapping[str, str] | None = None,
+    token_streams: Mapping[str, Sequence[str]] | None = None,
+    options: GatewayOptions | Mapping[str, Any] | None = None,
+) -> RoleSpec:
+    """`replicas` gateways (default `roles.gateway.replicas`) on one `port`, supervised
+    one for one (20 restarts a minute before it escalates)."""
+    children = [
+        gateway_spec(
+            cfg,
+            name,
+            nats_url=nats_url,
+            port=port,
+            named_filters=named_filters,
+            token_streams=token_streams,
+            options=options,
+        )
+        for name in gateway_names(replicas or cfg.roles.gateway.replicas)
+    ]
+    return RoleSpec(
+        role=ROLE,
+        children=tuple(children),
+        start=Start.SUPERVISED,
+        supervisor=SupervisorSpec(SUPERVISOR),
+        ready=READY,
     )
 
 
@@ -67,41 +117,20 @@ def start_gateways(
     supervisor, sharing `port` (default `roles.gateway.port`; 0 picks one free port for
     all) with SO_REUSEPORT, one per node while nodes last; returns their actor names once
     every one serves."""
-    from runtime.nats import free_port
-    from runtime.placement import alive_nodes, plan
-    from runtime.ray_supervisor import start_supervisor
-    from runtime.supervision import Intensity, Strategy
-
-    ns = cfg.ray.namespace
-    n = replicas or cfg.roles.gateway.replicas
     port = cfg.roles.gateway.port if port is None else port
-    port = port or free_port()
-    names = gateway_names(n)
-    specs = [
-        gateway_spec(
-            cfg,
-            name,
-            nats_url=nats_url,
-            port=port,
-            named_filters=named_filters,
-            token_streams=token_streams,
-            options=options,
-            node=node,
-        )
-        for name, node in zip(names, plan(n, alive_nodes()), strict=True)
-    ]
-    start_supervisor(
-        SUPERVISOR,
-        specs,
-        state_dir=str(cfg.state_path),
-        namespace=ns,
-        ray_options={"num_cpus": 0},
-        strategy=Strategy.ONE_FOR_ONE,
-        intensity=Intensity(max_restarts=20, period_s=60.0),
+    spec = gateway_role(
+        cfg,
+        nats_url,
+        port or free_port(),
+        replicas,
+        named_filters=named_filters,
+        token_streams=token_streams,
+        options=options,
     )
-    for name in names:
-        wait_gateway(cfg, name, timeout_s)
-    return names
+    (deployed,) = deploy(
+        [spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path), timeout_s=timeout_s
+    )
+    return deployed.names
 
 
 def _typed(options: GatewayOptions | Mapping[str, Any] | None) -> GatewayOptions | None:
@@ -111,18 +140,7 @@ def _typed(options: GatewayOptions | Mapping[str, Any] | None) -> GatewayOptions
 
 
 def wait_gateway(cfg: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
-    import ray
-
-    from runtime.waiting import wait_until
-
-    return wait_until(
-        lambda: ray.get(
-            ray.get_actor(name, namespace=cfg.ray.namespace).endpoints.remote(), timeout=30
-        ),
-        timeout=timeout_s,
-        what=f"{name} serving",
-        swallow=True,
-    )
+    return wait_ready(cfg.ray.namespace, name, READY, timeout_s)
 
 
 def scale_gateways(cfg: Config, names: list[str], n: int, timeout_s: float = 120.0) -> list[str]:
@@ -133,45 +151,28 @@ def scale_gateways(cfg: Config, names: list[str], n: int, timeout_s: float = 120
     clients with 1001 after flushing their cursors, so they reconnect to the others and
     resume where they were: no gap, no repeat.
     """
-    import ray
-
-    from runtime.placement import actor_nodes, alive_nodes, next_index, plan
-
     if n < 1:
         raise ValueError("a role needs at least 1 replica")
     ns = cfg.ray.namespace
     sup = ray.get_actor(SUPERVISOR, namespace=ns)
     template = ray.get(sup.child_spec.remote(names[0]), timeout=30)
+    like = {k: v for k, v in template.kwargs.items() if k not in ("state_dir", "name", "config")}
     while len(names) < n:
-        name = f"gateway-{next_index(names, 'gateway')}"
-        placed = actor_nodes({x: ray.get_actor(x, namespace=ns) for x in names})
-        node = plan(1, alive_nodes(), placed.values())[0]
-        kwargs = {
-            k: v for k, v in template.kwargs.items() if k not in ("state_dir", "name", "config")
-        }
-        spec = gateway_spec(cfg, name, node=node, **kwargs)
-        ray.get(sup.add_child.remote(spec), timeout=60)
-        wait_gateway(cfg, name, timeout_s)
+        name = replica_name(ROLE, next_index(names, ROLE))
+        spec = gateway_spec(cfg, name, **like)
+        add_replica(sup, spec, namespace=ns, siblings=names, ready=READY, timeout_s=timeout_s)
         names.append(name)
     while len(names) > n:
-        ray.get(sup.remove_child.remote(names.pop(), drain="shutdown"), timeout=timeout_s)
+        remove_replica(sup, names.pop(), timeout_s)
     return list(names)
 
 
 def stop_gateways(cfg: Config, names: Sequence[str], timeout_s: float = 30.0) -> None:
     """Close every client cleanly (cursors flushed), then stop the supervisor and them."""
-    import ray
-
     ns = cfg.ray.namespace
-    for name in names:
-        try:
-            ray.get(ray.get_actor(name, namespace=ns).shutdown.remote(), timeout=timeout_s)
-        except Exception as err:  # already gone: nothing to close
-            log.info("gateway %s: %r", name, err)
+    drain(ns, names, "shutdown", timeout_s)
     try:
         sup = ray.get_actor(SUPERVISOR, namespace=ns)
     except ValueError:
         return
-    with contextlib.suppress(Exception):
-        ray.get(sup.stop.remote(), timeout=timeout_s)
-    ray.kill(sup, no_restart=True)
+    stop_supervisor(sup, timeout_s)

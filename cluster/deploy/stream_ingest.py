@@ -1,14 +1,48 @@
-"""Starting a stream's k+1 StreamIngest nodes (the book's stream pattern)."""
+"""The ingest role of one stream: its k+1 StreamIngest nodes (the book's stream pattern)
+as a `RoleSpec`, started through `cluster.deploy.deployer`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import ray
-
 from actors.collection.buffer import check_stream_name
-from actors.collection.stream_ingest import StreamIngest
-from runtime.ray_supervisor import DEFAULT_NAMESPACE, supervised_options
+from cluster.deploy.deployer import deploy
+from cluster.deploy.spec import RoleSpec, Start
+from runtime.ray_supervisor import DEFAULT_NAMESPACE
+from runtime.supervision import ChildSpec
+
+ROLE = "ingest"
+START = "actors.collection.stream_ingest:StreamIngest"
+
+
+def ingest_role(
+    stream: str,
+    url: str,
+    kind: str = "auto",
+    *,
+    replicas: int = 2,
+    nats_url: str,
+    state_dir: str,
+    name_prefix: str = ROLE,
+    ray_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> RoleSpec:
+    """`replicas` = k+1 named, detached `StreamIngest` actors `{name_prefix}-{stream}-{i}`,
+    spread over nodes where Ray can; `kwargs` go to `StreamIngest`."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    check_stream_name(stream)
+    children = [
+        ChildSpec(
+            id=f"{name_prefix}-{stream}-{i}",
+            start=START,
+            args=(stream, url, kind),
+            kwargs={"nats_url": nats_url, "state_dir": str(state_dir), **kwargs},
+            ray_options={"num_cpus": 0, "scheduling_strategy": "SPREAD", **(ray_options or {})},
+        )
+        for i in range(replicas)
+    ]
+    return RoleSpec(role=ROLE, children=tuple(children), start=Start.DETACHED)
 
 
 def start_stream_ingest(
@@ -20,29 +54,22 @@ def start_stream_ingest(
     nats_url: str,
     state_dir: str,
     namespace: str = DEFAULT_NAMESPACE,
-    name_prefix: str = "ingest",
+    name_prefix: str = ROLE,
     ray_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Start (or get, if running) `replicas` = k+1 named, detached `StreamIngest` actors
-    `{name_prefix}-{stream}-{i}`, spread over nodes where Ray can. One of them becomes
-    active; the others stand by. `kwargs` go to `StreamIngest`."""
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
-    check_stream_name(stream)
-    remote_cls = ray.remote(StreamIngest)
-    handles = []
-    for i in range(replicas):
-        opts = supervised_options(
-            f"{name_prefix}-{stream}-{i}",
-            namespace,
-            num_cpus=0,
-            scheduling_strategy="SPREAD",
-            **(ray_options or {}),
-        )
-        handles.append(
-            remote_cls.options(**opts).remote(
-                stream, url, kind, nats_url=nats_url, state_dir=str(state_dir), **kwargs
-            )
-        )
-    return handles
+    """Start (or get, if running) the ingest nodes of `stream` (see `ingest_role`) and
+    return their handles. One of them becomes active; the others stand by."""
+    spec = ingest_role(
+        stream,
+        url,
+        kind,
+        replicas=replicas,
+        nats_url=nats_url,
+        state_dir=state_dir,
+        name_prefix=name_prefix,
+        ray_options=ray_options,
+        **kwargs,
+    )
+    (deployed,) = deploy([spec], namespace=namespace, state_dir=state_dir)
+    return deployed.actors

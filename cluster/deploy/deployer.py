@@ -1,0 +1,174 @@
+"""The one path every role is started, resized and stopped through.
+
+`deploy` takes `RoleSpec`s and, for each, starts its supervisor (SUPERVISED, with the
+children placed one per node while nodes last), its detached actors (DETACHED) or its
+replica groups (REPLICA_GROUPS), then waits until every replica serves. `add_replica`
+and `remove_replica` resize a supervised role one replica at a time (a new one serves
+before it counts, a leaving one drains first); `stop` drains a role and stops it for
+good. All of it blocks on Ray calls: from async code, call it through an executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.deploy.logger import start_group
+from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node
+from runtime.placement import actor_nodes, alive_nodes, plan
+from runtime.ray_supervisor import start_supervisor, supervised_options
+from runtime.supervision import ChildSpec, load_start
+from runtime.waiting import wait_until
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deployed:
+    """A role that runs: its spec, its replicas' names (the live list that resizing
+    changes), and the handles stopping it needs."""
+
+    spec: RoleSpec
+    namespace: str
+    names: list[str]
+    supervisor: Any = None  # SUPERVISED
+    actors: list[Any] = field(default_factory=list)  # DETACHED: the actor handles
+    groups: list[tuple[Any, Any]] = field(default_factory=list)  # (ReplicaGroup, client)
+    answers: dict[str, Any] = field(default_factory=dict)  # name -> what `ready` answered
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+
+def deploy(
+    specs: Sequence[RoleSpec], *, namespace: str, state_dir: str, timeout_s: float = 120.0
+) -> list[Deployed]:
+    """Start `specs` in order and return them (in that order) once every replica serves.
+
+    Roles that name the same supervisor are started under it together (one supervisor
+    start with all their children, each role placed on its own over the alive nodes);
+    then each role's replicas are waited for, in the order given.
+    """
+    nodes = alive_nodes() if any(s.start is Start.SUPERVISED for s in specs) else []
+    out: list[Deployed] = []
+    supervisors: dict[str, tuple[SupervisorSpec, list[ChildSpec]]] = {}
+    for spec in specs:
+        d = Deployed(spec, namespace, spec.names)
+        if spec.start is Start.SUPERVISED:
+            assert spec.supervisor is not None
+            placed = plan(len(spec.children), nodes)
+            _, children = supervisors.setdefault(spec.supervisor.name, (spec.supervisor, []))
+            children += [on_node(c, n) for c, n in zip(spec.children, placed, strict=True)]
+        elif spec.start is Start.DETACHED:
+            d.actors = [_start_detached(c, namespace) for c in spec.children]
+        else:
+            d.groups = [start_group(c, spec.k, namespace) for c in spec.children]
+        out.append(d)
+    handles = {
+        name: start_supervisor(
+            name,
+            children,
+            state_dir=state_dir,
+            namespace=namespace,
+            ray_options=dict(sup.ray_options),
+            strategy=sup.strategy,
+            intensity=sup.intensity,
+        )
+        for name, (sup, children) in supervisors.items()
+    }
+    for d in out:
+        if d.spec.supervisor is not None:
+            d.supervisor = handles[d.spec.supervisor.name]
+        if d.spec.ready:
+            for name in d.names:
+                d.answers[name] = wait_ready(namespace, name, d.spec.ready, timeout_s)
+    return out
+
+
+def _start_detached(child: ChildSpec, namespace: str) -> Any:
+    """A named, detached actor Ray restarts forever (`supervised_options`); the running
+    one if it exists."""
+    opts = supervised_options(child.id, namespace, **(child.ray_options or {}))
+    return ray.remote(load_start(child.start)).options(**opts).remote(*child.args, **child.kwargs)
+
+
+def wait_ready(namespace: str, name: str, method: str, timeout_s: float = 120.0) -> Any:
+    """What replica `name`'s `method` answers once it is not None (it serves); each call
+    is bounded, and an actor not registered yet counts as not ready."""
+
+    def answer() -> tuple[Any] | None:
+        got = ray.get(
+            getattr(ray.get_actor(name, namespace=namespace), method).remote(), timeout=30
+        )
+        return None if got is None else (got,)
+
+    return wait_until(answer, timeout=timeout_s, what=f"{name} serving", swallow=True)[0]
+
+
+def add_replica(
+    supervisor: Any,
+    child: ChildSpec,
+    *,
+    namespace: str,
+    siblings: Sequence[str],
+    ready: str | None,
+    timeout_s: float = 120.0,
+) -> Any:
+    """Start one more replica under `supervisor` on the alive node with the fewest of
+    `siblings` (its role's other replicas), and return what it answers once it serves."""
+    placed = actor_nodes({n: ray.get_actor(n, namespace=namespace) for n in siblings})
+    spec = on_node(child, plan(1, alive_nodes(), placed.values())[0])
+    ray.get(supervisor.add_child.remote(spec), timeout=60)
+    return wait_ready(namespace, spec.id, ready, timeout_s) if ready else None
+
+
+def remove_replica(supervisor: Any, name: str, timeout_s: float = 180.0) -> bool:
+    """Stop supervising `name`, let it drain (`shutdown`: stop taking work, finish what
+    it holds), then stop it for good; whether the drain finished in time."""
+    return ray.get(supervisor.remove_child.remote(name, drain="shutdown"), timeout=timeout_s)
+
+
+def drain(namespace: str, names: Sequence[str], method: str, timeout_s: float) -> None:
+    """Call `method` (a clean close: drain, flush, hand over) on each named replica; one
+    that is gone already has nothing left to close."""
+    for name in names:
+        try:
+            ray.get(
+                getattr(ray.get_actor(name, namespace=namespace), method).remote(),
+                timeout=timeout_s,
+            )
+        except Exception as err:
+            log.info("%s %s: %r", method, name, err)
+
+
+def stop_supervisor(supervisor: Any, timeout_s: float = 60.0) -> None:
+    """Stop supervising and kill the children for good, then the supervisor itself."""
+    try:
+        ray.get(supervisor.stop.remote(), timeout=timeout_s)
+    except Exception as err:  # a dying cluster must not block the rest of shutdown
+        log.warning("supervisor did not stop cleanly: %r", err)
+    with contextlib.suppress(Exception):
+        ray.kill(supervisor, no_restart=True)
+
+
+def stop(d: Deployed, *, drain_with: str | None = None, timeout_s: float = 60.0) -> None:
+    """Stop a role for good: each replica closed by `drain_with` first (when given),
+    then its supervisor (and with it its children), detached actors or replica groups."""
+    if drain_with:
+        drain(d.namespace, d.names, drain_with, timeout_s)
+    if d.supervisor is not None:
+        stop_supervisor(d.supervisor, timeout_s)
+        d.supervisor = None
+    for handle in d.actors:
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    d.actors.clear()
+    for group, _client in d.groups:
+        group.shutdown()
+    d.groups.clear()
