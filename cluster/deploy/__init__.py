@@ -40,7 +40,8 @@ The design, in three layers:
    - `add_replica` / `remove_replica`: one more replica under the role's supervisor on
      the node with the fewest of its siblings, serving before it counts; one fewer,
      drained first (``shutdown``: stop taking work, finish what is in hand).
-   - `stop`, `drain`, `stop_supervisor`: close replicas cleanly, then stop for good.
+   - `drain`, `stop_supervisor`: close replicas cleanly (each role's own method:
+     ``shutdown``, ``stop``), then stop the supervisor and its children for good.
 
    Resizing a running pipeline enters at `cluster.launcher.Runtime.scale(role, n)` (the
    admin endpoint's ``/scale`` and the autoscaler both call it), which hands gateways to
@@ -50,6 +51,7 @@ The design, in three layers:
    Both go through `add_replica`, `remove_replica` and `deploy`.
 
 Actor behaviour, actor and supervisor names and ports are what they were before this
-layer existed; the role modules keep their ``start_*`` / ``stop_*`` helpers (tests and
-tools use them), each now a `RoleSpec` handed to `deploy`.
+layer existed; the role modules keep their ``start_*`` / ``stop_*`` / ``scale_*`` helpers
+(tests and tools use them): each start hands a `RoleSpec` to `deploy`, each resize and stop
+goes through the `deployer` functions above.
 """

@@ -4,8 +4,9 @@
 children placed one per node while nodes last), its detached actors (DETACHED) or its
 replica groups (REPLICA_GROUPS), then waits until every replica serves. `add_replica`
 and `remove_replica` resize a supervised role one replica at a time (a new one serves
-before it counts, a leaving one drains first); `stop` drains a role and stops it for
-good. All of it blocks on Ray calls: from async code, call it through an executor.
+before it counts, a leaving one drains first); `drain` and `stop_supervisor` close a
+role's replicas cleanly and stop them for good. All of it blocks on Ray calls: from
+async code, call it through an executor.
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ class Deployed:
     actors: list[Any] = field(default_factory=list)  # DETACHED: the actor handles
     groups: list[tuple[Any, Any]] = field(default_factory=list)  # (ReplicaGroup, client)
     answers: dict[str, Any] = field(default_factory=dict)  # name -> what `ready` answered
-
-    @property
-    def role(self) -> str:
-        return self.spec.role
 
 
 def deploy(
@@ -155,20 +152,3 @@ def stop_supervisor(supervisor: Any, timeout_s: float = 60.0) -> None:
         log.warning("supervisor did not stop cleanly: %r", err)
     with contextlib.suppress(Exception):
         ray.kill(supervisor, no_restart=True)
-
-
-def stop(d: Deployed, *, drain_with: str | None = None, timeout_s: float = 60.0) -> None:
-    """Stop a role for good: each replica closed by `drain_with` first (when given),
-    then its supervisor (and with it its children), detached actors or replica groups."""
-    if drain_with:
-        drain(d.namespace, d.names, drain_with, timeout_s)
-    if d.supervisor is not None:
-        stop_supervisor(d.supervisor, timeout_s)
-        d.supervisor = None
-    for handle in d.actors:
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
-    d.actors.clear()
-    for group, _client in d.groups:
-        group.shutdown()
-    d.groups.clear()
