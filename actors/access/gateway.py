@@ -56,9 +56,8 @@ from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUPERVISOR", "Gateway"]
+__all__ = ["Gateway"]
 
-SUPERVISOR = "gateways"  # the supervisor of the replicas (cluster/deploy/gateway.py)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
