@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test bench chaos lint fmt setup java chromium clean
+.PHONY: demo test test-fast bench chaos lint fmt setup java chromium clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ demo: $(STAMP) java
 
 test: $(STAMP) java chromium lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The tests marked `unit`: pure code, no engine (tests/conftest.py fails a unit test that
+# starts nats-server, Ray, Spark or any other process), so neither Java nor Chromium.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m unit $(PYTEST_ARGS)
 
 # Benchmarks print numbers and assert no speed; files are tests/bench/bench_*.py.
 # Then tests/bench/report.py merges reports/bench_*.json into reports/bench.json, draws

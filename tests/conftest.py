@@ -1,13 +1,24 @@
-"""Shared fixtures: the engines are expensive (ray.init ~5 s, Spark ~6 s), so share them."""
+"""Shared fixtures: the engines are expensive (ray.init ~5 s, Spark ~6 s), so share them.
+
+Every nats-server a test needs comes from `nats_factory` (or the plain `nats_server` it
+makes). Tests marked `unit` (`make test-fast`) may start no engine: the hooks at the bottom
+fail one that asks for an engine fixture or starts any process (nats-server, Ray, Spark's JVM,
+Chromium and the tierflow CLI all are processes).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runtime.config import Config, load
+from runtime.nats import NatsServer
+from runtime.services import spark_session
+from tests.support import NatsFactory
 
 
 @pytest.fixture(scope="session")
@@ -22,18 +33,24 @@ def session_cfg(session_dir: Path) -> Config:
 
 
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A real embedded nats-server (JetStream, `sync_interval: always`) per test module."""
-    from runtime.nats import NatsServer
+def nats_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsFactory]:
+    """Starts nats-servers with any NatsServer options for this module; at its end, stops
+    exactly the ones it started."""
+    factory = NatsFactory(lambda: tmp_path_factory.mktemp("nats"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
 
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
-        yield server
+
+@pytest.fixture(scope="module")
+def nats_server(nats_factory: NatsFactory) -> NatsServer:
+    """A real nats-server (JetStream, `sync_interval: always`) per test module."""
+    return nats_factory()
 
 
 @pytest.fixture(scope="session")
 def spark(session_cfg: Config) -> Iterator[object]:
-    from runtime.services import spark_session
-
     session = spark_session(session_cfg, app_name="tierflow-tests")
     yield session
     session.stop()
@@ -43,7 +60,7 @@ def spark(session_cfg: Config) -> Iterator[object]:
 def ray_module() -> Iterator[object]:
     """A local Ray instance for this module (reused if one is up; other modules' fixtures
     may shut it down, so each module asks again rather than holding a session handle)."""
-    import ray
+    import ray  # seconds of import time: only the modules that use Ray pay it
 
     if not ray.is_initialized():
         ray.init(
@@ -54,3 +71,53 @@ def ray_module() -> Iterator[object]:
             log_to_driver=False,
         )
     yield ray
+
+
+# --------------------------------------------------------------------------- the unit marker
+
+ENGINE_FIXTURES = frozenset({"nats_factory", "nats_server", "spark", "ray_module"})
+
+
+def _refuse_processes(item: pytest.Item) -> pytest.MonkeyPatch:
+    """While a unit test sets up and runs, starting any child process fails it."""
+
+    def refuse(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        command = args if isinstance(args, (str, bytes)) else " ".join(map(str, args))
+        raise AssertionError(
+            f"{item.nodeid} is marked unit but starts a process ({str(command)[:200]}): "
+            "nats-server, Ray, Spark, Chromium and tierflow belong in integration tests"
+        )
+
+    patch = pytest.MonkeyPatch()
+    # Every child (subprocess.run, asyncio's subprocess transport, Ray's and pyspark's
+    # launchers) goes through Popen._execute_child, however Popen itself was imported.
+    patch.setattr(subprocess.Popen, "_execute_child", refuse)
+    return patch
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    engines = ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    if engines:
+        pytest.fail(
+            f"{item.nodeid} is marked unit but uses engine fixtures {sorted(engines)}",
+            pytrace=False,
+        )
+    patch = _refuse_processes(item)
+    try:
+        return (yield)
+    finally:
+        patch.undo()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    patch = _refuse_processes(item)
+    try:
+        return (yield)
+    finally:
+        patch.undo()

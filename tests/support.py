@@ -12,6 +12,42 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config, load
+from runtime.nats import NatsServer
+from runtime.services import start_nats
+
+
+class NatsFactory:
+    """Starts real nats-servers (JetStream, free ports, a fresh store dir each unless one is
+    given) and stops exactly the ones it started: the one way a test gets a server.
+
+    `factory(**opts)` takes NatsServer's fields (sync_interval, user/password, users, TLS,
+    max_payload...); `factory.from_config(cfg)` starts one the way `tierflow up` does
+    (runtime.services.start_nats). A server is returned started; a test that wants it gone
+    before the module ends uses it as a context manager (`with factory() as server:`).
+    """
+
+    def __init__(self, new_dir: Callable[[], Path]) -> None:
+        self._new_dir = new_dir
+        self.started: list[NatsServer] = []
+
+    def __call__(self, **opts: Any) -> NatsServer:
+        opts.setdefault("store_dir", self._new_dir())
+        server = NatsServer(**opts)
+        self.started.append(server)  # before start: a failed start is still stopped
+        return server.start()
+
+    def from_config(self, cfg: Config) -> NatsServer:
+        """The embedded server `cfg` describes (its TLS, role users, encryption key)."""
+        server = start_nats(cfg)
+        assert server is not None, "cfg names an external nats.url: nothing to start"
+        self.started.append(server)
+        return server
+
+    def stop_all(self) -> None:
+        """Stop every server this factory started (stop is a no-op for stopped ones)."""
+        for server in reversed(self.started):
+            server.stop()
+        self.started.clear()
 
 
 @contextlib.contextmanager

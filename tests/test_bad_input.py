@@ -128,6 +128,7 @@ def _parse_or_refuse(ctype: str | None, body: bytes, max_events: int, max_bytes:
     return out
 
 
+@pytest.mark.unit
 @FUZZ
 @given(CTYPES, BODIES, st.integers(1, 20), st.integers(1, 400))
 def test_fuzz_parse_body_returns_events_or_bad_input(
@@ -136,6 +137,7 @@ def test_fuzz_parse_body_returns_events_or_bad_input(
     _parse_or_refuse(ctype, body, max_events, max_bytes)
 
 
+@pytest.mark.unit
 @FUZZ
 @given(st.lists(OBJECTS, min_size=1, max_size=6), st.sampled_from(["object", "array", "ndjson"]))
 def test_fuzz_valid_bodies_round_trip(objs: list[dict[str, Any]], form: str) -> None:
@@ -145,6 +147,7 @@ def test_fuzz_valid_bodies_round_trip(objs: list[dict[str, Any]], form: str) -> 
     assert _parse_or_refuse(ctype, b"\xef\xbb\xbf" + body, 100, 1 << 20) == objs  # BOM
 
 
+@pytest.mark.unit
 @FUZZ
 @given(st.lists(OBJECTS, min_size=2, max_size=6), st.sampled_from(["array", "ndjson"]))
 def test_fuzz_limits_are_413(objs: list[dict[str, Any]], form: str) -> None:
@@ -158,6 +161,7 @@ def test_fuzz_limits_are_413(objs: list[dict[str, Any]], form: str) -> None:
     assert info.value.status == 413 and "bytes > max" in info.value.reason
 
 
+@pytest.mark.unit
 @FUZZ
 @given(st.binary(min_size=1, max_size=60), st.sampled_from(["array", "ndjson"]))
 def test_fuzz_invalid_utf8_names_the_byte(junk: bytes, form: str) -> None:
@@ -201,6 +205,7 @@ def _compile_or_refuse(text: str) -> Any:
         return None
 
 
+@pytest.mark.unit
 @FUZZ
 @given(FILTER_TEXT)
 def test_fuzz_compile_filter_compiles_or_raises_filter_error(text: str) -> None:
@@ -253,6 +258,7 @@ EVENTS = st.one_of(
 )
 
 
+@pytest.mark.unit
 @FUZZ
 @given(valid_filters(), st.lists(EVENTS, min_size=1, max_size=5), st.text(max_size=10))
 def test_fuzz_valid_filters_evaluate_on_any_event(
@@ -267,6 +273,7 @@ def test_fuzz_valid_filters_evaluate_on_any_event(
             msgspec.json.encode(out)  # what the gateway sends must encode
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "reason"),
     [("''.A<0", "expected a field name"), ("0E<0", "'0E' is not a number"), ("a < -1e", "1e")],
@@ -277,11 +284,13 @@ def test_fuzz_findings_are_filter_errors(text: str, reason: str) -> None:
         compile_filter.__wrapped__(text)
 
 
+@pytest.mark.unit
 def test_oversized_filter_is_a_filter_error() -> None:
     with pytest.raises(FilterError, match="at most"):
         compile_filter("a = 1 OR " * (MAX_FILTER_CHARS // 9 + 1) + "a = 2")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text",
     [

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from actors.queue.logger import PARKED_MS, LogStore
 from runtime.events import Event
 
@@ -25,6 +27,7 @@ def park(store: LogStore, *events: Event) -> None:
     store.fail([(e, "parked: test") for e in events], 5_000, lambda n: PARKED_MS)
 
 
+@pytest.mark.unit
 def test_parked_entry_is_never_due_until_settled(tmp_path: Path) -> None:
     store = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
     try:

@@ -45,15 +45,8 @@ def event(data: bytes, *, age_s: float = 0.0, processed: bool = True) -> Event:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    s = NatsServer(store_dir=tmp_path_factory.mktemp("bridge-retries") / "nats").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def rig(
-    ray_module: Any, server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[BrokerBridge, LoggerGroup, Any]]:
     state: Path = tmp_path_factory.mktemp("bridge-retries-state")
     cfg = load(
@@ -86,7 +79,7 @@ def rig(
         str(state),
         name=f"{name}-bridge",
         config=cfg.to_dict(),
-        nats_url=server.url,
+        nats_url=nats_server.url,
         loggers=[group],
         replay=False,  # the tests drive replay passes themselves
         ack_timeout_s=2.0,
@@ -102,8 +95,8 @@ def rig(
 
 
 @pytest.fixture
-async def nc(server: NatsServer) -> AsyncIterator[Any]:
-    client = await connect(server.url, name="test-bridge-retries")
+async def nc(nats_server: NatsServer) -> AsyncIterator[Any]:
+    client = await connect(nats_server.url, name="test-bridge-retries")
     yield client
     await client.close()
 
@@ -129,7 +122,7 @@ async def failed_entry(group: LoggerGroup, ev: Event) -> dict[str, Any] | None:
 
 
 async def test_ack_lost_before_outage_longer_than_dedup_window_stores_once(
-    rig: tuple[BrokerBridge, LoggerGroup, Any], server: NatsServer, nc: Any
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nats_server: NatsServer, nc: Any
 ) -> None:
     """Hole 3: the event is stored but its ack is lost, then NATS is down longer than the
     stream's duplicate window. The resend after the outage must not store it again."""
@@ -139,7 +132,7 @@ async def test_ack_lost_before_outage_longer_than_dedup_window_stores_once(
     # the publish landed, the ack never came back: JetStream holds it, the log still does
     await nc.jetstream().publish("raw.s", ev.data, headers={MSG_ID_HEADER: ev.id})
     await nc.close()
-    server.stop()
+    nats_server.stop()
     try:
         answer = await bridge.publish(encode_batch([ev]), group.name)
         assert ev.id in answer["failed"], answer
@@ -150,9 +143,9 @@ async def test_ack_lost_before_outage_longer_than_dedup_window_stores_once(
             what="the outage outlasted the duplicate window",
         )
     finally:
-        server.start()
+        nats_server.start()
     await drain(bridge, group, [ev])
-    client = await connect(server.url)
+    client = await connect(nats_server.url)
     try:
         assert (await stream_ids(client, "s"))[ev.id] == 1
     finally:

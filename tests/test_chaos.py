@@ -42,6 +42,7 @@ from runtime.events import Event
 # --------------------------------------------------------------------------- schedule
 
 
+@pytest.mark.unit
 def test_same_scenario_and_seed_give_the_same_schedule() -> None:
     for scn in scenarios.SCENARIOS.values():
         assert plan(scn, 7) == plan(scn, 7), scn.name
@@ -69,6 +70,7 @@ def test_schedule_is_the_same_in_another_process() -> None:
     assert json.loads(out) == here
 
 
+@pytest.mark.unit
 def test_seeds_change_the_schedule_within_bounds() -> None:
     nemesis = scenarios.get("nemesis")
     schedules = {plan(nemesis, seed) for seed in range(5)}
@@ -88,6 +90,7 @@ def test_seeds_change_the_schedule_within_bounds() -> None:
             assert abs(f.at - base.at) <= 0.05 + 1e-9 and 0.05 <= f.at <= 0.9
 
 
+@pytest.mark.unit
 def test_faults_are_bounded_and_validated() -> None:
     with pytest.raises(ValueError, match="unknown fault action"):
         Fault(0.5, "meteor", "collector-0")
@@ -100,6 +103,7 @@ def test_faults_are_bounded_and_validated() -> None:
     assert at_s(f, 40.0) == 10.0
 
 
+@pytest.mark.unit
 def test_load_span_slows_the_load_to_fit_the_faults() -> None:
     scn = Scenario("x", "x", min_span_s=10.0)
     assert load_span(2000, 500.0, scn) == (10.0, 200.0)
@@ -108,6 +112,7 @@ def test_load_span_slows_the_load_to_fit_the_faults() -> None:
         load_span(0, 500.0, scn)
 
 
+@pytest.mark.unit
 def test_the_issue_scenarios_exist() -> None:
     names = set(scenarios.SCENARIOS)
     assert {
@@ -152,6 +157,7 @@ def _report(**kw: Any) -> ScenarioReport:
     return ScenarioReport(**{**base, "acknowledged": 3, "stored": 3, **kw})
 
 
+@pytest.mark.unit
 def test_verdict_and_report_fail_on_loss_duplicates_and_misses() -> None:
     v = judge({"a", "b", "c"}, Counter({"a": 1, "b": 2, "x": 1}))
     assert v.lost == ["c"] and v.duplicated == {"b": 2} and v.unexpected == 1
@@ -175,6 +181,7 @@ def test_verdict_and_report_fail_on_loss_duplicates_and_misses() -> None:
     assert not _report(error="boom").ok
 
 
+@pytest.mark.unit
 def test_report_folds_stream_verdicts_with_stream_qualified_ids() -> None:
     from cluster.verify import judge_streams
 
@@ -192,6 +199,7 @@ def test_report_folds_stream_verdicts_with_stream_qualified_ids() -> None:
     assert d["altered_count"] == 1 and d["refused_stored_count"] == 1
 
 
+@pytest.mark.unit
 def test_delivery_check_names_missing_and_duplicated_ids() -> None:
     got = delivery_check(["a", "b", "c"], ["a", "c", "c", "z"], reconnects=2)
     assert got == DeliveryCheck(
@@ -200,6 +208,7 @@ def test_delivery_check_names_missing_and_duplicated_ids() -> None:
     assert not got.ok
 
 
+@pytest.mark.unit
 def test_throughput_during_a_fault_window() -> None:
     timeline = [(0.5, 50), (1.0, 50), (2.5, 50), (3.0, 50), (9.0, 50)]
     assert report.rate_between(timeline, 0.0, 4.0) == 50.0
@@ -213,6 +222,7 @@ def test_throughput_during_a_fault_window() -> None:
     assert rows[0].recovered_s == 1.5
 
 
+@pytest.mark.unit
 def test_report_is_written_as_json_and_table(tmp_path: Path) -> None:
     reps = [_report(scenario="good"), _report(scenario="bad", lost=["c"])]
     path = report.write(reps, tmp_path)
@@ -226,6 +236,7 @@ def test_report_is_written_as_json_and_table(tmp_path: Path) -> None:
     assert "good" in text and "PASS" in text and "FAIL" in text
 
 
+@pytest.mark.unit
 def test_cli_lists_scenarios_and_refuses_unknown_ones() -> None:
     from cluster.cli import app
 
@@ -244,6 +255,7 @@ def _ev(i: int) -> Event:
     return Event(id=f"e{i}", stream="s", subject="raw.s", data=b"{}", received_ms=i)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("kind", "errno_text"), [("error", "Input/output"), ("full", "No space")])
 def test_logstore_refuses_writes_while_the_disk_fault_file_exists(
     tmp_path: Path, kind: str, errno_text: str

@@ -87,6 +87,7 @@ async def close(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None
 # --------------------------------------------------------------------------- pure parts
 
 
+@pytest.mark.unit
 def test_toxics_are_validated() -> None:
     p = FaultProxy("127.0.0.1", 1)
     for bad in (
@@ -102,6 +103,7 @@ def test_toxics_are_validated() -> None:
         p.add("latency")  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_jitter_is_deterministic_given_a_seed() -> None:
     toxic = Latency(ms=100, jitter_ms=40)
     a = latency_sampler(toxic, 42, "latency-1", 1, "upstream")
@@ -119,6 +121,7 @@ def test_jitter_is_deterministic_given_a_seed() -> None:
 # --------------------------------------------------------------------------- echo server
 
 
+@pytest.mark.unit
 async def test_plain_forwarding_and_stats(proxy: FaultProxy) -> None:
     conn = await open_(proxy)
     await round_trip(conn, b"hello")
@@ -130,6 +133,7 @@ async def test_plain_forwarding_and_stats(proxy: FaultProxy) -> None:
     await await_until(lambda: proxy.stats()["connections_open"] == 0, 10, what="closed")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("direction", "factor"), [("upstream", 1), ("downstream", 1), ("both", 2)])
 async def test_latency_delays_each_way(proxy: FaultProxy, direction: str, factor: int) -> None:
     conn = await open_(proxy)
@@ -144,6 +148,7 @@ async def test_latency_delays_each_way(proxy: FaultProxy, direction: str, factor
     await close(conn)
 
 
+@pytest.mark.unit
 async def test_removing_a_toxic_releases_what_it_holds(proxy: FaultProxy) -> None:
     conn = await open_(proxy)
     tid = proxy.add(Latency(ms=600_000))
@@ -155,6 +160,7 @@ async def test_removing_a_toxic_releases_what_it_holds(proxy: FaultProxy) -> Non
     await close(conn)
 
 
+@pytest.mark.unit
 async def test_jittered_latency_stays_above_its_floor(proxy: FaultProxy) -> None:
     proxy.add(Latency(ms=100, jitter_ms=50, direction="upstream"))
     conn = await open_(proxy)
@@ -163,6 +169,7 @@ async def test_jittered_latency_stays_above_its_floor(proxy: FaultProxy) -> None
     await close(conn)
 
 
+@pytest.mark.unit
 async def test_toxicity_picks_connections_reproducibly(echo: int) -> None:
     async def applied(seed: int) -> int:
         p = FaultProxy("127.0.0.1", echo, seed=seed)
@@ -188,6 +195,7 @@ async def test_toxicity_picks_connections_reproducibly(echo: int) -> None:
     await never.stop()
 
 
+@pytest.mark.unit
 async def test_bandwidth_limits_bytes_per_second(proxy: FaultProxy) -> None:
     size, kbps = 150_000, 300.0
     tid = proxy.add(Bandwidth(kbps=kbps, direction="upstream"))
@@ -200,6 +208,7 @@ async def test_bandwidth_limits_bytes_per_second(proxy: FaultProxy) -> None:
     await close(conn)
 
 
+@pytest.mark.unit
 async def test_reset_peer_resets_existing_and_new_connections(proxy: FaultProxy) -> None:
     conn = await open_(proxy)
     await round_trip(conn, b"before")
@@ -214,6 +223,7 @@ async def test_reset_peer_resets_existing_and_new_connections(proxy: FaultProxy)
     await round_trip(await open_(proxy), b"after")
 
 
+@pytest.mark.unit
 async def test_reset_peer_after_a_timeout(proxy: FaultProxy) -> None:
     proxy.add(ResetPeer(timeout_ms=200), duration_s=30)
     t0 = time.monotonic()
@@ -224,6 +234,7 @@ async def test_reset_peer_after_a_timeout(proxy: FaultProxy) -> None:
     assert time.monotonic() - t0 >= 0.2
 
 
+@pytest.mark.unit
 async def test_blackhole_drops_until_removed(proxy: FaultProxy) -> None:
     conn = await open_(proxy)
     tid = proxy.add(Blackhole())
@@ -236,6 +247,7 @@ async def test_blackhole_drops_until_removed(proxy: FaultProxy) -> None:
     await close(conn)
 
 
+@pytest.mark.unit
 async def test_slow_close_delays_the_close(proxy: FaultProxy) -> None:
     proxy.add(SlowClose(delay_ms=300, direction="upstream"))
     reader, writer = await open_(proxy)
@@ -247,6 +259,7 @@ async def test_slow_close_delays_the_close(proxy: FaultProxy) -> None:
     writer.close()
 
 
+@pytest.mark.unit
 async def test_disable_refuses_and_drops_enable_serves_again(proxy: FaultProxy) -> None:
     conn = await open_(proxy)
     await round_trip(conn, b"up")
@@ -260,6 +273,7 @@ async def test_disable_refuses_and_drops_enable_serves_again(proxy: FaultProxy) 
     assert proxy.stats()["enabled"]
 
 
+@pytest.mark.unit
 async def test_duration_bounds_a_toxic_and_stop_undoes_everything(echo: int) -> None:
     p = FaultProxy("127.0.0.1", echo)
     await p.start()
@@ -291,6 +305,7 @@ def _sync_echo(port: int, data: bytes) -> float:
         return time.monotonic() - t0
 
 
+@pytest.mark.unit
 async def test_proxy_thread_serves_sync_code(echo: int) -> None:
     def scenario() -> dict[str, Any]:
         with ProxyThread("127.0.0.1", echo, seed=1) as p:

@@ -54,6 +54,7 @@ def store(tmp_path: pathlib.Path):
 # --- namespaces -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_put_get_delete(store: CheckpointStore) -> None:
     ns = store.namespace("state")
     assert ns.get(b"k") is None
@@ -67,6 +68,7 @@ def test_put_get_delete(store: CheckpointStore) -> None:
     ns.delete(b"never-there")  # deleting a missing key is not an error
 
 
+@pytest.mark.unit
 def test_namespaces_isolated_including_prefix_names(store: CheckpointStore) -> None:
     a, ab, b = store.namespace("a"), store.namespace("ab"), store.namespace("b")
     a.put(b"x", b"from-a")
@@ -83,12 +85,14 @@ def test_namespaces_isolated_including_prefix_names(store: CheckpointStore) -> N
     assert ab.get(b"x") == b"from-ab"
 
 
+@pytest.mark.unit
 def test_bad_namespace_names(store: CheckpointStore) -> None:
     for bad in ("", "a\x00b"):
         with pytest.raises(ValueError):
             store.namespace(bad)
 
 
+@pytest.mark.unit
 def test_scan_filters(store: CheckpointStore) -> None:
     ns = store.namespace("s")
     keys = [b"a1", b"a2", b"a3", b"b1", b"b2", b"c\xff", b"c\xff\x01", b"d"]
@@ -114,6 +118,7 @@ def test_scan_filters(store: CheckpointStore) -> None:
     assert list(ns.keys(prefix=b"zz")) == []
 
 
+@pytest.mark.unit
 def test_delete_range_and_many(store: CheckpointStore) -> None:
     ns, other = store.namespace("n"), store.namespace("n2")
     assert ns.put_many([(b"%03d" % i, b"v") for i in range(50)]) == 50
@@ -129,6 +134,7 @@ def test_delete_range_and_many(store: CheckpointStore) -> None:
     assert other.get(b"010") == b"keep"
 
 
+@pytest.mark.unit
 def test_write_batch_atomic_across_namespaces(store: CheckpointStore) -> None:
     a, b = store.namespace("a"), store.namespace("b")
     a.put(b"old", b"1")
@@ -148,6 +154,7 @@ def test_write_batch_atomic_across_namespaces(store: CheckpointStore) -> None:
     assert a.get(b"k") == b"va"
 
 
+@pytest.mark.unit
 def test_batch_rejects_namespace_of_other_store(tmp_path: pathlib.Path) -> None:
     with CheckpointStore(tmp_path / "x") as s1, CheckpointStore(tmp_path / "y") as s2:
         ns2 = s2.namespace("n")
@@ -159,6 +166,7 @@ def test_batch_rejects_namespace_of_other_store(tmp_path: pathlib.Path) -> None:
 # --- lifecycle --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_survives_close_and_reopen(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "nested" / "db"
     with CheckpointStore(path, sync=False) as s:
@@ -172,6 +180,7 @@ def test_survives_close_and_reopen(tmp_path: pathlib.Path) -> None:
         assert s.namespace("b").get(b"k2") == b"v2"
 
 
+@pytest.mark.unit
 def test_create_false_missing_path(tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(CheckpointError, match=str(missing)):
@@ -182,6 +191,7 @@ def test_create_false_missing_path(tmp_path: pathlib.Path) -> None:
         CheckpointStore(tmp_path / "empty", create=False)
 
 
+@pytest.mark.unit
 def test_use_after_close_raises(tmp_path: pathlib.Path) -> None:
     s = CheckpointStore(tmp_path / "db")
     ns = s.namespace("n")
@@ -211,6 +221,7 @@ def test_use_after_close_raises(tmp_path: pathlib.Path) -> None:
         b.put(ns, b"a", b"x")
 
 
+@pytest.mark.unit
 def test_batch_commit_after_close_raises(tmp_path: pathlib.Path) -> None:
     s = CheckpointStore(tmp_path / "db")
     with pytest.raises(CheckpointError, match="closed"), s.write_batch() as b:
@@ -220,6 +231,7 @@ def test_batch_commit_after_close_raises(tmp_path: pathlib.Path) -> None:
         assert s2.namespace("n").get(b"a") is None
 
 
+@pytest.mark.unit
 def test_second_open_same_process_is_locked(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     with CheckpointStore(path):
@@ -294,6 +306,7 @@ def _filled(path: pathlib.Path, n: int = 200) -> None:
             ns.put(b"%04d" % i, b"v" * 100)
 
 
+@pytest.mark.unit
 def test_corrupt_manifest(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     _filled(path)
@@ -308,6 +321,7 @@ def test_corrupt_manifest(tmp_path: pathlib.Path) -> None:
         assert s.namespace("n").count() == 200
 
 
+@pytest.mark.unit
 def test_corrupt_current(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     _filled(path, 10)
@@ -316,6 +330,7 @@ def test_corrupt_current(tmp_path: pathlib.Path) -> None:
         CheckpointStore(path)
 
 
+@pytest.mark.unit
 def test_corrupt_log_fails_loudly_instead_of_dropping(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     _filled(path)
@@ -331,6 +346,7 @@ def test_corrupt_log_fails_loudly_instead_of_dropping(tmp_path: pathlib.Path) ->
         assert 0 < s.namespace("n").count() < 200
 
 
+@pytest.mark.unit
 def test_torn_log_tail_is_accepted(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     _filled(path)
@@ -343,6 +359,7 @@ def test_torn_log_tail_is_accepted(tmp_path: pathlib.Path) -> None:
 # --- SnapshotLog ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_snapshot_log_sequence(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     with CheckpointStore(path) as s:
@@ -378,6 +395,7 @@ def test_snapshot_log_sequence(tmp_path: pathlib.Path) -> None:
         assert log.restore() == (b"", [(6, b"e6")])
 
 
+@pytest.mark.unit
 def test_snapshot_upto_keeps_later_entries(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "db"
     with CheckpointStore(path) as s:
@@ -400,6 +418,7 @@ def test_snapshot_upto_keeps_later_entries(tmp_path: pathlib.Path) -> None:
         assert log.restore() == (b"S8", [(9, b"e9"), (10, b"e10"), (11, b"e11")])
 
 
+@pytest.mark.unit
 def test_snapshot_log_seq_sorts_past_byte_boundaries(tmp_path: pathlib.Path) -> None:
     with CheckpointStore(tmp_path / "db", sync=False) as s:
         log = SnapshotLog(s, "a")
@@ -409,6 +428,7 @@ def test_snapshot_log_seq_sorts_past_byte_boundaries(tmp_path: pathlib.Path) -> 
         assert [seq for seq, _ in log.restore()[1]] == list(range(251, 301))
 
 
+@pytest.mark.unit
 def test_snapshot_log_concurrent_appends_get_unique_ordered_seqs(tmp_path: pathlib.Path) -> None:
     with CheckpointStore(tmp_path / "db", sync=False) as s:
         log = SnapshotLog(s, "a")
@@ -446,6 +466,7 @@ _ops = st.lists(
 )
 
 
+@pytest.mark.unit
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_ops)
 def test_random_put_delete_matches_dict_after_reopen(ops: list[tuple[str, bytes, bytes]]) -> None:

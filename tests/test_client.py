@@ -185,6 +185,7 @@ async def take(it: AsyncIterator[Delivery], n: int, timeout: float = 20) -> list
 # --------------------------------------------------------------------------- pure parts
 
 
+@pytest.mark.unit
 def test_ws_url_accepts_base_and_ws_urls() -> None:
     assert ws_url("http://127.0.0.1:8080") == "ws://127.0.0.1:8080/v1/ws"
     assert ws_url("https://gw.example/") == "wss://gw.example/v1/ws"
@@ -193,6 +194,7 @@ def test_ws_url_accepts_base_and_ws_urls() -> None:
         ws_url("nats://h:4222")
 
 
+@pytest.mark.unit
 def test_resume_position_prefers_own_last_seq() -> None:
     assert resume_frame_from("new", None, 0) == "new"
     assert resume_frame_from("new", 42, 0) == 42  # nothing delivered yet: where "new" began
@@ -203,6 +205,7 @@ def test_resume_position_prefers_own_last_seq() -> None:
 # --------------------------------------------------------------------------- subscribe
 
 
+@pytest.mark.unit
 async def test_subscribe_all_in_order(fake_log: Any) -> None:
     await append(fake_log, 30)
     async with gateway(fake_log) as gw, TierflowClient(gw.url) as client:
@@ -211,6 +214,7 @@ async def test_subscribe_all_in_order(fake_log: Any) -> None:
     assert got[0] == Delivery(1, "plays.x", {"n": 1}, "plays")
 
 
+@pytest.mark.unit
 async def test_reconnects_resume_without_gap_or_duplicate(fake_log: Any) -> None:
     """Connections die every 7 events and the server re-sends 3 already delivered ones on
     every resume: the client still sees each seq exactly once, in order."""
@@ -228,6 +232,7 @@ async def test_reconnects_resume_without_gap_or_duplicate(fake_log: Any) -> None
     assert {(f["client"], f["id"]) for f in gw.subscribes} == {("c1", "s1")}
 
 
+@pytest.mark.unit
 async def test_new_subscription_keeps_what_arrived_while_disconnected(fake_log: Any) -> None:
     """ "new" is pinned to the server's from_seq, so events published between a drop and the
     reconnect are not skipped even when nothing had been delivered yet."""
@@ -246,6 +251,7 @@ async def test_new_subscription_keeps_what_arrived_while_disconnected(fake_log: 
     assert a.subscribes[0]["from"] == "new" and b.subscribes[0]["from"] == 11
 
 
+@pytest.mark.unit
 async def test_fails_over_to_the_next_gateway(fake_log: Any) -> None:
     await append(fake_log, 20)
     async with (
@@ -262,6 +268,7 @@ async def test_fails_over_to_the_next_gateway(fake_log: Any) -> None:
     assert b.subscribes and b.subscribes[0]["from"] == 21
 
 
+@pytest.mark.unit
 async def test_acks_follow_processing(fake_log: Any) -> None:
     await append(fake_log, 10)
     async with gateway(fake_log) as gw, TierflowClient(gw.url) as client:
@@ -271,6 +278,7 @@ async def test_acks_follow_processing(fake_log: Any) -> None:
     assert gw.subscribes[0]["ack"] is True
 
 
+@pytest.mark.unit
 async def test_slow_down_is_requested(fake_log: Any) -> None:
     await append(fake_log, 2)
     async with gateway(fake_log) as gw, TierflowClient(gw.url) as client:
@@ -278,6 +286,7 @@ async def test_slow_down_is_requested(fake_log: Any) -> None:
         await await_until(lambda: gw.slow_downs == [50.0], 10, what="slow_down sent")
 
 
+@pytest.mark.unit
 async def test_lag_and_losses_are_reported(fake_log: Any) -> None:
     await append(fake_log, 3)
     notices: list[dict[str, Any]] = []
@@ -294,6 +303,7 @@ async def test_lag_and_losses_are_reported(fake_log: Any) -> None:
     assert client.stats.last_lag is not None and client.stats.last_lag["behind"] == 5000
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("kw", "code"),
     [
@@ -311,6 +321,7 @@ async def test_refusals_are_not_retried(fake_log: Any, kw: dict[str, Any], code:
     assert client.stats.reconnects == 0
 
 
+@pytest.mark.unit
 async def test_gives_up_when_no_gateway_answers() -> None:
     client = TierflowClient(f"http://127.0.0.1:{free_port()}", give_up_after=0.3)
     async with client:
@@ -319,6 +330,7 @@ async def test_gives_up_when_no_gateway_answers() -> None:
     assert client.stats.reconnects >= 1
 
 
+@pytest.mark.unit
 async def test_token_is_sent_as_bearer(fake_log: Any) -> None:
     await append(fake_log, 1)
     async with (
@@ -335,6 +347,7 @@ def _pay(delivery: Delivery, batch: Batch) -> None:
     batch.put("ledger", str(delivery.data["n"]).encode(), b"1")
 
 
+@pytest.mark.unit
 async def test_exactly_once_skips_processed_ids(tmp_path: Path) -> None:
     d = Delivery(3, "plays.x", {"n": 3}, "plays")
     with ExactlyOnce(tmp_path / "eo") as eo:
@@ -346,6 +359,7 @@ async def test_exactly_once_skips_processed_ids(tmp_path: Path) -> None:
         assert eo.store.namespace("ledger").count() == 1
 
 
+@pytest.mark.unit
 async def test_a_failing_handler_records_nothing(tmp_path: Path) -> None:
     d = Delivery(1, "plays.x", {"n": 1}, "plays")
 
@@ -361,6 +375,7 @@ async def test_a_failing_handler_records_nothing(tmp_path: Path) -> None:
         assert await eo.process(d, _pay) is True  # the retry pays, once
 
 
+@pytest.mark.unit
 async def test_key_absorbs_producer_duplicates(tmp_path: Path) -> None:
     """Keyed by the producer's id, the same play published twice (two seqs) pays once."""
     with ExactlyOnce(tmp_path / "eo", key=lambda d: d.data["play_id"]) as eo:

@@ -8,6 +8,8 @@ import pytest
 
 from runtime.config import ConfigError, dumps_toml, env_overrides, load, validate
 
+pytestmark = pytest.mark.unit
+
 EMPTY: dict[str, str] = {}
 
 

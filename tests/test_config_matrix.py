@@ -34,6 +34,7 @@ TOP_N = 5
 # --------------------------------------------------------------------------- config only
 
 
+@pytest.mark.unit
 def test_own_stream_keeps_the_system_streams() -> None:
     cfg = validate({"streams": {"flights": {"subjects": ["raw.flights"]}}})
     assert cfg.streams["flights"].subjects == ["raw.flights"]
@@ -42,6 +43,7 @@ def test_own_stream_keeps_the_system_streams() -> None:
     assert "meetup" not in cfg.streams  # the Meetup default is only for a file with no streams
 
 
+@pytest.mark.unit
 def test_system_stream_may_be_tuned_with_its_own_subjects() -> None:
     cfg = validate(
         {"streams": {"f": {}, "results": {"subjects": ["results.>"], "duplicate_window_s": 900}}}
@@ -52,6 +54,7 @@ def test_system_stream_may_be_tuned_with_its_own_subjects() -> None:
     assert cfg.streams["deadletter"].subjects == ["deadletter.>"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("streams", "key"),
     [

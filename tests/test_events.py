@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +16,8 @@ from runtime.events import (
     encode_event,
     new_event_id,
 )
+
+pytestmark = pytest.mark.unit
 
 events = st.builds(
     Event,

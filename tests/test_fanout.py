@@ -17,6 +17,8 @@ from actors.access.messages import StreamMessage
 from runtime.query import compile_filter
 from runtime.waiting import await_until
 
+pytestmark = pytest.mark.unit
+
 
 class MemStream:
     """A stream in memory; readers block up to their timeout for new events."""

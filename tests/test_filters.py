@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from runtime.query import MATCH_ALL, FilterError, compile_filter, compile_named
 
+pytestmark = pytest.mark.unit
+
 RSVP = {
     "response": "yes",
     "guests": 2,

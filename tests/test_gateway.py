@@ -92,6 +92,7 @@ _json = msgspec.json.Encoder()
 # --------------------------------------------------------------------------- pure parts
 
 
+@pytest.mark.unit
 def test_access_rules() -> None:
     a = Access(["t1", "t2"], {"t2": ["results", "kv:*"]}, ["KV_tierflow_cursors"])
     a.authenticate("t1")
@@ -109,6 +110,7 @@ def test_access_rules() -> None:
     Access([]).authenticate(None)  # no tokens: auth off
 
 
+@pytest.mark.unit
 def test_stream_names_and_start_positions() -> None:
     assert stream_ref("kv:results") == stream_ref("KV_results")
     assert stream_ref("kv:results").js == "KV_results" and stream_ref("meetup").kv is False

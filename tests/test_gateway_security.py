@@ -181,6 +181,7 @@ async def test_dashboard_static_serves_no_file_outside_its_directory(
 # --------------------------------------------------------------------------- hole 12
 
 
+@pytest.mark.unit
 def test_webhook_targets_are_checked_on_every_resolved_address() -> None:
     """Pure policy: private, loopback, link-local, mapped and unspecified addresses are
     refused unless allowed; a name is refused if ANY of its addresses is."""
@@ -212,6 +213,7 @@ def test_webhook_targets_are_checked_on_every_resolved_address() -> None:
         TargetPolicy.from_networks(["not-a-network"])
 
 
+@pytest.mark.unit
 async def test_dns_rebinding_is_caught_at_delivery_time() -> None:
     """A name that resolved to a public address at registration and to loopback at delivery
     is refused when the connection is made (the resolver the sender connects through)."""
@@ -485,6 +487,7 @@ async def test_streaming_serves_only_a_configured_topn_subject(gw: str) -> None:
         assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4404, closed
 
 
+@pytest.mark.unit
 def test_a_bad_webhook_allow_list_fails_at_config_load() -> None:
     from runtime.config import ConfigError
 

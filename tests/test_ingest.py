@@ -25,6 +25,8 @@ from runtime.logic import LogicConfig, StreamLogic, compile_logic, dead_letters
 from runtime.query import compile_where
 from runtime.waiting import await_until
 
+pytestmark = pytest.mark.unit
+
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 

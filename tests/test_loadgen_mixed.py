@@ -30,6 +30,8 @@ from cluster.loadgen import (
 )
 from cluster.verify import judge_streams
 
+pytestmark = pytest.mark.unit
+
 MAX_PAYLOAD = 1 << 20
 STREAMS = ("s1", "s2", "s3")
 

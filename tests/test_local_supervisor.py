@@ -13,6 +13,8 @@ from runtime.local_supervisor import LocalSupervisor, Supervised
 from runtime.supervision import Backoff, ChildSpec, Intensity, Restart, Strategy
 from runtime.waiting import wait_until
 
+pytestmark = pytest.mark.unit
+
 FAST = Backoff(base_s=0.01, factor=2.0, cap_s=0.05, jitter=0.0)
 WIDE = Intensity(10, 60.0)
 

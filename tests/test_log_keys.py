@@ -25,6 +25,8 @@ from actors.queue.logger.records import (
 from runtime.checkpoint import CheckpointStore
 from runtime.events import Event, encode_event
 
+pytestmark = pytest.mark.unit
+
 BIG = 1 << 40
 
 

@@ -27,6 +27,8 @@ from runtime.events import Event, encode_event
 from runtime.supervision import Intensity
 from runtime.waiting import wait_until
 
+pytestmark = pytest.mark.unit
+
 BIG = 1 << 40
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from cluster.demo.rsvps import RsvpGenerator, slug, topic_vocabulary
 
+pytestmark = pytest.mark.unit
+
 # The copy kept with the tests, so the schema check never skips.
 EMBEDDED_SAMPLE = Path(__file__).parent / "data" / "meetup_rsvp_sample.json"
 # The book's file, in shared/ beside the repository (dev and CI).

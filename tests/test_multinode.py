@@ -24,7 +24,7 @@ from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import load
 from runtime.nats import NatsServer
 from runtime.waiting import wait_until
-from tests.support import assert_all_landed, under_load
+from tests.support import NatsFactory, assert_all_landed, under_load
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "tf-multinode"
@@ -48,11 +48,11 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def pipeline(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+    cluster: Cluster, nats_factory: NatsFactory, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[CollectionTier, NatsServer, list[str]]]:
     from cluster.deploy.gateway import start_gateways, stop_gateways
 
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
+    with nats_factory() as server:
         cfg = load(
             environ={},
             overrides={

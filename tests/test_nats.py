@@ -154,6 +154,7 @@ def server(tmp_path: Path):
 # ---- tests --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_binary_and_free_port() -> None:
     path = nats_server_binary()
     assert os.access(path, os.X_OK)
@@ -429,6 +430,7 @@ def test_endpoint_from_config_names_the_role_its_credentials_and_tls(tmp_path: P
     assert "tls" not in NatsEndpoint("nats://plain:4222").connect_kwargs()
 
 
+@pytest.mark.unit
 async def test_connect_unreachable_fails_fast() -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     with pytest.raises(nats.errors.NoServersError):

@@ -6,6 +6,8 @@ import pytest
 
 from runtime.placement import NODE_HINT, affinity, plan, resolve, spread_node, strategy
 
+pytestmark = pytest.mark.unit
+
 
 def test_spread_picks_the_node_with_fewest_replicas_first_on_ties() -> None:
     assert spread_node({}, ["a", "b", "c"]) == "a"

@@ -7,7 +7,7 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats.errors
@@ -88,13 +88,6 @@ def by_id(items: list[Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    s = NatsServer(store_dir=tmp_path_factory.mktemp("bridge") / "nats").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     state = tmp_path_factory.mktemp("bridge-state")
     return load(
@@ -104,17 +97,17 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 
 @pytest.fixture(scope="module")
-async def nc(server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(server.url, name="test-bridge")
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await connect(nats_server.url, name="test-bridge")
     yield client
     await client.close()
 
 
 @pytest.fixture
-async def stream(nc: Client, server: NatsServer, cfg: Config) -> str:
+async def stream(nc: Client, nats_server: NatsServer, cfg: Config) -> str:
     """A fresh, empty stream `t` (sequences start at 1, dedup state empty)."""
-    if not server.running:  # a previous test left it down
-        server.start()
+    if not nats_server.running:  # a previous test left it down
+        nats_server.start()
     await await_until(lambda: nc.is_connected, 20, what="client reconnected")
     js = nc.jetstream()
     with contextlib.suppress(NotFoundError):
@@ -126,6 +119,7 @@ async def stream(nc: Client, server: NatsServer, cfg: Config) -> str:
 # ---- pure parts ---------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_duplicate_window_exceeds_retry_horizon() -> None:
     assert duplicate_window_for(0) == 120.0
     assert duplicate_window_for(30) == 120.0
@@ -135,11 +129,13 @@ def test_duplicate_window_exceeds_retry_horizon() -> None:
         duplicate_window_for(-1)
 
 
+@pytest.mark.unit
 def test_api_error_classification() -> None:
     assert api_error_retryable(503) and api_error_retryable(429)
     assert not api_error_retryable(400) and not api_error_retryable(404)
 
 
+@pytest.mark.unit
 def test_latency_reservoir_quantiles_and_ring() -> None:
     r = LatencyReservoir(size=100)
     assert r.quantile(0.5) is None
@@ -152,6 +148,7 @@ def test_latency_reservoir_quantiles_and_ring() -> None:
     assert len(r) == 100 and r.quantile(0.01) == 5.0
 
 
+@pytest.mark.unit
 def test_jittered_backoff_is_bounded_and_seeded() -> None:
     a = jittered(0.1, 1.0, random.Random(7))
     b = jittered(0.1, 1.0, random.Random(7))
@@ -256,7 +253,7 @@ async def test_concurrent_batches_share_the_window(nc: Client, stream: str) -> N
 
 @on_session_loop
 async def test_nats_down_fails_fast_then_retry_lands_exactly_once(
-    nc: Client, server: NatsServer, stream: str
+    nc: Client, nats_server: NatsServer, stream: str
 ) -> None:
     ack_timeout = 1.0
     pub = JetStreamPublisher(nc, max_in_flight=256, ack_timeout=ack_timeout)
@@ -265,7 +262,7 @@ async def test_nats_down_fails_fast_then_retry_lands_exactly_once(
     assert bad == [] and len(ok) == 500
 
     evs = events("down", 2000)
-    server.kill()
+    nats_server.kill()
     try:
         t0 = time.monotonic()
         ok, bad = await pub.publish_batch(evs)
@@ -277,7 +274,7 @@ async def test_nats_down_fails_fast_then_retry_lands_exactly_once(
         assert elapsed < ack_timeout + 3.0, elapsed
         assert pub.in_flight == 0
     finally:
-        server.restart()
+        nats_server.restart()
     await await_until(lambda: nc.is_connected, 20, what="client reconnected after restart")
 
     ok, bad = await pub.publish_with_retry(evs, attempts=20, backoff=lambda n: 0.05)
@@ -422,6 +419,7 @@ async def _ignore(_msg: Any) -> None:
     return None
 
 
+@pytest.mark.unit
 def test_outgoing_is_frozen_with_default_headers() -> None:
     e = Outgoing(id="a", subject="s", data=b"d")
     assert e.headers == {}

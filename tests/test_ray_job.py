@@ -129,15 +129,6 @@ def head() -> Iterator[Head]:
         shutil.rmtree(h.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def external_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("job-nats")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _job_status(head: Head, job_id: str) -> str:
     out = _ray("job", "status", "--address", head.dashboard, job_id, timeout=60)
     text = out.stdout + out.stderr
@@ -175,6 +166,7 @@ def _role_title(title: str) -> str:
     return title.split()[0].split(".", 1)[0]
 
 
+@pytest.mark.unit
 def test_a_busy_worker_title_still_names_its_role() -> None:
     """Ray titles a worker running a call ``ray::Collector.heartbeat`` (a fresh clone's
     `make test` failed on it once): the role is the class, whatever the worker is doing."""
@@ -192,13 +184,13 @@ async def _kv(session: aiohttp.ClientSession, gateway: str) -> dict[str, Any]:
 
 
 async def test_ray_job_submit_runs_the_pipeline_and_job_stop_leaves_nothing(
-    head: Head, external_nats: NatsServer, tmp_path: Path
+    head: Head, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     collector, gateway, admin = free_port(), free_port(), free_port()
     config = tmp_path / "tierflow.toml"
     config.write_text(
         f'state_dir = "{tmp_path / "state"}"\n'
-        f'[nats]\nurl = "{external_nats.url}"\n'
+        f'[nats]\nurl = "{nats_server.url}"\n'
         f'[ray]\nnamespace = "tierflow-job-{uuid.uuid4().hex[:6]}"\n'
         f"[roles.collector]\nport = {collector}\n"
         f"[roles.gateway]\nport = {gateway}\n"
@@ -252,7 +244,7 @@ async def test_ray_job_submit_runs_the_pipeline_and_job_stop_leaves_nothing(
         assert [t["item"] for t in got["top"]] == [t["item"] for t in want["top"]]
         assert [t["count"] for t in got["top"]] == [t["count"] for t in want["top"]]
 
-        nc = await connect(external_nats.url)
+        nc = await connect(nats_server.url)
         try:
             verdict = judge(load.acknowledged, await stream_ids(nc, "meetup"))
         finally:

@@ -123,6 +123,7 @@ def start(
     return sup
 
 
+@pytest.mark.unit
 def test_supervised_options_are_the_role_defaults_plus_extras() -> None:
     assert supervised_options("x", num_cpus=0.5) == {
         "name": "x",
@@ -136,6 +137,7 @@ def test_supervised_options_are_the_role_defaults_plus_extras() -> None:
     assert supervised_options("x", "ns", max_restarts=0)["max_restarts"] == 0
 
 
+@pytest.mark.unit
 def test_exit_from_death_reads_rays_cause() -> None:
     assert exit_from_death(ActorDiedError()) is Exit.ABNORMAL
 

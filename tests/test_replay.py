@@ -83,6 +83,7 @@ def expected(seed: int, n: int) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- pacer (pure)
 
 
+@pytest.mark.unit
 def test_pacer_never_runs_ahead_of_schedule() -> None:
     pacer = Pacer(rate=100.0, burst=10, start=0.0)
     now, sent_at = 0.0, []
@@ -99,6 +100,7 @@ def test_pacer_never_runs_ahead_of_schedule() -> None:
         assert t >= k / 100.0 - 1e-9, (k, t)
 
 
+@pytest.mark.unit
 def test_pacer_forgives_debt_beyond_burst() -> None:
     pacer = Pacer(rate=1000.0, burst=50, start=0.0)
     assert pacer.due(0.0) == 1
@@ -114,6 +116,7 @@ def test_pacer_forgives_debt_beyond_burst() -> None:
 # --------------------------------------------------------------------------- streaming
 
 
+@pytest.mark.unit
 async def test_plain_frames_are_rsvps_in_order() -> None:
     server = ReplayServer(GeneratorSource(3), rate=0, count=40, close_at_end=True)
     async with running(server), session() as s, s.ws_connect(server.url) as ws:
@@ -122,6 +125,7 @@ async def test_plain_frames_are_rsvps_in_order() -> None:
     assert [json.loads(f) for f in frames] == expected(3, 40)
 
 
+@pytest.mark.unit
 async def test_v1_stream_resumes_exactly_at_from() -> None:
     server = ReplayServer(GeneratorSource(8), rate=2000)  # endless
     async with running(server), session() as s:
@@ -134,6 +138,7 @@ async def test_v1_stream_resumes_exactly_at_from() -> None:
     assert events == expected(8, 100)
 
 
+@pytest.mark.unit
 async def test_plain_endpoint_accepts_from() -> None:
     server = ReplayServer(GeneratorSource(4), rate=0, count=30, close_at_end=True)
     async with running(server), session() as s, s.ws_connect(f"{server.url}?from=20") as ws:
@@ -141,6 +146,7 @@ async def test_plain_endpoint_accepts_from() -> None:
     assert [json.loads(f) for f in frames] == expected(4, 30)[20:]
 
 
+@pytest.mark.unit
 async def test_restarted_server_serves_the_same_positions() -> None:
     got = []
     for _ in range(2):
@@ -155,6 +161,7 @@ async def test_restarted_server_serves_the_same_positions() -> None:
     assert got[0] == (list(range(40, 45)), expected(21, 45)[40:])
 
 
+@pytest.mark.unit
 async def test_positions_older_than_cache_are_regenerated() -> None:
     source = GeneratorSource(5, cache_size=10)
     server = ReplayServer(source, rate=0, count=60, close_at_end=True)
@@ -169,6 +176,7 @@ async def test_positions_older_than_cache_are_regenerated() -> None:
     assert (pos_b, events_b) == (list(range(5, 60)), want[5:])
 
 
+@pytest.mark.unit
 async def test_concurrent_clients_have_their_own_positions() -> None:
     server = ReplayServer(GeneratorSource(6), rate=1000, count=80, close_at_end=True)
     async with running(server), session() as s:
@@ -186,6 +194,7 @@ async def test_concurrent_clients_have_their_own_positions() -> None:
     assert c == (list(range(75, 80)), want[75:])
 
 
+@pytest.mark.unit
 async def test_rate_pacing_does_not_run_ahead() -> None:
     server = ReplayServer(GeneratorSource(1), rate=500, count=250, close_at_end=True)
     async with running(server), session() as s:
@@ -198,6 +207,7 @@ async def test_rate_pacing_does_not_run_ahead() -> None:
     assert elapsed >= 0.4, elapsed
 
 
+@pytest.mark.unit
 async def test_ndjson_file_mode_skips_malformed_lines(tmp_path: Path) -> None:
     good = [json.dumps(r, separators=(",", ":")) for r in RsvpGenerator(12).take(10)]
     lines = [*good[:4], '{"venue": {"venue_name": ', "", "[1, 2]", *good[4:], "not json"]
@@ -219,6 +229,7 @@ async def test_ndjson_file_mode_skips_malformed_lines(tmp_path: Path) -> None:
     assert stats["end"] == 10
 
 
+@pytest.mark.unit
 async def test_count_limit_closes_with_1000_when_asked() -> None:
     server = ReplayServer(GeneratorSource(2), rate=0, count=30, close_at_end=True)
     async with running(server), session() as s:
@@ -231,6 +242,7 @@ async def test_count_limit_closes_with_1000_when_asked() -> None:
     assert pos == [25, 26, 27, 28, 29]
 
 
+@pytest.mark.unit
 async def test_count_limit_then_idle_but_open() -> None:
     server = ReplayServer(GeneratorSource(2), rate=0, count=10)
     async with running(server), session() as s, s.ws_connect(server.stream_url) as ws:
@@ -243,6 +255,7 @@ async def test_count_limit_then_idle_but_open() -> None:
     assert pos == list(range(10))
 
 
+@pytest.mark.unit
 async def test_stats_match_what_clients_received() -> None:
     server = ReplayServer(GeneratorSource(7), rate=2000, count=160, close_at_end=True)
     async with running(server), session() as s:
@@ -270,6 +283,7 @@ async def test_stats_match_what_clients_received() -> None:
     assert server.sent_positions() == {c["id"]: 159 for c in stats["clients"]}
 
 
+@pytest.mark.unit
 async def test_bad_from_is_a_400() -> None:
     server = ReplayServer(GeneratorSource(0), rate=10)
     async with running(server), session() as s:
@@ -284,6 +298,7 @@ async def test_bad_from_is_a_400() -> None:
         assert server.stats()["connections"] == 0
 
 
+@pytest.mark.unit
 async def test_stop_closes_clients_with_going_away() -> None:
     server = ReplayServer(GeneratorSource(0), rate=50)
     await server.start()
@@ -298,6 +313,7 @@ async def test_stop_closes_clients_with_going_away() -> None:
         await server.stop()
 
 
+@pytest.mark.unit
 async def test_serve_replay_runs_until_cancelled() -> None:
     ready: asyncio.Future[ReplayServer] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(

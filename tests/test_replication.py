@@ -48,6 +48,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 # --------------------------------------------------------------------------- pure
 
 
+@pytest.mark.unit
 class TestPlacementPlan:
     def test_enough_nodes_is_strict_spread_without_warning(self) -> None:
         for nodes in (3, 4, 10):
@@ -85,6 +86,7 @@ class TestPlacementPlan:
             placement_plan(nodes, replicas)
 
 
+@pytest.mark.unit
 class TestBundles:
     def test_bundle_merges_custom_resources(self) -> None:
         assert bundle_for(0.01) == {"CPU": 0.01}
@@ -108,6 +110,7 @@ class TestBundles:
         assert count_fitting_nodes(nodes, {"CPU": 0.01, "disk": 1}) == 1
 
 
+@pytest.mark.unit
 class TestFence:
     def test_starts_at_zero_and_admits_current_and_newer(self) -> None:
         fence = Fence()

@@ -18,14 +18,16 @@ import pytest
 import ray
 
 from cluster.pipeline import CollectionTier, start_collection_tier
-from runtime.nats import NatsServer, connect
+from runtime.nats import connect
 from runtime.waiting import await_until
-from tests.support import assert_all_landed, tier_config, under_load
+from tests.support import NatsFactory, assert_all_landed, tier_config, under_load
 
 
 @pytest.fixture(scope="module")
-def tier(ray_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")).start() as server:
+def tier(
+    ray_module: Any, nats_factory: NatsFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    with nats_factory() as server:
         cfg = tier_config(
             tmp_path_factory.mktemp("state"),
             "tf-scaling",

@@ -32,9 +32,10 @@ from runtime.config import Config, ConfigError, load
 from runtime.loop_thread import LoopThread
 from runtime.nats import NatsServer, connect
 from runtime.nats_roles import credentials, role_permissions, secrets_path
-from runtime.services import connect_nats, ensure_streams, start_nats
+from runtime.services import connect_nats, ensure_streams
 from runtime.tls import client_ssl_context, server_ssl_context
 from runtime.waiting import await_until, wait_until
+from tests.support import NatsFactory
 
 NS = "tf-security"
 PRODUCER_TOKEN = "prod-S3CRET-7f1c"
@@ -82,19 +83,15 @@ def replay() -> Iterator[ReplayServer]:
 
 @pytest.fixture(scope="module")
 def secured(
-    tmp_path_factory: pytest.TempPathFactory, replay: ReplayServer
+    nats_factory: NatsFactory, tmp_path_factory: pytest.TempPathFactory, replay: ReplayServer
 ) -> Iterator[tuple[Config, NatsServer]]:
     """An embedded server as `tierflow up` starts it with every security option on."""
     state = tmp_path_factory.mktemp("secured")
     make_dev_certs(state / "certs")
     source = {"url": replay.stream_url, "kind": "ws", "k": 0}
     cfg = secured_config(state, streams={**STREAMS, "sourced": {"source": source}})
-    server = start_nats(cfg)
-    assert server is not None
-    try:
+    with nats_factory.from_config(cfg) as server:
         yield cfg, server
-    finally:
-        server.stop()
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -139,6 +136,7 @@ async def count(js: Any, stream: str) -> int:
 # --------------------------------------------------------------------------- certificates
 
 
+@pytest.mark.unit
 def test_dev_certs_are_a_working_chain_with_private_keys(tmp_path: Path) -> None:
     certs = make_dev_certs(tmp_path / "c", ["tierflow.test", "10.1.2.3"])
     assert set(server_names(certs.cert)) >= {"127.0.0.1", "localhost", "tierflow.test", "10.1.2.3"}
@@ -154,6 +152,7 @@ def test_dev_certs_are_a_working_chain_with_private_keys(tmp_path: Path) -> None
     assert "other.test" in server_names(again.cert)
 
 
+@pytest.mark.unit
 def test_cli_certs_writes_where_tls_looks_and_prints_no_key(tmp_path: Path) -> None:
     from cluster.cli import app
 
@@ -166,6 +165,7 @@ def test_cli_certs_writes_where_tls_looks_and_prints_no_key(tmp_path: Path) -> N
     assert "gw.example" in server_names(tmp_path / "state" / "certs" / "server.pem")
 
 
+@pytest.mark.unit
 def test_tls_on_without_certificates_says_how_to_make_them(tmp_path: Path) -> None:
     cfg = load(environ={}, overrides={"state_dir": str(tmp_path), "tls": {"enabled": True}})
     with pytest.raises(ConfigError, match="tierflow certs"):
@@ -177,6 +177,7 @@ def test_tls_on_without_certificates_says_how_to_make_them(tmp_path: Path) -> No
 # --------------------------------------------------------------------------- secrets and admin
 
 
+@pytest.mark.unit
 def test_config_show_and_repr_never_reveal_secrets(tmp_path: Path) -> None:
     from cluster.cli import app
 
@@ -207,6 +208,7 @@ def test_config_show_and_repr_never_reveal_secrets(tmp_path: Path) -> None:
     assert "user='me'" in text and "<redacted>" in text  # names stay, secrets go
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("nats", "match"),
     [
@@ -224,12 +226,14 @@ def test_security_settings_are_checked_at_load(nats: dict[str, Any], match: str)
     load(environ={}, overrides={"nats": {"role_users": True, "users": {"bridge": {"user": "b"}}}})
 
 
+@pytest.mark.unit
 def test_admin_binds_loopback_unless_configured(tmp_path: Path) -> None:
     assert load(environ={}).admin.host == "127.0.0.1"
     assert load(environ={"TIERFLOW_ADMIN__HOST": "0.0.0.0"}).admin.host == "0.0.0.0"
     assert load(environ={}, overrides={"admin": {"host": "::1"}}).admin.host == "::1"
 
 
+@pytest.mark.unit
 async def test_admin_endpoint_loopback_and_https_only_with_tls(tmp_path: Path) -> None:
     from cluster.admin import serve
 
@@ -422,6 +426,7 @@ async def test_analysis_jobs_write_results_as_their_role_over_tls(
     assert (plain.user, plain.password, plain.tls_ca) == (None, None, None)
 
 
+@pytest.mark.unit
 def test_permission_names_match_the_modules_that_use_them() -> None:
     from actors.access import cursors, webhooks
     from actors.collection import buffer
@@ -457,7 +462,7 @@ async def _store_marker(server: NatsServer, **connect_kw: Any) -> None:
 
 
 async def test_jetstream_encryption_at_rest(
-    secured: tuple[Config, NatsServer], admin_js: Any, tmp_path: Path
+    secured: tuple[Config, NatsServer], admin_js: Any, nats_factory: NatsFactory
 ) -> None:
     cfg, server = secured
     who = credentials(cfg, "admin")
@@ -471,7 +476,7 @@ async def test_jetstream_encryption_at_rest(
     assert (await nc.jetstream().get_msg("atrest", 1)).data == MARKER
     await nc.close()
 
-    with NatsServer(store_dir=tmp_path / "plain") as plain:  # the default: no cipher
+    with nats_factory() as plain:  # the default: no cipher
         await _store_marker(plain)
         assert _files_containing(plain.store_dir, MARKER) != []
 

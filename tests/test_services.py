@@ -10,6 +10,7 @@ import pytest
 
 from runtime.config import Config
 from runtime.services import EngineError, java_major_version, require_java, spark_checkpoint_dir
+from tests.support import NatsFactory
 
 
 def fake_java(tmp_path: Path, banner: str) -> Path:
@@ -77,15 +78,16 @@ def test_spark_session_is_local_with_checkpoints_under_state_dir(
     assert spark.range(3).select(double("id").alias("d")).collect()[2]["d"] == 4
 
 
-async def test_external_nats_with_credentials_is_used_not_started(tmp_path: Path) -> None:
+async def test_external_nats_with_credentials_is_used_not_started(
+    nats_factory: NatsFactory, tmp_path: Path
+) -> None:
     """With nats.url set, Services starts no server and connects with the credentials."""
     import nats.errors
 
     from runtime.config import load
-    from runtime.nats import NatsServer
     from runtime.services import Services, connect_nats, ensure_streams
 
-    with NatsServer(store_dir=tmp_path / "ext", user="app", password="pw").start() as ext:
+    with nats_factory(user="app", password="pw") as ext:
         over = {"state_dir": str(tmp_path / "s"), "nats": {"url": ext.url}}
         good = load(
             environ={},

@@ -50,6 +50,7 @@ def assert_space_saving(s: TopN, truth: Counter[str]) -> None:
     assert [r["count"] for r in rows] == sorted((r["count"] for r in rows), reverse=True)
 
 
+@pytest.mark.unit
 @FAST
 @given(items, st.sampled_from([1, 4, 8, 24]))
 def test_topn_space_saving_bounds(stream: list[str], capacity: int) -> None:
@@ -59,6 +60,7 @@ def test_topn_space_saving_bounds(stream: list[str], capacity: int) -> None:
     assert s.max_error() <= 3.5 * len(stream) / (s.capacity / 0.75) + 1
 
 
+@pytest.mark.unit
 @FAST
 @given(weighted)
 def test_topn_weighted_bounds(stream: list[tuple[str, int]]) -> None:
@@ -70,6 +72,7 @@ def test_topn_weighted_bounds(stream: list[tuple[str, int]]) -> None:
     assert_space_saving(s, truth)
 
 
+@pytest.mark.unit
 def test_topn_book_output_shape_and_exact_when_it_fits() -> None:
     s = build(TopN, ["a"] * 5 + ["b"] * 3 + ["c"], capacity=100)
     assert s.top(2) == [
@@ -79,6 +82,7 @@ def test_topn_book_output_shape_and_exact_when_it_fits() -> None:
     assert s.capacity >= 100
 
 
+@pytest.mark.unit
 @FAST
 @given(items, items, st.sampled_from([4, 16]))
 def test_topn_merge_keeps_bounds_of_the_union(a: list[str], b: list[str], cap: int) -> None:
@@ -87,6 +91,7 @@ def test_topn_merge_keeps_bounds_of_the_union(a: list[str], b: list[str], cap: i
     assert_space_saving(merged, Counter(a + b))
 
 
+@pytest.mark.unit
 @FAST
 @given(items, items)
 def test_topn_merge_equals_sketch_of_union_when_nothing_is_purged(a: list[str], b: list[str]):
@@ -94,6 +99,7 @@ def test_topn_merge_equals_sketch_of_union_when_nothing_is_purged(a: list[str], 
     assert merged.top(None) == build(TopN, a + b, capacity=64).top(None)
 
 
+@pytest.mark.unit
 @FAST
 @given(items)
 def test_topn_roundtrip(stream: list[str]) -> None:
@@ -116,6 +122,7 @@ def hll8_registers(s: Distinct) -> bytes:
 STAT = settings(max_examples=12, deadline=None, derandomize=True)
 
 
+@pytest.mark.unit
 @STAT
 @given(st.integers(0, 30_000), st.sampled_from([8, 10, 12]), st.integers(0, 10**9))
 def test_distinct_within_three_sigma(n: int, lg_k: int, offset: int) -> None:
@@ -129,6 +136,7 @@ def test_distinct_within_three_sigma(n: int, lg_k: int, offset: int) -> None:
     assert abs(s.estimate() - n) <= s.relative_error(3) * max(n, 1) + 1e-9
 
 
+@pytest.mark.unit
 @STAT
 @given(st.integers(200, 8000), st.integers(200, 8000), st.integers(0, 8000))
 def test_distinct_merge_equals_sketch_of_union(na: int, nb: int, start_b: int) -> None:
@@ -144,6 +152,7 @@ def test_distinct_merge_equals_sketch_of_union(na: int, nb: int, start_b: int) -
     assert abs(ab.estimate() - true) <= ab.relative_error(3) * true
 
 
+@pytest.mark.unit
 def test_distinct_small_is_exact_and_roundtrips() -> None:
     s = build(Distinct, ["a", "b", "a", "c"], lg_k=12)
     assert round(s.estimate()) == 3
@@ -153,6 +162,7 @@ def test_distinct_small_is_exact_and_roundtrips() -> None:
 # --------------------------------------------------------------------------- Frequency
 
 
+@pytest.mark.unit
 @FAST
 @given(weighted)
 def test_count_min_never_undercounts(stream: list[tuple[str, int]]) -> None:
@@ -164,6 +174,7 @@ def test_count_min_never_undercounts(stream: list[tuple[str, int]]) -> None:
         assert s.bounds(item)[1] == s.estimate(item) >= truth[item]
 
 
+@pytest.mark.unit
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(st.integers(0, 10**6), st.sampled_from([(0.01, 0.05), (0.002, 0.01)]))
 def test_count_min_within_eps_n_for_most_items(seed: int, params: tuple[float, float]) -> None:
@@ -182,6 +193,7 @@ def test_count_min_within_eps_n_for_most_items(seed: int, params: tuple[float, f
     assert len(over) <= delta * m + 3 * math.sqrt(delta * m) + 1
 
 
+@pytest.mark.unit
 @FAST
 @given(weighted, weighted)
 def test_count_min_merge_is_exactly_the_sketch_of_union(a: list, b: list) -> None:
@@ -195,6 +207,7 @@ def test_count_min_merge_is_exactly_the_sketch_of_union(a: list, b: list) -> Non
     assert merged.to_bytes() == cm(a + b).to_bytes()
 
 
+@pytest.mark.unit
 def test_count_min_rejects_negative_weights() -> None:
     with pytest.raises(ValueError):
         Frequency().update("a", -1)
@@ -203,6 +216,7 @@ def test_count_min_rejects_negative_weights() -> None:
 # --------------------------------------------------------------------------- Membership
 
 
+@pytest.mark.unit
 @FAST
 @given(st.lists(st.text(max_size=12), max_size=300), st.sampled_from([10, 100, 1000]))
 def test_bloom_has_no_false_negatives(stream: list[str], capacity: int) -> None:
@@ -211,6 +225,7 @@ def test_bloom_has_no_false_negatives(stream: list[str], capacity: int) -> None:
     assert all(x in Membership.from_bytes(s.to_bytes()) for x in stream)
 
 
+@pytest.mark.unit
 @FAST
 @given(st.lists(st.text(max_size=8), max_size=100), st.lists(st.text(max_size=8), max_size=100))
 def test_bloom_merge_equals_filter_of_union(a: list[str], b: list[str]) -> None:
@@ -218,6 +233,7 @@ def test_bloom_merge_equals_filter_of_union(a: list[str], b: list[str]) -> None:
     assert merged.to_bytes() == build(Membership, a + b, capacity=200).to_bytes()
 
 
+@pytest.mark.unit
 def test_bloom_false_positive_rate_near_fpp() -> None:
     s = build(Membership, [f"in{i}" for i in range(2000)], capacity=2000, fpp=0.01)
     fp = sum(s.might_contain(f"out{i}") for i in range(20_000)) / 20_000
@@ -229,6 +245,7 @@ def test_bloom_false_positive_rate_near_fpp() -> None:
 # --------------------------------------------------------------------------- Reservoir
 
 
+@pytest.mark.unit
 @FAST
 @given(st.lists(st.sampled_from(ALPHABET), max_size=300), st.integers(1, 20), st.integers(0, 99))
 def test_reservoir_size_and_items_from_stream(stream: list[str], k: int, seed: int) -> None:
@@ -244,6 +261,7 @@ def test_reservoir_size_and_items_from_stream(stream: list[str], k: int, seed: i
     assert resumed.sample() == sample
 
 
+@pytest.mark.unit
 @FAST
 @given(
     st.lists(st.sampled_from(ALPHABET), max_size=100),
@@ -265,6 +283,7 @@ def chi2_ok(counts: list[int], trials: int, p: float) -> bool:
     return chi2 < dof + 6 * math.sqrt(2 * dof)
 
 
+@pytest.mark.unit
 def test_reservoir_is_uniform_and_so_is_its_merge() -> None:
     trials, k = 1500, 5
     direct, merged = [0] * 40, [0] * 40
@@ -291,6 +310,7 @@ PARAMS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_merge_bytes_and_update_bytes(kind: str) -> None:
     parts = [["a", "b", "a"], ["c"], ["a", "d", "e", "f"]]

@@ -30,7 +30,7 @@ from runtime.nats import free_port
 from runtime.supervision import Backoff
 from runtime.waiting import await_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]
 
 FAST = Backoff(base_s=0.05, factor=2.0, cap_s=0.3, jitter=0.5)
 

@@ -118,6 +118,7 @@ def ray_local() -> Iterator[None]:
 # ---- pure parts ---------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_names_and_ids() -> None:
     assert buffer_subject("meetup") == "buffer.meetup"
     for bad in ("a.b", "a b", "*", ">", ""):

@@ -21,8 +21,9 @@ from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.replay import ReplayServer
 from cluster.verify import stream_ids
 from runtime.config import load
-from runtime.nats import NatsServer, connect
+from runtime.nats import connect
 from runtime.waiting import await_until
+from tests.support import NatsFactory
 
 EVENTS = 3000
 RATE = 600.0  # events/s: the run spans about 5 s, long enough to kill mid-way
@@ -37,12 +38,12 @@ async def replay() -> AsyncIterator[ReplayServer]:
 
 
 async def test_meetup_stream_survives_ingest_node_kill(
-    ray_module: Any, replay: ReplayServer, tmp_path: Path
+    ray_module: Any, replay: ReplayServer, nats_factory: NatsFactory, tmp_path: Path
 ) -> None:
     import ray
 
     loop = asyncio.get_running_loop()
-    with NatsServer(store_dir=tmp_path / "nats").start() as nats_server:
+    with nats_factory() as nats_server:
         cfg = load(
             environ={},
             overrides={

@@ -31,6 +31,8 @@ from runtime.supervision import (
     should_restart,
 )
 
+pytestmark = pytest.mark.unit
+
 NO_JITTER = Backoff(base_s=1.0, factor=2.0, cap_s=10.0, jitter=0.0)
 
 

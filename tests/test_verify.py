@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import msgspec
 import pytest
 
 from cluster.verify import judge, stream_ids
-from runtime.nats import NatsServer, connect
+from runtime.nats import connect
+from tests.support import NatsFactory
 
 
+@pytest.mark.unit
 def test_judge_pure() -> None:
     stored = Counter({"a": 1, "b": 2, "x": 1})
     v = judge(["a", "b", "c"], stored)
@@ -20,8 +21,8 @@ def test_judge_pure() -> None:
     assert judge(["a"], Counter({"a": 1})).ok
 
 
-async def test_reads_every_id_and_sees_a_deleted_message(tmp_path: Path) -> None:
-    with NatsServer(store_dir=tmp_path / "n").start() as server:
+async def test_reads_every_id_and_sees_a_deleted_message(nats_factory: NatsFactory) -> None:
+    with nats_factory() as server:
         nc = await connect(server.url)
         js = nc.jetstream()
         await js.add_stream(name="v", subjects=["v.>"])
@@ -44,8 +45,8 @@ async def test_reads_every_id_and_sees_a_deleted_message(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("n", [0, 1])
-async def test_small_streams(tmp_path: Path, n: int) -> None:
-    with NatsServer(store_dir=tmp_path / "n").start() as server:
+async def test_small_streams(nats_factory: NatsFactory, n: int) -> None:
+    with nats_factory() as server:
         nc = await connect(server.url)
         js = nc.jetstream()
         await js.add_stream(name="s", subjects=["s"])
@@ -58,6 +59,7 @@ async def test_small_streams(tmp_path: Path, n: int) -> None:
 # --------------------------------------------------------------------------- by (id, payload)
 
 
+@pytest.mark.unit
 def test_payload_digest_ignores_the_id_and_key_order_but_not_the_bytes() -> None:
     from cluster.verify import payload_digest
 
@@ -68,6 +70,7 @@ def test_payload_digest_ignores_the_id_and_key_order_but_not_the_bytes() -> None
     assert payload_digest(b"not json") != payload_digest(b"not json!")
 
 
+@pytest.mark.unit
 def test_judge_stream_counts_by_id_and_payload() -> None:
     """Fabricated inputs for each way the verdict must fail, and one clean pass."""
     from cluster.verify import judge_stream
@@ -98,6 +101,7 @@ def test_judge_stream_counts_by_id_and_payload() -> None:
     assert clean.ok and str(clean).startswith("s1:")
 
 
+@pytest.mark.unit
 def test_blind_resends_explain_a_second_copy_and_nothing_more() -> None:
     """A producer without ids whose request got no answer resent blind: one extra copy of
     that payload is explained (counted), a third is still a duplicate."""
@@ -112,6 +116,7 @@ def test_blind_resends_explain_a_second_copy_and_nothing_more() -> None:
     assert not judge_stream("s", acked, [("n1", "hp"), ("n2", "hp")]).ok
 
 
+@pytest.mark.unit
 def test_judge_streams_keeps_streams_apart() -> None:
     """The same id on two streams is two events: present on one does not cover the other."""
     from cluster.verify import judge_streams
@@ -124,14 +129,16 @@ def test_judge_streams_keeps_streams_apart() -> None:
     assert judge_streams(acked, stored)["s2"].altered == ["x"]
 
 
-async def test_reads_payload_digests_and_sees_an_altered_payload(tmp_path: Path) -> None:
+async def test_reads_payload_digests_and_sees_an_altered_payload(
+    nats_factory: NatsFactory,
+) -> None:
     """Same id, different bytes: the verdict names it altered, not fine."""
     from nats.js.api import StreamConfig
 
     from cluster.verify import judge_stream, payload_digest, stream_records
     from runtime.waiting import await_until
 
-    with NatsServer(store_dir=tmp_path / "n").start() as server:
+    with nats_factory() as server:
         nc = await connect(server.url)
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name="p", subjects=["p"], duplicate_window=1.0))
