@@ -31,7 +31,7 @@ from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec
 from cluster.pipeline import start_collection_tier
 from cluster.replay import ReplayServer
 from cluster.roles import RoleView, load, rates, scalars
-from jobs.library import decode_spec
+from jobs.specs import decode_spec
 from runtime import runstate
 from runtime.autoscaling import Controller, Sample
 from runtime.config import Config, SourceConfig

@@ -21,6 +21,7 @@ The CLI's side (``tierflow jobs list|start|stop``) is `cluster/analysis.py`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -34,25 +35,20 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from jobs.library import (
-    JobError,
-    JobSpec,
-    NatsTarget,
-    deadletter_query_name,
-    decode_spec,
-    encode_spec,
-    start_deadletters,
-    start_job,
-)
+from jobs.errors import JobError
+from jobs.running import start_deadletters, start_job
 from jobs.sink import BatchReport
+from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
+from runtime.config import Config, validate
+from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
+from runtime.services import spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.streaming import StreamingQuery
 
     from runtime.checkpoint import CheckpointStore
-    from runtime.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -180,14 +176,12 @@ class AnalysisDriver(SupervisedActor):
         name: str | None = None,
         master: str | None = None,
     ) -> None:
-        from runtime.config import validate
-
         self.cfg = validate(dict(config or {}))
         self._configured = {s.name: s for s in (decode_spec(j) for j in jobs)}
         self._lock = threading.Lock()
         self._w = _Wanted()
         super().__init__(state_dir, name=name)
-        self.nats = NatsTarget.from_config(self.cfg, nats_url)
+        self.nats = NatsEndpoint.from_config(self.cfg, "analysis", url=nats_url)
         if not self.nats.url:
             raise JobsError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
         self.master = master or default_master(self.cfg)
@@ -258,9 +252,9 @@ class AnalysisDriver(SupervisedActor):
         self._stop_all()
 
     def _start_spark(self) -> SparkSession:
+        # pyspark loads here, in the actor: the CLI imports this module for its names only
         from jobs.jetstream import register
         from jobs.windows import LateEventCounter
-        from runtime.services import spark_session
 
         spark_cfg = msgspec.structs.replace(self.cfg.spark, master=self.master)
         cfg = msgspec.structs.replace(self.cfg, spark=spark_cfg)
@@ -492,24 +486,18 @@ class AnalysisDriver(SupervisedActor):
         return {"stopped": stopped, "state": self.state}
 
 
-def _stream_end(nats: NatsTarget, stream: str) -> int:
+def _stream_end(nats: NatsEndpoint, stream: str) -> int:
     """The next sequence `stream` will write (its committed-input target)."""
-    import asyncio
-
-    from jobs.jetstream import NatsOptions, stream_bounds
+    from jobs.jetstream_read import stream_bounds  # loads pyspark: only in the actor (above)
 
     async def go() -> int:
-        opts = NatsOptions.from_options(nats.source_options())
-        nc = await opts.connect("analysis-driver-idle")
+        nc = await nats.connect(name="analysis-driver-idle")
         try:
             return (await stream_bounds(nc, stream)).latest
         finally:
             await nc.close()
 
     return asyncio.run(go())
-
-
-# --------------------------------------------------------------------------- starting it
 
 
 __all__ = [

@@ -3,12 +3,13 @@
 `ResultSink.write` is a ``foreachBatch`` function. For each result row it publishes to
 ``<prefix>.<query>`` with ``Nats-Msg-Id = "<query>:<batchId>:<key>"`` and puts the row into
 the KV bucket under the key (``<kv_prefix>.<key>`` when `kv_prefix` is set: the analysis jobs
-set it to the query name, as docs/contracts.md asks). All publishes are in flight together
-and every ack is awaited before `write` returns, so Spark records the batch as done only once
-its results are durable. A batch Spark replays after a crash publishes the same ids, which
-JetStream's duplicate window drops, and puts the same values: with the jetstream source's
-sequence offsets the pipeline is exactly-once end to end (the results stream's dedup window
-must outlast a restart).
+set it to the query name, as docs/contracts.md asks). The results go out through the
+pipelined-ack publisher of runtime/publisher.py (up to `max_in_flight` acks pending, a failed
+publish resent with the same id up to `attempts` times) and every ack is awaited before
+`write` returns, so Spark records the batch as done only once its results are durable. A
+batch Spark replays after a crash publishes the same ids, which JetStream's duplicate window
+drops, and puts the same values: with the jetstream source's sequence offsets the pipeline is
+exactly-once end to end (the results stream's dedup window must outlast a restart).
 
 KV is written only after the batch's results are acknowledged, and each put is conditional
 (`_put_latest`): a value carries its run (the query's checkpoint id) and batch id, so an older
@@ -30,22 +31,22 @@ import asyncio
 import base64
 import logging
 import re
-import ssl
-import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
+from runtime.loop_thread import LoopThread
+from runtime.nats import NatsEndpoint
+from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
+
 if TYPE_CHECKING:
     from nats.aio.client import Client
-    from nats.js.api import PubAck
     from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
 
-MSG_ID_HEADER = "Nats-Msg-Id"
 QUERY_HEADER = "Tierflow-Query"
 BATCH_HEADER = "Tierflow-Batch"
 KEY_HEADER = "Tierflow-Key"
@@ -70,20 +71,6 @@ T = TypeVar("T")
 
 class SinkError(RuntimeError):
     """Results could not be made durable; the batch must fail (and be replayed)."""
-
-
-def client_tls(
-    ca: str | None, cert: str | None = None, key: str | None = None
-) -> ssl.SSLContext | None:
-    """The analysis tier's TLS context: trust `ca`, and present the client pair when one is
-    given (a server with `tls.verify_clients` refuses a client without it). None: plain, or
-    nats-py's defaults."""
-    if not (ca or cert):
-        return None
-    ctx = ssl.create_default_context(cafile=ca or None)
-    if cert:
-        ctx.load_cert_chain(cert, key or None)
-    return ctx
 
 
 def kv_key(key: Any) -> str:
@@ -132,11 +119,9 @@ def _header_value(value: Any) -> str:
     return text[:_HEADER_MAX]
 
 
-@dataclass(frozen=True)
-class Outgoing:
+class _KvPut(NamedTuple):
     subject: str
     payload: bytes
-    headers: dict[str, str] | None = None
 
 
 @dataclass
@@ -162,30 +147,19 @@ class SinkStats:
     last_batch_id: int | None = None
 
 
-def _run_sync(make: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine to completion from sync code, even if this thread runs a loop."""
+def _run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from sync code, even if this thread runs a loop (then
+    on a loop thread of its own)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_call(make))
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(_call(make))
-        except BaseException as err:
-            box["error"] = err
-
-    t = threading.Thread(target=target, name="result-sink", daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-async def _call(make: Callable[[], Awaitable[T]]) -> T:
-    return await make()
+        return asyncio.run(make())
+    lt = LoopThread("result-sink")
+    lt.start()
+    try:
+        return lt.run_sync(make(), None)
+    finally:
+        lt.stop()
 
 
 def _as_dict(row: Any) -> dict[str, Any]:
@@ -198,21 +172,17 @@ def _as_dict(row: Any) -> dict[str, Any]:
 
 @dataclass
 class ResultSink:
-    """Idempotent results for one query: results stream + latest value per key in KV."""
+    """Idempotent results for one query: results stream + latest value per key in KV.
 
-    nats_url: str
+    `nats` is where the streams are: an endpoint (credentials, TLS), or a plain URL.
+    """
+
+    nats: NatsEndpoint | str
     results_subject_prefix: str = "results"
     kv_bucket: str = "results"
     query_name: str = "query"
     key_column: str = "key"
     deadletter_prefix: str = "deadletter"
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
     timeout: float = 10.0
     max_in_flight: int = 512
     attempts: int = 3
@@ -223,6 +193,8 @@ class ResultSink:
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.nats, str):
+            self.nats = NatsEndpoint(self.nats)
         if not _TOKEN.match(self.query_name):
             raise ValueError(f"query_name must match [A-Za-z0-9_-]+, not {self.query_name!r}")
         if not _TOKEN.match(self.kv_bucket):
@@ -236,6 +208,11 @@ class ResultSink:
                 )
         if self.max_in_flight < 1 or self.attempts < 1:
             raise ValueError("max_in_flight and attempts must be >= 1")
+
+    @classmethod
+    def for_query(cls, nats: NatsEndpoint, query: str, **kwargs: Any) -> ResultSink:
+        """The sink of analysis query `query`: ``results.<query>``, KV keys ``<query>.<key>``."""
+        return cls(nats, query_name=query, kv_prefix=query, **kwargs)
 
     @property
     def results_subject(self) -> str:
@@ -282,17 +259,8 @@ class ResultSink:
     # ---- async API ---------------------------------------------------------------------
 
     async def connect(self) -> Client:
-        from runtime.nats import connect
-
-        return await connect(
-            self.nats_url,
-            user=self.user,
-            password=self.password,
-            token=self.token,
-            creds=self.creds,
-            name=f"result-sink-{self.query_name}",
-            **_tls_kwargs(self.tls_ca, self.tls_cert, self.tls_key),
-        )
+        assert isinstance(self.nats, NatsEndpoint)  # __post_init__ made it one
+        return await self.nats.connect(name=f"result-sink-{self.query_name}")
 
     async def _with_nc(self, fn: Callable[[Client], Awaitable[T]]) -> T:
         nc = await self.connect()
@@ -306,7 +274,7 @@ class ResultSink:
     ) -> BatchReport:
         """`publish_results` on an open connection."""
         results: list[Outgoing] = []
-        puts: list[Outgoing] = []
+        puts: list[_KvPut] = []
         seen: set[str] = set()
         for row in rows:
             if self.key_column not in row:
@@ -322,22 +290,18 @@ class ResultSink:
                 )
             seen.add(key)
             payload = _encoder.encode(row)
-            headers = {
-                MSG_ID_HEADER: f"{self.query_name}:{batch_id}:{key}",
-                QUERY_HEADER: self.query_name,
-                BATCH_HEADER: str(batch_id),
-                KEY_HEADER: key,
-            }
-            results.append(Outgoing(self.results_subject, payload, headers))
+            headers = {QUERY_HEADER: self.query_name, BATCH_HEADER: str(batch_id), KEY_HEADER: key}
+            msg_id = f"{self.query_name}:{batch_id}:{key}"  # the publisher sends it as Nats-Msg-Id
+            results.append(Outgoing(msg_id, self.results_subject, payload, headers))
             kv = f"{self.kv_prefix}.{key}" if self.kv_prefix else key
-            puts.append(Outgoing(f"$KV.{self.kv_bucket}.{kv}", payload))
+            puts.append(_KvPut(f"$KV.{self.kv_bucket}.{kv}", payload))
         if results:
             await self._ensure_bucket(nc)
         acks = await self._publish_all(nc, results)  # KV shows only what results hold
         dups = sum(1 for a in acks if a.duplicate)
         sem = asyncio.Semaphore(self.max_in_flight)
 
-        async def put(p: Outgoing) -> bool:
+        async def put(p: _KvPut) -> bool:
             async with sem:
                 return await self._put_latest(nc, p, batch_id)
 
@@ -357,7 +321,7 @@ class ResultSink:
         log.debug("result sink %s: batch %d: %s", self.query_name, batch_id, report)
         return report
 
-    async def _put_latest(self, nc: Client, put: Outgoing, batch_id: int) -> bool:
+    async def _put_latest(self, nc: Client, put: _KvPut, batch_id: int) -> bool:
         """Put one KV value unless KV holds a newer batch's; False when left alone.
 
         Each value carries its run (the query's checkpoint id) and batch id in headers, and
@@ -417,7 +381,6 @@ class ResultSink:
             if raw is None:
                 raw = (row.get("data") or "").encode("utf-8")
             headers = {
-                MSG_ID_HEADER: f"dl:{stream}:{row['seq']}",
                 SOURCE_STREAM_HEADER: stream,
                 SOURCE_SEQ_HEADER: str(row["seq"]),
                 ERROR_HEADER: _header_value(row.get("error") or "malformed"),
@@ -426,7 +389,7 @@ class ResultSink:
                 headers[SOURCE_SUBJECT_HEADER] = _header_value(row["subject"])
             if row.get("msg_id"):
                 headers[SOURCE_MSG_ID_HEADER] = _header_value(row["msg_id"])
-            out.append(Outgoing(subject, bytes(raw), headers))
+            out.append(Outgoing(f"dl:{stream}:{row['seq']}", subject, bytes(raw), headers))
         acks = await self._publish_all(nc, out)
         dups = sum(1 for a in acks if a.duplicate)
         self.stats.dead_letters += len(out)
@@ -457,53 +420,54 @@ class ResultSink:
             )
         self._bucket_ready = True
 
-    async def _publish_all(self, nc: Client, msgs: list[Outgoing]) -> list[PubAck]:
-        """Publish all with up to `max_in_flight` acks pending; retry timeouts with the same id."""
-        import nats.errors
-        from nats.js.errors import APIError, NoStreamResponseError
-
-        js = nc.jetstream(timeout=self.timeout)
-        sem = asyncio.Semaphore(self.max_in_flight)
-
-        async def one(m: Outgoing) -> PubAck:
-            last: Exception | None = None
-            for attempt in range(self.attempts):
-                if attempt:
-                    await asyncio.sleep(0.1 * 2**attempt)
-                async with sem:
-                    try:
-                        headers = dict(m.headers) if m.headers else None
-                        return await js.publish(m.subject, m.payload, headers=headers)
-                    except NoStreamResponseError as err:
-                        raise SinkError(
-                            f"no JetStream stream captures subject {m.subject!r}: create one "
-                            f"(e.g. a stream on '{m.subject.split('.')[0]}.>')"
-                        ) from err
-                    except (TimeoutError, nats.errors.TimeoutError) as err:
-                        last = err
-                    except APIError as err:
-                        raise SinkError(f"publishing to {m.subject!r} failed: {err}") from err
-            raise SinkError(
-                f"publishing to {m.subject!r} was not acknowledged after {self.attempts} "
-                f"attempts of {self.timeout} s: {last!r}"
+    async def _publish_all(self, nc: Client, msgs: list[Outgoing]) -> list[Published]:
+        """Publish all through `JetStreamPublisher` (up to `max_in_flight` acks pending); a
+        failure it calls retryable is resent with the same id, up to `attempts` tries in all.
+        Any message still not acknowledged fails the batch (SinkError)."""
+        publisher = JetStreamPublisher(nc, self.max_in_flight, self.timeout)
+        try:
+            done, failed = await publisher.publish_with_retry(
+                msgs, attempts=self.attempts, backoff=_backoff
             )
+        finally:
+            await publisher.close()
+        if failed:
+            subjects = {m.id: m.subject for m in msgs}
+            first = failed[0]
+            raise SinkError(
+                f"publishing to {subjects[first.id]!r} failed ({len(failed)} of {len(msgs)} "
+                f"messages not acknowledged after up to {self.attempts} attempts): {first.error}"
+            )
+        return done
 
-        return list(await asyncio.gather(*(one(m) for m in msgs)))
+
+def _backoff(attempt: int) -> float:
+    """Seconds before resend `attempt` (1-based): 0.2, 0.4, 0.8, ..."""
+    return 0.1 * 2**attempt
 
 
 @dataclass
 class DeadLetterBatch:
-    """``foreachBatch`` function: rows of a jetstream source with ``valid`` false -> dead letter."""
+    """``foreachBatch`` function: rows of a jetstream source with ``valid`` false -> dead letter.
+
+    `on_batch(batch_id, report)` runs after the dead letters are durable (`report.published`
+    of them); a replayed batch calls it again with the same id, so a counter keyed by batch id
+    stays exact.
+    """
 
     sink: ResultSink
     stream: str
+    on_batch: Callable[[int, BatchReport], None] | None = None
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         bad = df.where("valid = false").select("seq", "subject", "msg_id", "error", "raw", "data")
-        self.sink.dead_letter(bad.collect(), self.stream)
+        report = self.sink.dead_letter(bad.collect(), self.stream)
+        if self.on_batch is not None:
+            self.on_batch(batch_id, report)
 
 
 __all__ = [
+    "MSG_ID_HEADER",
     "BatchReport",
     "DeadLetterBatch",
     "ResultSink",
@@ -514,14 +478,6 @@ __all__ = [
     "result_id",
     "result_kv_key",
 ]
-
-
-def _tls_kwargs(ca: str | None, cert: str | None, key: str | None) -> dict[str, Any]:
-    """`runtime.nats.connect` keywords: the CA alone as `tls_ca`, with a client pair as an
-    SSL context (`tls`)."""
-    if cert:
-        return {"tls": client_tls(ca, cert, key)}
-    return {"tls_ca": ca}
 
 
 async def kv_items(js: Any, bucket: str) -> dict[str, bytes]:

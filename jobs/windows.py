@@ -9,7 +9,10 @@
 * Count windows, tumbling (trigger by count N, eviction when full): not native in Spark;
   `count_windows()` keeps a per-key buffer of < N events in `applyInPandasWithState`
   state and emits a window every N events, however much time that takes.
-* Pure-Python references (`*_reference`) with the same semantics, used as test oracles.
+
+Both are for custom jobs (``kind = "custom"``, jobs/plans.py); the built-in windowed jobs
+apply the same late policy in jobs/event_time.py. The pure-Python references with the same
+semantics, the tests' oracles, are in tests/oracles.py.
 
 Late-event policy (time windows with a watermark). The watermark is Spark's: max event
 time seen in earlier micro-batches minus `watermark`. An event whose time is <= the
@@ -26,7 +29,7 @@ at-least-once broker needs anyway; without an id column a random uuid is used (n
 Its state holds each id until the watermark passes the event's time plus the delay.
 Spark (>= 3.4) filters late rows with the *previous* micro-batch's watermark and evicts
 state with the current one (observed on 4.3), so lateness lags one batch behind the
-watermark a progress record reports; `late_reference` models exactly this.
+watermark a progress record reports; `tests.oracles.late_reference` models exactly this.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -226,95 +228,3 @@ def _pack(times: list[int], vals: list[Any]) -> bytes:
 def _unpack(blob: bytes) -> tuple[list[int], list[Any]]:
     times, vals = msgspec.msgpack.decode(bytes(blob))
     return times, vals
-
-
-# --------------------------------------------------------------------------- references
-
-
-@dataclass(frozen=True, order=True)
-class WindowResult:
-    """One emitted window: `[start_ms, end_ms)` and its values in (time, value) order."""
-
-    start_ms: int
-    end_ms: int
-    values: tuple[Any, ...]
-
-
-Event = tuple[int, Any]  # (event time in ms since the epoch, value)
-
-
-def sliding_reference(events: Iterable[Event], length_ms: int, slide_ms: int) -> list[WindowResult]:
-    """Windows `[s, s + length)` for every s that is a multiple of `slide_ms` (Spark's rule)."""
-    if length_ms <= 0 or slide_ms <= 0 or length_ms % slide_ms:
-        raise ValueError("length must be a positive multiple of slide")
-    buckets: dict[int, list[Event]] = defaultdict(list)
-    for t, v in events:
-        last_start = t - t % slide_ms  # latest window start <= t
-        for start in range(last_start, t - length_ms, -slide_ms):
-            buckets[start].append((t, v))
-    return [
-        WindowResult(s, s + length_ms, tuple(v for _, v in sorted(evs)))
-        for s, evs in sorted(buckets.items())
-    ]
-
-
-def tumbling_time_reference(events: Iterable[Event], length_ms: int) -> list[WindowResult]:
-    """Tumbling by time: a window every `length_ms`, however many events it holds."""
-    return sliding_reference(events, length_ms, length_ms)
-
-
-def tumbling_count_reference(
-    batches: Iterable[Iterable[tuple[Any, int, Any]]], n: int
-) -> list[tuple[Any, int, int, int, tuple[Any, ...]]]:
-    """Tumbling by count per key over micro-batches of (key, time_ms, value) events.
-
-    Returns `(key, seq, first_ms, last_ms, values)` for every full window, in emission
-    order per key; within a batch events are taken in (time, value) order, as
-    `count_windows` does. Events beyond the last full window stay buffered (not emitted).
-    """
-    buffers: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
-    seqs: dict[Any, int] = defaultdict(int)
-    out = []
-    for batch in batches:
-        per_key: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
-        for k, t, v in batch:
-            per_key[k].append((t, v))
-        for k in sorted(per_key, key=repr):
-            buf = buffers[k]
-            buf.extend(sorted(per_key[k]))
-            while len(buf) >= n:
-                win, buffers[k] = buf[:n], buf[n:]
-                buf = buffers[k]
-                out.append((k, seqs[k], win[0][0], win[-1][0], tuple(v for _, v in win)))
-                seqs[k] += 1
-    return out
-
-
-def late_reference(
-    batches: Sequence[Sequence[tuple[Any, int]]], delay_ms: int
-) -> tuple[list[list[tuple[Any, int]]], list[tuple[Any, int]]]:
-    """Split micro-batches of (id, time_ms) into kept and late as `time_windows` does.
-
-    Batch i filters with the watermark of batch i-1, i.e. max time over batches < i-1
-    minus the delay; an event is late when its time is <= that. Ids already kept and
-    not yet below the watermark are duplicates and dropped silently (not late).
-    """
-    kept: list[list[tuple[Any, int]]] = []
-    late: list[tuple[Any, int]] = []
-    maxima: list[int] = []
-    seen: dict[Any, int] = {}
-    for i, batch in enumerate(batches):
-        limit = max(maxima[: i - 1], default=None) if i >= 2 else None
-        threshold = None if limit is None else limit - delay_ms
-        keep = []
-        for ev_id, t in batch:
-            if threshold is not None and t <= threshold:
-                late.append((ev_id, t))
-            elif ev_id in seen:
-                continue
-            else:
-                seen[ev_id] = t
-                keep.append((ev_id, t))
-        kept.append(keep)
-        maxima.append(max((t for _, t in batch), default=-(2**62)))
-    return kept, late

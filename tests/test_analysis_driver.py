@@ -40,9 +40,9 @@ from jobs.driver import (
     default_master,
     progress_summary,
 )
-from jobs.library import deadletter_query_name
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
+from jobs.specs import deadletter_query_name
 from runtime.config import Config, load
 from runtime.nats import NatsServer
 from runtime.services import ensure_streams

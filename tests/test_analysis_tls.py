@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
-from jobs.jetstream import NatsOptions, stream_bounds
-from jobs.library import NatsTarget
+from jobs.jetstream_options import SourceOptions
+from jobs.jetstream_read import stream_bounds
+from jobs.sink import ResultSink
 from runtime.certs import make_dev_certs
 from runtime.config import Config, load
+from runtime.nats import NatsEndpoint
 from runtime.services import connect_nats, ensure_streams, start_nats
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,15 +59,17 @@ def test_source_and_sink_connect_with_the_client_certificate(mtls: tuple[Config,
             await nc.close()
 
     asyncio.run(setup())
-    target = NatsTarget.from_config(cfg, server.url)
+    target = NatsEndpoint.from_config(cfg, "analysis", url=server.url)
+    assert target.tls_cert and target.tls_key  # the client pair, not only the CA
+    source = SourceOptions.parse({**target.to_options(), "stream": "flights"})
 
     async def source_sees_the_stream() -> int:
-        nc = await NatsOptions.from_options(target.source_options()).connect("mtls-source")
+        nc = await source.nats.connect(name="mtls-source")
         try:
             return (await stream_bounds(nc, "flights")).latest
         finally:
             await nc.close()
 
     assert asyncio.run(source_sees_the_stream()) == 4  # the next sequence after 3 events
-    report = target.sink("mtls_q").publish_results([{"key": "a", "n": 1}], 0)
+    report = ResultSink.for_query(target, "mtls_q").publish_results([{"key": "a", "n": 1}], 0)
     assert (report.published, report.kv_puts) == (1, 1)

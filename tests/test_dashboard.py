@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from cluster.demo.rsvps import RsvpGenerator
-from jobs.library import iso_ms
+from jobs.event_time import iso_ms
 from jobs.sink import ResultSink
 from runtime.config import Config, load
 from runtime.nats import NatsServer, connect, free_port

@@ -1,4 +1,4 @@
-"""jobs/jetstream.py: the jetstream PySpark DataSource against a real nats-server and real Spark."""
+"""The jetstream PySpark DataSource (jobs/jetstream*.py) against a real nats-server and Spark."""
 
 from __future__ import annotations
 
@@ -14,22 +14,20 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
 
-from jobs.jetstream import (
+from jobs.jetstream import register, skipped_total
+from jobs.jetstream_options import (
     AgedOutError,
     Bounds,
     SeqRange,
     SourceError,
     SourceOptions,
-    _parse_reply,
-    check_payload,
     make_offset,
     next_offset,
-    read_range,
-    register,
-    skipped_total,
     split_range,
+    starting_sequence,
 )
-from runtime.nats import NatsServer
+from jobs.jetstream_read import _parse_reply, check_payload, read_range
+from runtime.nats import NatsEndpoint, NatsServer
 from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,6 +105,37 @@ def test_options_are_validated_with_clear_errors() -> None:
     ]:
         with pytest.raises(SourceError, match=match):
             SourceOptions.parse(bad)
+
+
+def test_the_endpoint_travels_as_the_same_option_keys() -> None:
+    ep = NatsEndpoint(
+        "nats://a:4222,nats://b:4222",
+        user="u",
+        password="p",
+        tls_ca="/ca.pem",
+        tls_cert="/c.pem",
+        tls_key="/k.pem",
+    )
+    options = ep.to_options()
+    assert options == {
+        "url": "nats://a:4222,nats://b:4222",
+        "user": "u",
+        "password": "p",
+        "tlsCa": "/ca.pem",
+        "tlsCert": "/c.pem",
+        "tlsKey": "/k.pem",
+    }
+    opts = SourceOptions.parse({**options, "stream": "ev", "timeout": "3"})
+    assert opts.nats == ep and opts.timeout == 3.0
+    token = SourceOptions.parse({"url": "nats://x", "stream": "ev", "token": "t", "creds": "f"})
+    assert (token.nats.token, token.nats.creds, token.nats.user) == ("t", "f", None)
+
+
+@pytest.mark.unit
+def test_starting_offset_names_a_sequence() -> None:
+    b = Bounds(first=5, last=9)
+    assert [starting_sequence(s, b) for s in ("earliest", "latest", "7")] == [5, 10, 7]
+    assert starting_sequence("earliest", Bounds(first=0, last=0)) == 1
 
 
 # ---- against nats-server and Spark ------------------------------------------------------

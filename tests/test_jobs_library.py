@@ -1,4 +1,5 @@
-"""jobs/library.py: job specs and JSON paths (pure), then each job kind on small data.
+"""The job library (jobs/specs, paths, plans, running): specs and JSON paths (pure), then
+each job kind on small data.
 
 Spark tests use the shared session and a real nats-server: a few hundred known events are
 published once, each job reads them with `availableNow` in several micro-batches
@@ -21,30 +22,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import StreamConfig
 
+from jobs.errors import JobError
+from jobs.event_time import iso_ms
 from jobs.jetstream import register
-from jobs.library import (
-    JobError,
-    JobSpec,
-    NatsTarget,
-    Step,
-    WindowSpec,
-    checkpoint_run_id,
-    decode_spec,
-    duration_ms,
-    extract,
-    interval,
-    iso_ms,
-    json_schema,
-    load_function,
-    pane_windows,
-    parse_job,
-    parse_path,
-    start_deadletters,
-    start_job,
-)
+from jobs.paths import Step, extract, json_schema, parse_path
+from jobs.plans import load_function
+from jobs.running import checkpoint_run_id, start_deadletters, start_job
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
-from jobs.windows import late_count, sliding_reference
-from runtime.nats import NatsServer
+from jobs.sketch_state import pane_windows
+from jobs.specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
+from jobs.windows import late_count
+from runtime.nats import NatsEndpoint, NatsServer
+from tests.oracles import sliding_reference
 from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,9 +165,9 @@ def test_custom_functions_are_found_by_module_and_name() -> None:
     from cluster.demo.meetup import responses
 
     assert load_function("cluster.demo.meetup:responses") is responses
-    assert load_function("meetup:responses") is responses
+    assert load_function("windows:late_count") is late_count  # a bare module is jobs.<module>
     with pytest.raises(JobError, match="not exactly one public function"):
-        load_function("meetup")
+        load_function("windows")
     with pytest.raises(JobError, match="cannot import"):
         load_function("no_such_job_module")
 
@@ -222,7 +211,7 @@ def kv_results(url: str, query: str) -> dict[str | None, dict[str, Any]]:
 
 
 def run_job(sp: Any, url: str, spec: JobSpec, ckpt: Path) -> Any:
-    query = start_job(sp, spec, NatsTarget(url), ckpt, trigger={"availableNow": True})
+    query = start_job(sp, spec, NatsEndpoint(url), ckpt, trigger={"availableNow": True})
     assert query.awaitTermination(240), f"{spec.name} did not finish"
     assert query.exception() is None
     return query
@@ -400,7 +389,7 @@ def test_custom_job_and_dead_letters(sp: Any, nats_url: str, tmp_path: Path) -> 
     q = start_deadletters(
         sp,
         STREAM,
-        NatsTarget(nats_url),
+        NatsEndpoint(nats_url),
         tmp_path,
         trigger={"availableNow": True},
         on_batch=lambda b, report: counted.__setitem__(b, counted[b] + report.published),
@@ -434,7 +423,7 @@ def test_a_reset_checkpoint_fails_the_job_clearly_and_kv_keeps_its_answer(
     assert checkpoint_run_id(tmp_path / "lib_reset")  # Spark's query id names the run
 
     shutil.rmtree(tmp_path / "lib_reset")  # the reset
-    query = start_job(sp, spec, NatsTarget(nats_url), tmp_path, trigger={"availableNow": True})
+    query = start_job(sp, spec, NatsEndpoint(nats_url), tmp_path, trigger={"availableNow": True})
     with pytest.raises(Exception, match="checkpoint was reset"):
         query.awaitTermination(240)
     assert kv_results(nats_url, "lib_reset") == before

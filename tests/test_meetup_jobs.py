@@ -22,10 +22,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
-from jobs.library import NatsTarget, start_job
+from jobs.running import start_job
 from jobs.sink import MSG_ID_HEADER, results_by_query
 from jobs.sketches import Distinct
-from runtime.nats import NatsServer
+from runtime.nats import NatsEndpoint, NatsServer
 from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(300)
@@ -114,7 +114,7 @@ def test_meetup_queries_equal_the_plain_python_answer(
     spark: Any, nats_url: str, tmp_path: Path
 ) -> None:
     register(spark)
-    nats = NatsTarget(nats_url)
+    nats = NatsEndpoint(nats_url)
     specs = meetup_jobs(max_events_per_trigger=600)  # 1501 sequences: 3 micro-batches
     queries = [start_job(spark, s, nats, tmp_path, trigger={"availableNow": True}) for s in specs]
     for q in queries:
@@ -150,7 +150,7 @@ def test_space_saving_bounds_hold_with_fewer_counters_than_topics(
     small = msgspec.structs.replace(
         meetup_jobs(max_events_per_trigger=500)[0], name="meetup_topn_small", capacity=64
     )
-    q = start_job(spark, small, NatsTarget(nats_url), tmp_path, trigger={"availableNow": True})
+    q = start_job(spark, small, NatsEndpoint(nats_url), tmp_path, trigger={"availableNow": True})
     assert q.awaitTermination(240) and q.exception() is None
     row = kv_by_query(nats_url)["meetup_topn_small"]["all"]
     counts = topic_counts(RSVPS)

@@ -16,18 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.windows import (
-    LateEventCounter,
+from jobs.windows import LateEventCounter, count_windows, late_count, time_windows
+from runtime.waiting import poll
+from tests.oracles import (
     WindowResult,
-    count_windows,
-    late_count,
     late_reference,
     sliding_reference,
-    time_windows,
     tumbling_count_reference,
     tumbling_time_reference,
 )
-from runtime.waiting import poll
 from tests.support import run_stream, write_batches
 
 T0 = 1_700_000_000_000  # ms since the epoch, a multiple of every window length used here

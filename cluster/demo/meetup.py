@@ -26,7 +26,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from jobs.library import JobSpec, WindowSpec, iso_ms
+from jobs.event_time import iso_ms
+from jobs.specs import JobSpec, WindowSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

@@ -15,7 +15,7 @@ import ray
 from cluster.deploy.deployer import deploy
 from cluster.deploy.spec import RoleSpec, Start
 from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY
-from jobs.library import JobSpec, decode_spec
+from jobs.specs import JobSpec, decode_spec
 from runtime.config import Config
 from runtime.ray_supervisor import supervised_options
 from runtime.supervision import ChildSpec

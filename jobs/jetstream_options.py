@@ -1,0 +1,266 @@
+"""What the jetstream source reads, decided without I/O: options, schema, sequence offsets.
+
+A streaming query's offset is ``{"seq": N, "skipped": K}``: N is the next stream sequence to
+read, K how many sequences were skipped because they had aged out (``onAgedOut=skip``).
+Partitions are sequence ranges (`SeqRange`). The options are listed in jobs/jetstream.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pyspark.sql.datasource import InputPartition
+from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, ReadMinRows
+from pyspark.sql.types import StructType
+
+from runtime.nats import NatsEndpoint
+
+log = logging.getLogger(__name__)
+
+SCHEMA_DDL = (
+    "seq BIGINT, subject STRING, ts TIMESTAMP, msg_id STRING, data STRING, "
+    "valid BOOLEAN, error STRING, raw BINARY"
+)
+DEFAULT_PARTITION_SIZE = 20_000
+DEFAULT_FETCH_BATCH = 2_000
+DEFAULT_TIMEOUT = 10.0
+AGED_OUT_MODES = ("fail", "skip")
+VALIDATE_MODES = ("json", "utf8", "none")
+
+
+class SourceError(RuntimeError):
+    """The jetstream source was misconfigured or could not read; the message says which."""
+
+
+class AgedOutError(SourceError):
+    """The start sequence is below the stream's first sequence: those events are gone."""
+
+    def __init__(self, stream: str, requested: int, first: int) -> None:
+        self.stream, self.requested, self.first = stream, requested, first
+        super().__init__(
+            f"jetstream stream {stream!r}: start sequence {requested} has aged out; the first "
+            f"sequence the stream still holds is {first} (up to {first - requested} events "
+            f"lost to the stream's limits). Set option onAgedOut=skip to continue from "
+            f"{first}, or start a new query."
+        )
+
+
+def schema() -> StructType:
+    """The source's fixed schema, SCHEMA_DDL as a StructType (built without a JVM)."""
+    from pyspark.sql.types import (
+        BinaryType,
+        BooleanType,
+        LongType,
+        StringType,
+        StructField,
+        TimestampType,
+    )
+
+    types = {
+        "seq": LongType(),
+        "subject": StringType(),
+        "ts": TimestampType(),
+        "msg_id": StringType(),
+        "data": StringType(),
+        "valid": BooleanType(),
+        "error": StringType(),
+        "raw": BinaryType(),
+    }
+    return StructType([StructField(name, t, True) for name, t in types.items()])
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The parsed, validated options of one jetstream source."""
+
+    nats: NatsEndpoint
+    stream: str
+    subjects: tuple[str, ...] = ()
+    starting: str = "earliest"
+    ending: str = "latest"
+    max_events: int | None = None
+    on_aged_out: str = "fail"
+    validate: str = "json"
+    partition_size: int = DEFAULT_PARTITION_SIZE
+    fetch_batch: int = DEFAULT_FETCH_BATCH
+    timeout: float = DEFAULT_TIMEOUT
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        if not options.get("url"):
+            raise SourceError("jetstream source: option 'url' (the NATS server URL) is required")
+        stream = options.get("stream")
+        if not stream:
+            raise SourceError("jetstream source: option 'stream' is required")
+        subjects = tuple(s.strip() for s in (options.get("subject") or "").split(",") if s.strip())
+        on_aged_out = (options.get("onAgedOut") or "fail").lower()
+        if on_aged_out not in AGED_OUT_MODES:
+            raise SourceError(
+                f"jetstream source: onAgedOut must be fail or skip, not {on_aged_out!r}"
+            )
+        validate = (options.get("validate") or "json").lower()
+        if validate not in VALIDATE_MODES:
+            raise SourceError(
+                f"jetstream source: validate must be one of {VALIDATE_MODES}, not {validate!r}"
+            )
+        max_events = options.get("maxEventsPerTrigger")
+        return cls(
+            nats=NatsEndpoint.from_options(options),
+            stream=stream,
+            subjects=subjects,
+            starting=_offset_spec(options, "startingOffset", "earliest"),
+            ending=_offset_spec(options, "endingOffset", "latest"),
+            max_events=_positive_int(options, "maxEventsPerTrigger", 0) if max_events else None,
+            on_aged_out=on_aged_out,
+            validate=validate,
+            partition_size=_positive_int(options, "partitionSize", DEFAULT_PARTITION_SIZE),
+            fetch_batch=_positive_int(options, "fetchBatch", DEFAULT_FETCH_BATCH),
+            timeout=_positive_float(options, "timeout", DEFAULT_TIMEOUT),
+        )
+
+
+def _positive_int(options: Mapping[str, str], key: str, default: int) -> int:
+    raw = options.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SourceError(
+            f"jetstream source: option {key!r} must be a positive integer, not {raw!r}"
+        )
+    return value
+
+
+def _positive_float(options: Mapping[str, str], key: str, default: float) -> float:
+    raw = options.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise SourceError(
+            f"jetstream source: option {key!r} must be a positive number, not {raw!r}"
+        )
+    return value
+
+
+def _offset_spec(options: Mapping[str, str], key: str, default: str) -> str:
+    raw = (options.get(key) or default).strip().lower()
+    if raw in ("earliest", "latest") or (raw.isdigit() and int(raw) >= 1):
+        return raw
+    raise SourceError(
+        f"jetstream source: option {key!r} must be earliest, latest or a stream sequence >= 1, "
+        f"not {raw!r}"
+    )
+
+
+# --------------------------------------------------------------------------- offsets (pure)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A stream's state: first sequence held and last sequence written (0, 0 when new)."""
+
+    first: int
+    last: int
+
+    @property
+    def earliest(self) -> int:
+        return max(self.first, 1)
+
+    @property
+    def latest(self) -> int:
+        """The next sequence the stream will write: an exclusive end."""
+        return self.last + 1
+
+
+def starting_sequence(spec: str, bounds: Bounds) -> int:
+    """The first stream sequence a ``startingOffset`` (``earliest`` / ``latest`` / a
+    number) names."""
+    if spec == "earliest":
+        return bounds.earliest
+    if spec == "latest":
+        return bounds.latest
+    return int(spec)
+
+
+def make_offset(seq: int, skipped: int = 0) -> dict[str, int]:
+    return {"seq": seq, "skipped": skipped}
+
+
+def next_offset(
+    start: Mapping[str, int],
+    bounds: Bounds,
+    *,
+    stream: str,
+    on_aged_out: str,
+    limit: ReadLimit,
+    target: int | None = None,
+) -> dict[str, int]:
+    """The end offset of the next micro-batch from `start` (pure policy, no I/O).
+
+    A start below the stream's first sequence fails (AgedOutError) or, with ``skip``, moves
+    to the first sequence and adds the gap to ``skipped``. ``ReadMaxRows`` caps the sequence
+    span, ``target`` (Trigger.AvailableNow) caps the end; returning `start` means no new data.
+    """
+    seq, skipped = int(start["seq"]), int(start.get("skipped", 0))
+    base = seq
+    if bounds.first > seq:
+        if on_aged_out != "skip":
+            raise AgedOutError(stream, seq, bounds.first)
+        skipped += bounds.first - seq
+        base = bounds.first
+        log.warning(
+            "jetstream stream %r: sequences %d..%d aged out before they were read; skipping "
+            "to %d (%d skipped in total)",
+            stream,
+            seq,
+            bounds.first - 1,
+            bounds.first,
+            skipped,
+        )
+    latest = bounds.latest if target is None else min(bounds.latest, target)
+    end = max(base, latest)
+    if isinstance(limit, ReadMaxRows):
+        end = min(end, base + max(1, limit.max_rows))
+    elif isinstance(limit, ReadMinRows) and end - base < limit.min_rows:
+        return make_offset(seq, int(start.get("skipped", 0)))  # wait for more
+    return make_offset(end, skipped)
+
+
+@dataclass
+class SeqRange(InputPartition):
+    """Stream sequences [start, end) read by one Spark task."""
+
+    start: int
+    end: int
+
+
+def split_range(start: int, end: int, size: int) -> list[SeqRange]:
+    """[start, end) cut into ranges of at most `size` sequences (none when empty)."""
+    return [SeqRange(s, min(s + size, end)) for s in range(start, end, max(1, size))]
+
+
+__all__ = [
+    "SCHEMA_DDL",
+    "AgedOutError",
+    "Bounds",
+    "SeqRange",
+    "SourceError",
+    "SourceOptions",
+    "make_offset",
+    "next_offset",
+    "schema",
+    "split_range",
+    "starting_sequence",
+]

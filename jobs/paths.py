@@ -1,0 +1,127 @@
+"""JSON paths: how a job names the fields it analyses, and reading them with Spark.
+
+``a.b.c`` walks objects, ``name[]`` explodes an array, so ``group.group_topics[].topic_name``
+gives one row per topic of each RSVP. A leading ``$.`` is allowed. ``_subject``, ``_seq``,
+``_ts`` and ``_msg_id`` name the source's own columns. Paths are parsed with Spark's
+`from_json` against a schema built from the paths themselves (no sampling: every leaf is read
+as a string, numbers and objects as their JSON text), so a field missing from an event is
+null, never an error.
+
+Parsing is pure; `json_schema` and `extract` import pyspark when called (it is the job's
+engine, not the CLI's: the CLI checks paths without loading Spark).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jobs.errors import JobError
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+PSEUDO_FIELDS = {"_subject": "subject", "_seq": "seq", "_ts": "ts", "_msg_id": "msg_id"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One path segment: an object member, exploded when it is an array (``name[]``)."""
+
+    name: str
+    explode: bool = False
+
+
+_SEGMENT = re.compile(r"^([^.\[\]]+)(\[\])?$")
+
+
+def parse_path(path: str) -> tuple[Step, ...]:
+    """``group.group_topics[].topic_name`` -> steps; JobError naming the bad part."""
+    text = path.strip()
+    if text.startswith("$."):
+        text = text[2:]
+    if not text:
+        raise JobError(f"JSON path {path!r} is empty")
+    if text in PSEUDO_FIELDS:
+        return (Step(text),)
+    steps = []
+    for part in text.split("."):
+        m = _SEGMENT.match(part)
+        if not m:
+            raise JobError(
+                f"JSON path {path!r}: bad segment {part!r} (use name, or name[] to explode an "
+                "array; members are separated by '.')"
+            )
+        steps.append(Step(m.group(1), bool(m.group(2))))
+    return tuple(steps)
+
+
+def json_schema(paths: Sequence[str]) -> Any:
+    """The smallest Spark schema that reads every path (leaves are strings)."""
+    from pyspark.sql.types import ArrayType, StringType, StructField, StructType
+
+    tree: dict[str, Any] = {}
+    origin: dict[tuple[str, ...], str] = {}
+    for path in paths:
+        steps = parse_path(path)
+        if steps[0].name in PSEUDO_FIELDS:
+            continue
+        node = tree
+        for i, step in enumerate(steps):
+            leaf = i == len(steps) - 1
+            prefix = tuple(s.name for s in steps[: i + 1])
+            shape = (step.explode, leaf)
+            seen = node.get(step.name)
+            if seen is not None and seen[0] != shape:
+                raise JobError(
+                    f"JSON paths {origin[prefix]!r} and {path!r} disagree about "
+                    f"{'.'.join(prefix)!r} (array or not, object or value)"
+                )
+            if seen is None:
+                seen = node[step.name] = (shape, {})
+                origin[prefix] = path
+            node = seen[1]
+
+    def build(node: dict[str, Any]) -> StructType:
+        fields = []
+        for name, ((explode, leaf), children) in node.items():
+            t: Any = StringType() if leaf else build(children)
+            fields.append(StructField(name, ArrayType(t) if explode else t, True))
+        return StructType(fields)
+
+    return build(tree)
+
+
+def extract(
+    df: DataFrame, fields: Mapping[str, str], *, outer: bool = False, json_col: str = "data"
+) -> DataFrame:
+    """`df` plus one string column per alias in `fields` (alias -> JSON path).
+
+    Each ``[]`` explodes: one row per array element (`outer`: an event with an empty or
+    missing array keeps one row with null). The JSON is parsed once for all paths.
+    """
+    from pyspark.sql import functions as F
+
+    json_paths = {a: p for a, p in fields.items() if parse_path(p)[0].name not in PSEUDO_FIELDS}
+    for alias, path in fields.items():
+        if alias not in json_paths:
+            df = df.withColumn(alias, F.col(PSEUDO_FIELDS[parse_path(path)[0].name]))
+    if not json_paths:
+        return df
+    schema = json_schema(list(json_paths.values()))
+    df = df.withColumn("_tf_json", F.from_json(F.col(json_col), schema))
+    temps = ["_tf_json"]
+    explode = F.explode_outer if outer else F.explode
+    for alias, path in json_paths.items():
+        col: Column = F.col("_tf_json")
+        for i, step in enumerate(parse_path(path)):
+            col = col.getField(step.name)
+            if step.explode:
+                tmp = f"_tf_x_{alias}_{i}"
+                df = df.withColumn(tmp, explode(col))
+                temps.append(tmp)
+                col = F.col(tmp)
+        df = df.withColumn(alias, col.cast("string"))
+    return df.drop(*temps)

@@ -1,0 +1,279 @@
+"""What each kind of job computes: a `Plan` (result DataFrame, output mode, row shaping).
+
+=========  ================================================================================
+kind       result rows (``key`` always; ``window_start``/``window_end`` ISO when windowed)
+=========  ================================================================================
+topn       ``{"key","top":[{"item","count","error"}...n],"events"}``: Space-Saving
+           (`jobs.sketches.TopN`, ``capacity`` counters) kept in Spark state across
+           micro-batches; key ``"all"`` or the window start. With capacity >= distinct items
+           the counts are exact (error 0).
+distinct   ``{"key","distinct","lower","upper"}``: HyperLogLog by Spark's own
+           ``hll_sketch_agg`` (JVM), bounds at 2 standard deviations.
+count      ``{"key", <by names>..., "count"}`` per key (and window): exact. The key joins the
+           by-values and the window start with ``|``.
+sample     ``{"key","sample":[...n],"seen"}``: a uniform reservoir (`Reservoir`, seeded, so a
+           replayed batch draws the same sample) of a field, or of whole events.
+custom     a user's function ``DataFrame -> DataFrame`` (``function = "module:fn"``; a bare
+           module name means ``jobs.<module>``): it gets the valid events (``seq``,
+           ``subject``, ``ts``, ``msg_id``, ``data``) and returns rows with a ``key`` column.
+=========  ================================================================================
+
+The queries run in update mode, so KV always holds each key's current value. Every
+micro-batch is a pure function of (state, the batch's sequence range): a batch Spark replays
+after a crash publishes the same result ids with the same values, and the results stream's
+dedup drops them. pyspark is imported where a plan is built (the engine runs in the analysis
+driver; the CLI imports the specs without it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jobs.errors import JobError
+from jobs.event_time import iso_ms, source_events, window_column, windowed_events
+from jobs.paths import extract
+from jobs.sketch_state import sketch_state, window_sketch_state
+from jobs.sketches import Distinct, Reservoir, TopN
+from jobs.specs import JobSpec, check_spec, duration_ms, output_names
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+ALL = "all"
+
+Finalize = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass
+class Plan:
+    """What a job computes: the result DataFrame, its output mode, and the row shaping done
+    on the driver before the rows are published (sketch bytes -> the query's answer)."""
+
+    df: DataFrame
+    output_mode: str = "update"
+    finalize: Finalize = field(default=lambda row: row)
+
+
+def build_plan(spec: JobSpec, source: DataFrame) -> Plan:
+    """The job's result DataFrame over a source (jetstream, or any with a JSON ``data``)."""
+    spec = check_spec(spec)
+    events = source_events(source)
+    build = {
+        "topn": _topn,
+        "distinct": _distinct,
+        "count": _count,
+        "sample": _sample,
+        "custom": _custom,
+    }[spec.kind]
+    return build(spec, events)
+
+
+def _window_fields(spec: JobSpec, start_ms: int | None, end_ms: int | None) -> dict[str, Any]:
+    if spec.window is None:
+        return {}
+    if spec.window_as:
+        return {spec.window_as: iso_ms(start_ms)}
+    return {"window_start": iso_ms(start_ms), "window_end": iso_ms(end_ms)}
+
+
+def _topn(spec: JobSpec, events: DataFrame) -> Plan:
+    from pyspark.sql import functions as F
+
+    if spec.window is not None:
+        events = windowed_events(events, spec)
+    items = extract(events, {"_tf_it": spec.field}, outer=True)
+    params = {"capacity": spec.capacity}
+    if spec.window is None:
+        state = sketch_state(
+            items.withColumn("_tf_key", F.lit(ALL)),
+            key="_tf_key",
+            item="_tf_it",
+            kind="topn",
+            params=params,
+            order="seq",
+            event="seq",
+        )
+    else:
+        state = _window_state(spec, items, "topn", params)
+
+    def finalize(row: dict[str, Any]) -> dict[str, Any]:
+        top = TopN.from_bytes(row["sketch"]).top(spec.n)
+        if spec.window is None:
+            return {"key": ALL, "top": top, "events": row["events"]}
+        return {**_window_row(spec, row), "top": top}
+
+    return Plan(state, "update", finalize)
+
+
+def _window_state(spec: JobSpec, items: DataFrame, kind: Any, params: dict[str, Any]) -> Any:
+    assert spec.window is not None
+    length = duration_ms(spec.window.length)
+    slide = duration_ms(spec.window.slide) if spec.window.slide else length
+    return window_sketch_state(
+        items,
+        item="_tf_it",
+        kind=kind,
+        params=params,
+        order="seq",
+        length_ms=length,
+        slide_ms=slide,
+    )
+
+
+def _window_row(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
+    start = int(row["start"])
+    return {"key": iso_ms(start), **_window_fields(spec, start, row["end_ms"])}
+
+
+def _sample(spec: JobSpec, events: DataFrame) -> Plan:
+    from pyspark.sql import functions as F
+
+    if spec.window is not None:
+        events = windowed_events(events, spec)
+    if spec.field:
+        items = extract(events, {"_tf_it": spec.field})
+    else:
+        items = events.withColumn("_tf_it", F.col("data"))
+    params = {"k": spec.n, "seed": spec.seed}
+    if spec.window is None:
+        state = sketch_state(
+            items.withColumn("_tf_key", F.lit(ALL)),
+            key="_tf_key",
+            item="_tf_it",
+            kind="reservoir",
+            params=params,
+            order="seq",
+        )
+    else:
+        state = _window_state(spec, items, "reservoir", params)
+
+    def finalize(row: dict[str, Any]) -> dict[str, Any]:
+        sample = Reservoir.from_bytes(row["sketch"])
+        out = _window_row(spec, row) if spec.window is not None else {"key": ALL}
+        return {**out, "sample": sample.sample(), "seen": sample.n}
+
+    return Plan(state, "update", finalize)
+
+
+def _distinct(spec: JobSpec, events: DataFrame) -> Plan:
+    from pyspark.sql import functions as F
+
+    if spec.window is not None:
+        events = windowed_events(events, spec)
+    items = extract(events, {"_tf_it": spec.field}).where(F.col("_tf_it").isNotNull())
+    sketch = F.hll_sketch_agg(F.col("_tf_it"), spec.lg_k).alias("sketch")
+    if spec.window is None:
+        df = items.groupBy(F.lit(ALL).alias("_tf_key")).agg(sketch)
+    else:
+        df = (
+            items.groupBy(window_column(spec).alias("_tf_w"))
+            .agg(sketch)
+            .select(
+                F.unix_millis(F.col("_tf_w.start")).alias("start"),
+                F.unix_millis(F.col("_tf_w.end")).alias("end_ms"),
+                "sketch",
+            )
+        )
+
+    def finalize(row: dict[str, Any]) -> dict[str, Any]:
+        hll = Distinct.from_bytes(row["sketch"])
+        lower, upper = hll.bounds(2)
+        out = _window_row(spec, row) if spec.window is not None else {"key": ALL}
+        return {
+            **out,
+            "distinct": round(hll.estimate()),
+            "lower": math.floor(lower),
+            "upper": math.ceil(upper),
+        }
+
+    return Plan(df, "update", finalize)
+
+
+def _count(spec: JobSpec, events: DataFrame) -> Plan:
+    from pyspark.sql import functions as F
+
+    if spec.window is not None:
+        events = windowed_events(events, spec)
+    aliases = [f"_tf_by{i}" for i in range(len(spec.by))]
+    events = extract(events, dict(zip(aliases, spec.by, strict=True)))
+    groups: list[Column] = [F.col(a) for a in aliases]
+    if spec.window is not None:
+        groups.append(window_column(spec).alias("_tf_w"))
+    df = events.groupBy(*groups).agg(F.count(F.lit(1)).alias("_tf_count"))
+    if spec.window is not None:
+        df = df.select(
+            *aliases,
+            F.unix_millis(F.col("_tf_w.start")).alias("_tf_start"),
+            F.unix_millis(F.col("_tf_w.end")).alias("_tf_end"),
+            "_tf_count",
+        )
+    names = output_names(spec)
+
+    def finalize(row: dict[str, Any]) -> dict[str, Any]:
+        values = [row[a] for a in aliases]
+        parts = ["" if v is None else str(v) for v in values]
+        extra: dict[str, Any] = {}
+        if spec.window is not None:
+            start = row["_tf_start"]
+            parts.append(str(iso_ms(start)))
+            extra = _window_fields(spec, start, row["_tf_end"])
+        out: dict[str, Any] = {"key": "|".join(parts)}
+        out.update(zip(names, values, strict=True))
+        out.update(extra)
+        out[spec.count_as] = row["_tf_count"]
+        return out
+
+    return Plan(df, "update", finalize)
+
+
+def load_function(ref: str) -> Callable[[DataFrame], DataFrame]:
+    """The user's job function: ``module:fn``; a module without a dot is ``jobs.<module>``;
+    without ``:fn`` the module's `job` function, or its only public function."""
+    module, _, attr = ref.partition(":")
+    if "." not in module:
+        module = f"jobs.{module}"
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        raise JobError(f"custom job {ref!r}: cannot import {module!r}: {err}") from None
+    if attr:
+        fn = getattr(mod, attr, None)
+    else:
+        fn = getattr(mod, "job", None)
+        if fn is None:
+            own = [
+                f
+                for n, f in inspect.getmembers(mod, inspect.isfunction)
+                if f.__module__ == mod.__name__ and not n.startswith("_")
+            ]
+            fn = own[0] if len(own) == 1 else None
+    if not callable(fn):
+        raise JobError(
+            f"custom job {ref!r}: name the function as 'module:function' (module {module!r} "
+            "has no `job` and not exactly one public function)"
+        )
+    return fn
+
+
+def _custom(spec: JobSpec, events: DataFrame) -> Plan:
+    fn = load_function(spec.function)
+    df = fn(events.select("seq", "subject", "ts", "msg_id", "data"))
+    if "key" not in df.columns:
+        raise JobError(f"custom job {spec.name!r}: {spec.function} must return a `key` column")
+    return Plan(df, spec.output_mode, _plain_row)
+
+
+def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON-ready values: timestamps as ISO text, the rest as they are."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dt.datetime):
+            v = v.replace(tzinfo=v.tzinfo or dt.UTC).isoformat().replace("+00:00", "Z")
+        out[k] = v
+    return out

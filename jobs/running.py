@@ -1,0 +1,132 @@
+"""Running a job: its streaming query from the jetstream source to the result sink.
+
+`start_job` turns a `JobSpec` into a Spark streaming query reading the ``jetstream`` source
+(jobs/jetstream.py) and writing through `ResultSink` (jobs/sink.py): results on
+``results.<job name>`` with ids ``<job>:<batchId>:<key>`` and the latest value per key in KV
+under ``<job>.<key>`` (docs/contracts.md). `start_deadletters` runs one query per stream that
+sends its malformed events to ``deadletter.<stream>``. The query's checkpoint lives at
+``<checkpoint root>/<name>``, so a restart resumes where the last committed batch ended.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jobs.plans import Finalize, build_plan
+from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
+from jobs.specs import JobSpec, check_spec, deadletter_query_name
+from runtime.nats import NatsEndpoint
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+
+def checkpoint_run_id(checkpoint: str | Path) -> str:
+    """The id Spark gave the query when its checkpoint was made (``<checkpoint>/metadata``):
+    the same across restarts, new after a reset. The sink guards KV with it."""
+    try:
+        text = (Path(checkpoint) / "metadata").read_text(encoding="utf-8")
+        return str(json.loads(text.splitlines()[0])["id"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return ""
+
+
+@dataclass
+class JobWriter:
+    """``foreachBatch``: the batch's result rows shaped by the plan, published idempotently."""
+
+    sink: ResultSink
+    finalize: Finalize
+    on_batch: Callable[[int, BatchReport], None] | None = None
+    checkpoint: str | Path | None = None
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        if self.checkpoint is not None and not self.sink.run_id:
+            # Spark has written the checkpoint's metadata by the first batch
+            self.sink.run_id = checkpoint_run_id(self.checkpoint)
+        rows = [self.finalize(r.asDict(recursive=True)) for r in df.collect()]
+        report = self.sink.publish_results(rows, batch_id)
+        if self.on_batch is not None:
+            self.on_batch(batch_id, report)
+
+
+def read_stream(
+    spark: SparkSession, nats: NatsEndpoint, stream: str, subject: str = "", max_events: int = 0
+) -> DataFrame:
+    """The jetstream source over `stream` (the format must be registered)."""
+    reader = spark.readStream.format("jetstream").options(**nats.to_options())
+    reader = reader.option("stream", stream)
+    if subject:
+        reader = reader.option("subject", subject)
+    if max_events:
+        reader = reader.option("maxEventsPerTrigger", str(max_events))
+    return reader.load()
+
+
+def _trigger(spec_trigger_s: float, trigger: Mapping[str, Any] | None) -> dict[str, Any]:
+    if trigger is not None:
+        return dict(trigger)
+    if spec_trigger_s <= 0:
+        return {}
+    ms = max(1, round(spec_trigger_s * 1000))
+    return {"processingTime": f"{ms} milliseconds"}
+
+
+def start_job(
+    spark: SparkSession,
+    spec: JobSpec,
+    nats: NatsEndpoint,
+    checkpoint_root: str | Path,
+    *,
+    trigger: Mapping[str, Any] | None = None,
+    source: DataFrame | None = None,
+    on_batch: Callable[[int, BatchReport], None] | None = None,
+) -> StreamingQuery:
+    """Start the job's query (named after the job) with its checkpoint at root/<name>.
+
+    A restart with the same checkpoint resumes exactly where the last committed batch
+    ended. `trigger` overrides the spec's (e.g. ``{"availableNow": True}`` in tests);
+    `source` replaces the jetstream source (any streaming DataFrame with ``data``).
+    """
+    spec = check_spec(spec)
+    if source is None:
+        source = read_stream(spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger)
+    plan = build_plan(spec, source)
+    checkpoint = Path(checkpoint_root) / spec.name
+    writer = JobWriter(ResultSink.for_query(nats, spec.name), plan.finalize, on_batch, checkpoint)
+    return (
+        plan.df.writeStream.queryName(spec.name)
+        .outputMode(plan.output_mode)
+        .foreachBatch(writer)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(**_trigger(spec.trigger_s, trigger))
+        .start()
+    )
+
+
+def start_deadletters(
+    spark: SparkSession,
+    stream: str,
+    nats: NatsEndpoint,
+    checkpoint_root: str | Path,
+    *,
+    on_batch: Callable[[int, BatchReport], None] | None = None,
+    trigger: Mapping[str, Any] | None = None,
+    trigger_s: float = 1.0,
+) -> StreamingQuery:
+    """The stream's malformed events to ``deadletter.<stream>`` (ids ``dl:<stream>:<seq>``)."""
+    name = deadletter_query_name(stream)
+    writer = DeadLetterBatch(ResultSink.for_query(nats, name), stream, on_batch)
+    return (
+        read_stream(spark, nats, stream)
+        .writeStream.queryName(name)
+        .foreachBatch(writer)
+        .option("checkpointLocation", str(Path(checkpoint_root) / name))
+        .trigger(**_trigger(trigger_s, trigger))
+        .start()
+    )
