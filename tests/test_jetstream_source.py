@@ -107,6 +107,7 @@ def test_options_are_validated_with_clear_errors() -> None:
             SourceOptions.parse(bad)
 
 
+@pytest.mark.unit
 def test_the_endpoint_travels_as_the_same_option_keys() -> None:
     ep = NatsEndpoint(
         "nats://a:4222,nats://b:4222",
