@@ -44,10 +44,9 @@ from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
 from jobs.specs import deadletter_query_name
 from runtime.config import Config, load
-from runtime.nats import NatsServer
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import with_nats
+from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -189,6 +188,7 @@ def check_results(url: str, sent: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------- pure parts
 
 
+@pytest.mark.unit
 def test_committed_reads_the_last_commit_and_its_offsets(tmp_path: Path) -> None:
     assert committed(tmp_path) is None
     (tmp_path / "commits").mkdir()
@@ -202,6 +202,7 @@ def test_committed_reads_the_last_commit_and_its_offsets(tmp_path: Path) -> None
     assert committed(tmp_path) == (1, {"seq": 42})
 
 
+@pytest.mark.unit
 def test_policy_helpers() -> None:
     assert [backoff_s(n) for n in (1, 2, 3, 6, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0]
     cfg = load(environ={})
@@ -221,6 +222,7 @@ def test_policy_helpers() -> None:
     assert (row["batch_id"], row["latency_ms"], row["input_rows_per_s"]) == (3, 500, 5.0)
 
 
+@pytest.mark.unit
 def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
     cfg = load(environ={})
     assert [s.name for s in resolve_jobs(cfg, "meetup")] == list(QUERIES)
@@ -246,13 +248,9 @@ def test_meetup_entrypoint_runs_as_a_module() -> None:
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats_url(nats_factory: NatsFactory) -> str:
     # Spark is what gets killed here, never NATS: fsync every 2 minutes is enough.
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    return nats_factory(sync_interval="2m").url
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,14 @@ from jobs.sink import ResultSink
 from runtime.certs import make_dev_certs
 from runtime.config import Config, load
 from runtime.nats import NatsEndpoint
-from runtime.services import connect_nats, ensure_streams, start_nats
+from runtime.services import connect_nats, ensure_streams
+from tests.support import NatsFactory
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def mtls(tmp_path: Path) -> Any:
+def mtls(nats_factory: NatsFactory, tmp_path: Path) -> Any:
     state = tmp_path / "state"
     make_dev_certs(state / "certs")
     cfg = load(
@@ -37,12 +38,8 @@ def mtls(tmp_path: Path) -> Any:
             "streams": {"flights": {}},
         },
     )
-    server = start_nats(cfg)
-    assert server is not None
-    try:
+    with nats_factory.from_config(cfg) as server:
         yield cfg, server
-    finally:
-        server.stop()
 
 
 def test_source_and_sink_connect_with_the_client_certificate(mtls: tuple[Config, Any]) -> None:

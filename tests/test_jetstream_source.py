@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,8 +26,8 @@ from jobs.jetstream_options import (
     starting_sequence,
 )
 from jobs.jetstream_read import _parse_reply, check_payload, read_range
-from runtime.nats import NatsEndpoint, NatsServer
-from tests.support import with_nats
+from runtime.nats import NatsEndpoint
+from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(180)
 T = TypeVar("T")
@@ -37,6 +36,7 @@ T = TypeVar("T")
 # ---- pure policy ------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_next_offset_caps_by_limit_and_target_and_reports_no_data() -> None:
     b = Bounds(first=1, last=100)
     kw: dict[str, Any] = {"stream": "s", "on_aged_out": "fail"}
@@ -55,6 +55,7 @@ def test_next_offset_caps_by_limit_and_target_and_reports_no_data() -> None:
     )
 
 
+@pytest.mark.unit
 def test_next_offset_aged_out_fails_by_default_and_skip_counts_the_gap() -> None:
     b = Bounds(first=251, last=350)
     with pytest.raises(AgedOutError, match=r"'ev'.*start sequence 51.*first sequence .* 251"):
@@ -68,6 +69,7 @@ def test_next_offset_aged_out_fails_by_default_and_skip_counts_the_gap() -> None
     assert end == {"seq": 11, "skipped": 6}
 
 
+@pytest.mark.unit
 def test_split_range_and_reply_parsing() -> None:
     assert split_range(5, 5, 10) == []
     assert split_range(1, 26, 10) == [SeqRange(1, 11), SeqRange(11, 21), SeqRange(21, 26)]
@@ -82,6 +84,7 @@ def test_split_range_and_reply_parsing() -> None:
         _parse_reply("_INBOX.abc")
 
 
+@pytest.mark.unit
 def test_payload_checks() -> None:
     assert check_payload(b'{"k": "a"}', "json") == ('{"k": "a"}', None)
     text, err = check_payload(b'{"k": ', "json")
@@ -91,6 +94,7 @@ def test_payload_checks() -> None:
     assert text is None and err and "not UTF-8" in err
 
 
+@pytest.mark.unit
 def test_options_are_validated_with_clear_errors() -> None:
     base = {"url": "nats://127.0.0.1:4222", "stream": "ev"}
     opts = SourceOptions.parse({**base, "subject": "raw.a, raw.b", "maxEventsPerTrigger": "50"})
@@ -164,13 +168,9 @@ def event(i: int, key: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats_url(nats_factory: NatsFactory) -> str:
     # The tests kill Spark, never NATS, so fsync every 2 minutes is enough and far faster.
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    return nats_factory(sync_interval="2m").url
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,9 @@ from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketch_state import pane_windows
 from jobs.specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
 from jobs.windows import late_count
-from runtime.nats import NatsEndpoint, NatsServer
+from runtime.nats import NatsEndpoint
 from tests.oracles import sliding_reference
-from tests.support import with_nats
+from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,6 +61,7 @@ EVENTS = [event(i) for i in range(N_EVENTS)]
 # --------------------------------------------------------------------------- pure
 
 
+@pytest.mark.unit
 def test_paths_walk_objects_and_explode_arrays() -> None:
     assert parse_path("group.group_topics[].topic_name") == (
         Step("group"),
@@ -75,6 +75,7 @@ def test_paths_walk_objects_and_explode_arrays() -> None:
             parse_path(bad)
 
 
+@pytest.mark.unit
 def test_schema_is_built_from_the_paths_and_conflicts_are_named() -> None:
     schema = json_schema(["a.b[].c", "a.d", "e[]", "_seq"])
     assert schema.simpleString() == (
@@ -86,6 +87,7 @@ def test_schema_is_built_from_the_paths_and_conflicts_are_named() -> None:
         json_schema(["a[].b", "a.c"])
 
 
+@pytest.mark.unit
 def test_specs_from_cli_words_and_json() -> None:
     spec = parse_job(
         "name=topics kind=topn stream=meetup field=group.group_topics[].topic_name n=5 "
@@ -99,6 +101,7 @@ def test_specs_from_cli_words_and_json() -> None:
     assert again == spec
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "why"),
     [
@@ -122,6 +125,7 @@ def test_bad_specs_are_refused_with_the_reason(text: str, why: str) -> None:
         parse_job(text)
 
 
+@pytest.mark.unit
 def test_intervals_and_iso_times() -> None:
     assert interval("10s") == "10 seconds" and interval("5m") == "5 minutes"
     assert interval("500ms") == "500 milliseconds" and interval(" 2  Hours ") == "2 hours"
@@ -131,6 +135,7 @@ def test_intervals_and_iso_times() -> None:
     assert iso_ms(1473159120250) == "2016-09-06T10:52:00.250Z"
 
 
+@pytest.mark.unit
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 10**7),
@@ -156,11 +161,13 @@ def _windows_by_definition(t: int, length: int, slide: int) -> list[int]:
     return [s for s in range(first, t + 1, slide) if s <= t < s + length]
 
 
+@pytest.mark.unit
 def test_durations_in_ms() -> None:
     assert duration_ms("10s") == 10_000 and duration_ms("5 minutes") == 300_000
     assert duration_ms("1h") == 3_600_000 and duration_ms("250ms") == 250
 
 
+@pytest.mark.unit
 def test_custom_functions_are_found_by_module_and_name() -> None:
     from cluster.demo.meetup import responses
 
@@ -176,8 +183,8 @@ def test_custom_functions_are_found_by_module_and_name() -> None:
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+def nats_url(nats_factory: NatsFactory) -> str:
+    server = nats_factory(sync_interval="2m")
 
     async def setup(nc: Any) -> None:
         js = nc.jetstream()
@@ -188,11 +195,8 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             await js.publish("raw.lib", json.dumps(ev).encode(), headers={MSG_ID_HEADER: f"e{i}"})
         await js.publish("raw.lib", b'{"user": ', headers={MSG_ID_HEADER: "broken"})
 
-    try:
-        with_nats(setup, server.url)
-        yield server.url
-    finally:
-        server.stop()
+    with_nats(setup, server.url)
+    return server.url
 
 
 @pytest.fixture(scope="module")

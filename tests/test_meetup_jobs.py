@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from jobs.jetstream import register
 from jobs.running import start_job
 from jobs.sink import MSG_ID_HEADER, results_by_query
 from jobs.sketches import Distinct
-from runtime.nats import NatsEndpoint, NatsServer
-from tests.support import with_nats
+from runtime.nats import NatsEndpoint
+from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,8 +63,8 @@ def result_ids(url: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
+def nats_url(nats_factory: NatsFactory) -> str:
+    server = nats_factory(sync_interval="2m")
 
     async def setup(nc: Any) -> None:
         js = nc.jetstream()
@@ -84,13 +83,11 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             acks.append(await js.publish_async("raw.meetup", body, headers=headers))
         await asyncio.gather(*acks)
 
-    try:
-        with_nats(setup, server.url)
-        yield server.url
-    finally:
-        server.stop()
+    with_nats(setup, server.url)
+    return server.url
 
 
+@pytest.mark.unit
 def test_specs_follow_the_contract() -> None:
     specs = meetup_jobs()
     assert tuple(s.name for s in specs) == QUERIES
@@ -100,6 +97,7 @@ def test_specs_follow_the_contract() -> None:
     assert window is not None and (window.length, window.slide) == ("5 minutes", "10 seconds")
 
 
+@pytest.mark.unit
 def test_reference_puts_each_rsvp_in_thirty_sliding_windows() -> None:
     rsvps = RSVPS[:200]
     full = reference(rsvps, n=10_000)["meetup_topn_window"]

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,9 +43,8 @@ from jobs.sink import (
     kv_key,
     result_id,
 )
-from runtime.nats import NatsServer
 from runtime.waiting import wait_until
-from tests.support import with_nats
+from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(240)
 T = TypeVar("T")
@@ -168,15 +167,12 @@ def assert_exactly_once(url: str, query: str, bucket: str, payloads: list[bytes]
 
 
 @pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats_url(nats_factory: NatsFactory) -> str:
     # Spark is what gets killed here, never NATS, so fsync every 2 minutes is enough.
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), sync_interval="2m").start()
-    try:
-        add_stream(server.url, "results", ["results.>"])
-        add_stream(server.url, "deadletter", ["deadletter.>"])
-        yield server.url
-    finally:
-        server.stop()
+    server = nats_factory(sync_interval="2m")
+    add_stream(server.url, "results", ["results.>"])
+    add_stream(server.url, "deadletter", ["deadletter.>"])
+    return server.url
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +184,7 @@ def sp(spark: Any) -> Any:
 # ---- the sink on its own --------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.none(), st.text(max_size=40)))
 def test_kv_keys_are_valid_and_reversible(key: str | None) -> None:
@@ -196,6 +193,7 @@ def test_kv_keys_are_valid_and_reversible(key: str | None) -> None:
     assert key_from_kv(k) == key
 
 
+@pytest.mark.unit
 def test_kv_keys_keep_plain_keys_and_encode_the_rest() -> None:
     assert kv_key("k1") == "k1" and kv_key("a/b=c.d_e-f") == "a/b=c.d_e-f"
     assert kv_key(42) == "42"

@@ -33,6 +33,7 @@ SEC = 1000
 # --------------------------------------------------------------------------- references
 
 
+@pytest.mark.unit
 def test_book_sliding_2s_every_1s() -> None:
     events = [(T0 + 500, "a"), (T0 + 1500, "b"), (T0 + 2500, "c"), (T0 + 3200, "d")]
     got = sliding_reference(events, 2 * SEC, 1 * SEC)
@@ -47,6 +48,7 @@ def test_book_sliding_2s_every_1s() -> None:
     assert all(b - a == SEC for a, b in zip(ends, ends[1:], strict=False))  # fires every 1 s
 
 
+@pytest.mark.unit
 def test_book_tumbling_by_time_whatever_the_count() -> None:
     events = [(T0 + t, t) for t in (0, 100, 1999, 2000, 5999)]
     assert tumbling_time_reference(events, 2 * SEC) == [
@@ -56,6 +58,7 @@ def test_book_tumbling_by_time_whatever_the_count() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_book_tumbling_by_count_whatever_the_time() -> None:
     batches = [[("k", T0, "a")], [("k", T0 + 3_600 * SEC, "b"), ("k", T0 + 3_601 * SEC, "c")]]
     assert tumbling_count_reference(batches, 2) == [("k", 0, T0, T0 + 3_600 * SEC, ("a", "b"))]
@@ -64,6 +67,7 @@ def test_book_tumbling_by_count_whatever_the_time() -> None:
 timed = st.lists(st.tuples(st.integers(0, 20 * SEC), st.integers(0, 9)), max_size=60)
 
 
+@pytest.mark.unit
 @settings(max_examples=80, deadline=None)
 @given(timed, st.sampled_from([(2, 1), (3, 1), (4, 2), (2, 2)]))
 def test_sliding_reference_puts_each_event_in_length_over_slide_windows(
@@ -78,6 +82,7 @@ def test_sliding_reference_puts_each_event_in_length_over_slide_windows(
         assert w.values == tuple(v for _, v in inside)
 
 
+@pytest.mark.unit
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(
@@ -105,6 +110,7 @@ def test_count_reference_emits_every_n_and_buffers_the_rest(batches: list, n: in
         assert [v for w in wins for v in w[4]] == [v for _, v in evs[: len(wins) * n]]
 
 
+@pytest.mark.unit
 def test_late_reference_lags_one_batch_like_spark() -> None:
     batches = [
         [("a", 0), ("b", 10_000)],
