@@ -427,7 +427,10 @@ class ResultSink:
         publisher = JetStreamPublisher(nc, self.max_in_flight, self.timeout)
         try:
             done, failed = await publisher.publish_with_retry(
-                msgs, attempts=self.attempts, backoff=_backoff
+                msgs,
+                attempts=self.attempts,
+                backoff=_backoff,
+                sleep=lambda s: self._pause(nc, s),
             )
         finally:
             await publisher.close()
@@ -439,6 +442,16 @@ class ResultSink:
                 f"messages not acknowledged after up to {self.attempts} attempts): {first.error}"
             )
         return done
+
+    async def _pause(self, nc: Client, seconds: float) -> None:
+        """The pause before a resend, then up to `timeout` more while the client reconnects:
+        the publisher fails at once when disconnected, and a batch should ride out a NATS
+        blip as long as a publish waiting for its ack would (each try up to `timeout`)."""
+        await asyncio.sleep(seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while not nc.is_connected and not nc.is_closed and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def _backoff(attempt: int) -> float:

@@ -30,7 +30,7 @@ from cluster.verify import stream_ids
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import Config, ConfigError, load
 from runtime.loop_thread import LoopThread
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.nats_roles import credentials, role_permissions, secrets_path
 from runtime.services import connect_nats, ensure_streams
 from runtime.tls import client_ssl_context, server_ssl_context
@@ -403,14 +403,14 @@ async def test_wrong_or_missing_nats_credentials_are_refused(
 async def test_analysis_jobs_write_results_as_their_role_over_tls(
     secured: tuple[Config, NatsServer], admin_js: Any
 ) -> None:
-    from jobs.library import NatsTarget
+    from jobs.sink import ResultSink
 
     cfg, server = secured
-    target = NatsTarget.from_config(cfg, server.url)
+    target = NatsEndpoint.from_config(cfg, "analysis", url=server.url)
     assert target.user == "tierflow-analysis" and target.password
     assert target.tls_ca == str(cfg.state_path / "certs" / "ca.pem")
-    assert target.source_options()["tlsCa"] == target.tls_ca
-    sink = target.sink("sec_q")
+    assert target.to_options()["tlsCa"] == target.tls_ca
+    sink = ResultSink.for_query(target, "sec_q")
     nc = await sink.connect()
     try:
         report = await sink.apublish_results(nc, [{"key": "k1", "n": 1}], 0)
@@ -422,7 +422,7 @@ async def test_analysis_jobs_write_results_as_their_role_over_tls(
     finally:
         await nc.close()
     # the defaults: shared (empty) credentials, no CA
-    plain = NatsTarget.from_config(load(environ={}), "nats://127.0.0.1:4222")
+    plain = NatsEndpoint.from_config(load(environ={}), "analysis", url="nats://127.0.0.1:4222")
     assert (plain.user, plain.password, plain.tls_ca) == (None, None, None)
 
 

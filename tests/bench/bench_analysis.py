@@ -29,9 +29,10 @@ import pytest
 from cluster.demo.meetup import meetup_jobs, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
-from jobs.library import JobSpec, NatsTarget, start_job
+from jobs.running import start_job
+from jobs.specs import JobSpec
 from runtime.config import load
-from runtime.nats import NatsServer, connect
+from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.services import spark_session
 from tests.bench.common import Profiler, print_profile, write_report
 
@@ -124,7 +125,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
 
     with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
         publish_s = asyncio.run(publish(server.url, bodies, bodies[:WARM]))
-        nats = NatsTarget(server.url)
+        nats = NatsEndpoint(server.url)
         once = {"availableNow": True}
 
         def run(name: str, events: int = EVENTS, stream: str = "meetup", **kw: Any) -> Any:
