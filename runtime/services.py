@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.config import Config
 from runtime.nats import NatsEndpoint, NatsServer
+from runtime.nats_roles import server_users
+from runtime.tls import tls_files
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -50,9 +52,6 @@ def start_nats(cfg: Config) -> NatsServer | None:
     """
     if cfg.nats.url:
         return None
-    from runtime.nats_roles import server_users
-    from runtime.tls import tls_files
-
     tls = tls_files(cfg)
     server = NatsServer(
         store_dir=nats_store_dir(cfg),
