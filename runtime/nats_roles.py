@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config, NatsUser
+from runtime.lease import LEASE_BUCKET
 from runtime.roles import NATS_ROLES
 
 SECRETS_FILE = "nats-users.json"
 # Names owned by other modules, repeated here so this module imports no actor code
 # (tests/test_security.py checks they agree).
-BUFFER_STREAM = "buffer"  # actors.collection.stream_ingest.BUFFER_STREAM
-LEASE_BUCKET = "tierflow_leases"  # actors.collection.stream_ingest.LEASE_BUCKET
+BUFFER_STREAM = "buffer"  # actors.collection.buffer.BUFFER_STREAM
 CURSOR_BUCKET = "tierflow_cursors"  # actors.access.cursors.BUCKET
 WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.access.webhooks.BUCKET
 WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.access.webhooks.DEADLETTER_SUBJECT
