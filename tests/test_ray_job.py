@@ -301,7 +301,9 @@ def test_head_processes_are_found_by_temp_dir_only() -> None:
     tmp = f"/tmp/tfj-{uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tmp])
     try:
-        assert [p.pid for p in _head_processes(tmp)] == [proc.pid]
+        # until the child has exec'd, its command line is still the parent's
+        found = wait_until(lambda: _head_processes(tmp), timeout=30, what="the child exec'd")
+        assert [p.pid for p in found] == [proc.pid]
         assert _stop_processes(_head_processes(tmp), grace_s=5) == []
     finally:
         if proc.poll() is None:
