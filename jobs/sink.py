@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -40,6 +41,7 @@ import msgspec
 from runtime.loop_thread import LoopThread
 from runtime.nats import NatsEndpoint
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
+from runtime.waiting import WaitTimeout, await_until
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -448,10 +450,10 @@ class ResultSink:
         the publisher fails at once when disconnected, and a batch should ride out a NATS
         blip as long as a publish waiting for its ack would (each try up to `timeout`)."""
         await asyncio.sleep(seconds)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        while not nc.is_connected and not nc.is_closed and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        with contextlib.suppress(WaitTimeout):  # still down: the resend fails and says so
+            await await_until(
+                lambda: nc.is_connected or nc.is_closed, self.timeout, what="NATS reconnect"
+            )
 
 
 def _backoff(attempt: int) -> float:

@@ -451,3 +451,29 @@ def test_malformed_events_go_to_dead_letter_and_the_query_keeps_running(
     assert [d for _, _, d in msgs] == bad + more_bad
     assert [h[SOURCE_SEQ_HEADER] for _, h, _ in msgs] == ["151", "152", "153", "304"]
     assert "not UTF-8" in msgs[0][1][ERROR_HEADER] and "not JSON" in msgs[1][1][ERROR_HEADER]
+
+
+class _Conn:
+    """A stand-in for a nats-py client: only the two flags `ResultSink._pause` reads."""
+
+    def __init__(self, connected: bool) -> None:
+        self.is_connected = connected
+        self.is_closed = False
+
+
+@pytest.mark.unit
+async def test_pause_before_a_resend_waits_for_the_reconnect_within_the_timeout() -> None:
+    sink = ResultSink("nats://127.0.0.1:1", "results", "kv", "q", timeout=5.0)
+    up = _Conn(connected=True)
+    await asyncio.wait_for(sink._pause(up, 0.0), 1.0)  # connected: no wait beyond the pause
+
+    down = _Conn(connected=False)
+    pause = asyncio.ensure_future(sink._pause(down, 0.0))
+    await asyncio.sleep(0.2)
+    assert not pause.done()  # still disconnected: it waits
+    down.is_connected = True
+    await asyncio.wait_for(pause, 1.0)  # back: the resend goes
+
+    gone = _Conn(connected=False)
+    short = ResultSink("nats://127.0.0.1:1", "results", "kv", "q", timeout=0.2)
+    await asyncio.wait_for(short._pause(gone, 0.0), 2.0)  # never back: gives up at timeout
