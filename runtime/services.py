@@ -95,6 +95,7 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
             max_age=s.max_age_s or None,
             max_bytes=s.max_bytes,
             duplicate_window=s.duplicate_window_s,
+            allow_atomic=True,  # the bridge publishes each logged group as one atomic batch
         )
         try:
             await js.stream_info(name)
