@@ -17,6 +17,25 @@ Guarantees:
   is not connected (it fails at once, retryable), so a batch cannot stall on a dead server;
 - at most `max_in_flight` events (across all concurrent batches) await an ack at any time.
 
+`publish_atomic` gives the same guarantees for events bound for one stream, sent as
+JetStream atomic batches (ADR-50): one commit round trip and one stored-together unit per
+batch instead of one ack per event. The server's rules it follows (nats-server
+server/stream.go `processJetStreamAtomicBatchMsg`, server/jetstream_batching.go, ADR-50):
+every message carries `Nats-Batch-Id` (at most 64 chars) and `Nats-Batch-Sequence` 1..n
+without gaps, the last also `Nats-Batch-Commit: 1`; a batch holds at most 1000 messages
+(`max_batch_size`), each within the stream's size limits; 50 batches may be open per stream;
+one without traffic for 10 s is abandoned unstored. Every message is checked (a stream
+without `allow_atomic` refuses each one), so only the commit is sent as a request and its
+reply is the verdict: a PubAck `{stream, seq: the last one, batch, count}` (the batch's
+events hold the `count` sequences ending at `seq`) or an error. A `Nats-Msg-Id` the stream
+already holds, or one twice in the batch, rejects the whole batch (err_code 10201); so
+does any per-message refusal (10176 incomplete). Any refused batch is published again
+event by event (`publish_batch`), which reports each event as above and turns a resend
+into duplicate acks; a stream that refuses batching (10174, or a server that ignores the
+headers) is remembered and gets per-event publishing. No commit reply within `ack_timeout`
+or a lost connection: every event of the batch fails, retryable (a later resend is stored
+once: a committed batch comes back 10201, then duplicates).
+
 No Ray in here: a Ray actor wraps this class.
 """
 
@@ -25,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
+import secrets
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +60,17 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 _STATUS_HEADER = "Status"
 _NO_RESPONDERS = "503"
 _RESERVOIR_SIZE = 8192
+BATCH_ID_HEADER = "Nats-Batch-Id"
+BATCH_SEQ_HEADER = "Nats-Batch-Sequence"
+BATCH_COMMIT_HEADER = "Nats-Batch-Commit"
+MAX_ATOMIC_BATCH = 1000  # nats-server's default max_batch_size (streamDefaultMaxAtomicBatchSize)
+MAX_OPEN_BATCHES = 16  # below the server's 50 open atomic batches per stream
+NOT_ATOMIC_RECHECK_S = 300.0  # a stream that refused batching is asked again after this
+# err_codes of an atomic commit (nats-server server/errors.json)
+ERR_BATCH_DISABLED = 10174
+ERR_BATCH_UNSUPPORTED_HEADER = 10177
+ERR_BATCH_TOO_LARGE = 10199
+ERR_BATCH_DUPLICATE = 10201
 
 
 class Outgoing(msgspec.Struct, frozen=True):
@@ -81,6 +113,8 @@ class _PubAck(msgspec.Struct):
     seq: int = 0
     duplicate: bool = False
     error: _ApiError | None = None
+    batch: str = ""  # an atomic commit's ack: its batch id and how many messages it stored
+    count: int = 0
 
 
 _decode_ack = msgspec.json.Decoder(_PubAck).decode
@@ -273,6 +307,21 @@ def oversize_error(data: bytes, headers: dict[str, str], max_payload: int) -> st
     return None
 
 
+def batch_headers(ev: Outgoing, batch_id: str, seq: int, *, commit: bool = False) -> dict[str, str]:
+    """The headers of `ev` as message `seq` (1-based) of atomic batch `batch_id`."""
+    headers = {**ev.headers, MSG_ID_HEADER: ev.id, BATCH_ID_HEADER: batch_id}
+    headers[BATCH_SEQ_HEADER] = str(seq)
+    if commit:
+        headers[BATCH_COMMIT_HEADER] = "1"
+    return headers
+
+
+def batch_limit_from(description: str) -> int | None:
+    """The server's batch size limit named in a 10199 error ("... too large: 1000")."""
+    found = re.search(r"(\d+)\s*$", description)
+    return int(found.group(1)) if found else None
+
+
 def _classify_send_error(err: Exception) -> tuple[str, bool]:
     """(message, retryable) for an exception raised while handing a message to the client.
 
@@ -300,6 +349,8 @@ class JetStreamPublisher:
         *,
         registry: Any | None = None,
         metric_prefix: str = "tierflow_bridge",
+        max_batch: int = MAX_ATOMIC_BATCH,
+        max_open_batches: int = MAX_OPEN_BATCHES,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
@@ -332,6 +383,15 @@ class JetStreamPublisher:
         self._start_lock = asyncio.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        # atomic batches: a batch is at most this long (lowered by the server's 10199)
+        self.max_batch = max(1, min(max_batch, max_in_flight))
+        self.batches = 0  # committed atomic batches
+        self.batch_fallbacks = 0  # refused batches published again event by event
+        self._open_batches = asyncio.Semaphore(max_open_batches)
+        self._take_window = asyncio.Lock()  # one batch at a time takes its window slots
+        self._commits: dict[str, asyncio.Future[Msg | None]] = {}
+        self._not_atomic: dict[str, float] = {}  # stream (or subject) -> when it refused
+        self._batch_prefix = secrets.token_hex(8) + "-"
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -360,6 +420,9 @@ class JetStreamPublisher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for fut in self._commits.values():
+            if not fut.done():
+                fut.set_result(None)  # the batch's events fail: "publisher closed"
         while self._inflight:
             _, (batch, i, _) = self._inflight.popitem(last=False)
             self._window.release()  # wakes batches waiting for room; they see _closed
@@ -467,9 +530,200 @@ class JetStreamPublisher:
         failed.sort(key=lambda f: order[f.id])
         return done, failed
 
+    async def publish_atomic(
+        self, events: Sequence[Outgoing], *, stream: str | None = None
+    ) -> tuple[list[Published], list[Failed]]:
+        """Publish events bound for one stream as atomic batches; (acked, failed) in input
+        order, with `publish_batch`'s guarantees (see the module docstring).
+
+        `stream` names the JetStream stream that captures every subject (the key under
+        which a refusal to batch is remembered; the first subject when None). Events for
+        several streams must be split by the caller: a batch spread over two streams is
+        incomplete in both and is published again event by event.
+        """
+        if not events:
+            return [], []
+        key = stream or events[0].subject
+        if self._closed or len(events) == 1 or not self.atomic_allowed(key):
+            return await self.publish_batch(events)
+        if self._sub is None:
+            await self.start()
+        results: list[Outcome | None] = [None] * len(events)
+        max_payload = self._nc.max_payload
+        # the largest batch headers any message gets: id, sequence up to the limit, commit
+        probe_id = self._batch_prefix + "0" * 12
+        batched: list[int] = []
+        alone: list[int] = []
+        for i, ev in enumerate(events):
+            probe = batch_headers(ev, probe_id, MAX_ATOMIC_BATCH * 10, commit=True)
+            if oversize_error(ev.data, probe, max_payload) is None:
+                batched.append(i)
+            elif why := oversize_error(ev.data, {**ev.headers, MSG_ID_HEADER: ev.id}, max_payload):
+                results[i] = Failed(ev.id, why, False)  # never sent (it would reset the link)
+                self.failed += 1
+            else:
+                alone.append(i)  # fits without the batch headers: published on its own
+        size = self.max_batch
+        chunks = [batched[k : k + size] for k in range(0, len(batched), size)]
+        if len(chunks) > 1 and len(chunks[-1]) == 1:  # a batch of one is a plain publish
+            alone.append(chunks.pop()[0])
+        work = [self._publish_chunk(events, chunk, results, key) for chunk in chunks]
+        if alone:
+            work.append(self._publish_each(events, alone, results))
+        await asyncio.gather(*work)
+        published: list[Published] = []
+        failed: list[Failed] = []
+        for r in results:
+            if type(r) is Published:
+                published.append(r)
+            else:
+                failed.append(r)  # type: ignore[arg-type]
+        return published, failed
+
+    def atomic_allowed(self, stream: str) -> bool:
+        """False while `stream` is remembered as refusing atomic batches."""
+        refused = self._not_atomic.get(stream)
+        if refused is None:
+            return True
+        if asyncio.get_running_loop().time() - refused > NOT_ATOMIC_RECHECK_S:
+            del self._not_atomic[stream]
+            return True
+        return False
+
+    async def _publish_each(
+        self, events: Sequence[Outgoing], idx: Sequence[int], results: list[Outcome | None]
+    ) -> None:
+        """The per-event path for `events[i] for i in idx`, outcomes into `results`."""
+        by_id: dict[str, list[int]] = {}
+        for i in idx:
+            by_id.setdefault(events[i].id, []).append(i)
+        published, failed = await self.publish_batch([events[i] for i in idx])
+        for r in [*published, *failed]:  # an id twice in idx: one outcome for each copy
+            results[by_id[r.id].pop(0)] = r
+
+    async def _publish_chunk(
+        self,
+        events: Sequence[Outgoing],
+        idx: Sequence[int],
+        results: list[Outcome | None],
+        key: str,
+    ) -> None:
+        """One atomic batch of `events[i] for i in idx` (at most max_batch, all fitting);
+        outcomes into `results`, exactly once each."""
+        n = len(idx)
+        async with self._open_batches:
+            async with self._take_window:  # whole batches take slots, so none can deadlock
+                for _ in range(n):
+                    await self._window.acquire()
+            try:
+                fallback = await self._send_batch(events, idx, results, key)
+            finally:
+                for _ in range(n):
+                    self._window.release()
+        if fallback:
+            self.batch_fallbacks += 1
+            await self._publish_each(events, idx, results)
+
+    async def _send_batch(
+        self,
+        events: Sequence[Outgoing],
+        idx: Sequence[int],
+        results: list[Outcome | None],
+        key: str,
+    ) -> bool:
+        """Send one batch and settle it from its commit reply; True when the server refused
+        it and the events must go out one by one instead."""
+        nc = self._nc
+        loop = asyncio.get_running_loop()
+        n = len(idx)
+        self._next_token += 1
+        batch_id = f"{self._batch_prefix}{self._next_token}"
+        reply = self._prefix + str(self._next_token)
+        commit: asyncio.Future[Msg | None] = loop.create_future()
+        self._commits[reply] = commit
+
+        def fail_all(error: str) -> bool:
+            self._commits.pop(reply, None)
+            for i in idx:
+                results[i] = Failed(events[i].id, error, True)
+            self.failed += n
+            return False
+
+        sent_at = loop.time()
+        for j, i in enumerate(idx, 1):
+            if self._closed:
+                return fail_all("publisher closed")
+            if not nc.is_connected:
+                what = "NATS connection closed" if nc.is_closed else "not connected to NATS"
+                return fail_all(f"{what} (atomic batch not committed)")
+            ev = events[i]
+            last = j == n
+            try:
+                await nc.publish(
+                    ev.subject,
+                    ev.data,
+                    reply=reply if last else "",
+                    headers=batch_headers(ev, batch_id, j, commit=last),
+                )
+            except Exception as err:  # noqa: BLE001 - reported per event, not raised
+                message, retryable = _classify_send_error(err)
+                if retryable:  # the connection: nothing of the batch can be committed
+                    return fail_all(f"{message} (atomic batch not committed)")
+                # the event itself (bad subject or header): the per-event path says which;
+                # the server abandons the uncommitted batch after its timeout
+                self._commits.pop(reply, None)
+                return True
+        try:
+            msg = await asyncio.wait_for(commit, self.ack_timeout)
+        except TimeoutError:
+            return fail_all(f"no ack for the atomic batch within {self.ack_timeout:g}s (timeout)")
+        finally:
+            self._commits.pop(reply, None)
+        if msg is None:
+            return fail_all("publisher closed")
+        if msg.headers and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS:
+            return fail_all(
+                f"no responders: no JetStream stream captures subject {events[idx[0]].subject!r} "
+                "(or the stream is unavailable)"
+            )
+        try:
+            ack = _decode_ack(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            return fail_all(f"unreadable JetStream ack: {err}")
+        if ack.error is not None:
+            code = ack.error.err_code
+            if code in (ERR_BATCH_DISABLED, ERR_BATCH_UNSUPPORTED_HEADER):
+                self._not_atomic[key] = loop.time()
+            elif code == ERR_BATCH_TOO_LARGE:
+                limit = batch_limit_from(ack.error.description)
+                if limit is not None and limit >= 1:
+                    self.max_batch = min(self.max_batch, limit)
+            return True
+        if ack.batch != batch_id or ack.count != n or ack.seq < n:
+            # a server that ignores the batch headers stored each message as it came: the
+            # per-event resend is acknowledged as duplicates, with every sequence
+            self._not_atomic[key] = loop.time()
+            return True
+        first = ack.seq - n + 1
+        for j, i in enumerate(idx):
+            results[i] = Published(events[i].id, ack.stream, first + j, False)
+        self.published += n
+        self.batches += 1
+        lat = loop.time() - sent_at
+        for _ in range(n):
+            self.latency.add(lat)
+        if self._histogram is not None:
+            self._histogram.observe(lat)
+        return False
+
     # ---- ack handling ----------------------------------------------------------------
 
     async def _on_reply(self, msg: Msg) -> None:
+        commit = self._commits.pop(msg.subject, None)
+        if commit is not None:
+            if not commit.done():
+                commit.set_result(msg)
+            return
         entry = self._inflight.pop(msg.subject, None)
         if entry is None:
             return  # timed out already, or a reply for a publisher that was closed
@@ -556,6 +810,10 @@ def jittered(base: float, cap: float, rng: random.Random) -> Callable[[int], flo
 
 
 __all__ = [
+    "BATCH_COMMIT_HEADER",
+    "BATCH_ID_HEADER",
+    "BATCH_SEQ_HEADER",
+    "MAX_ATOMIC_BATCH",
     "Failed",
     "JetStreamPublisher",
     "LatencyReservoir",
@@ -563,6 +821,8 @@ __all__ = [
     "Published",
     "ScanIncomplete",
     "api_error_retryable",
+    "batch_headers",
+    "batch_limit_from",
     "blind_retry_horizon",
     "duplicate_window_for",
     "find_stored",

@@ -1,8 +1,10 @@
 """BrokerBridge: the actor side of NATS JetStream (book ch. 2 SBML completion, ch. 3).
 
-The data path of one batch: decode -> publish every event with `Nats-Msg-Id` = its id,
-many acks in flight -> acked ids are forgotten by the MessageLogger (with their stream
-sequences, for ack tokens) -> failures move to the logger's failed store.
+The data path of one batch: decode -> publish each stream's events as JetStream atomic
+batches, every event with `Nats-Msg-Id` = its id (a batch the stream refuses, e.g. for an id
+it already holds, goes out event by event with many acks in flight) -> acked ids are
+forgotten by the MessageLogger (with their stream sequences, for ack tokens) -> failures
+move to the logger's failed store.
 
 The replayer closes every gap the happy path leaves: entries still in the logger's
 transient store after `stale_after_s` (a collector or bridge died with them in flight, or
@@ -246,9 +248,7 @@ class BrokerBridge(SupervisedActor):
         out: dict[str, Any] = {"published": {}, "failed": {}, "deadlettered": {}}
         for part in _one_stream_per_id(events):
             send, found, unproven, parked = await self._check_horizon(part)
-            published, failed = await self._pub.publish_batch(
-                [Outgoing(id=e.id, subject=e.subject, data=e.data) for e in send]
-            )
+            published, failed = await self._publish_atomic(send)
             published += found
             failed += unproven
             dead = await self._complete(group, part, published, failed, parked)
@@ -256,6 +256,30 @@ class BrokerBridge(SupervisedActor):
             out["failed"].update({f.id: f.error for f in failed + parked if f.id not in dead})
             out["deadlettered"].update(dead)
         return out
+
+    async def _publish_atomic(
+        self, events: Sequence[Event]
+    ) -> tuple[list[Published], list[Failed]]:
+        """Publish each stream's share of `events` as atomic batches (the publisher falls
+        back to per-event publishes where a batch is refused); events whose subject no
+        stream answers for go out one by one, to be reported as the server answers."""
+        assert self._pub is not None
+        by_stream: dict[str | None, list[Outgoing]] = {}
+        for e in events:
+            stream, _ = await self._target(e.subject)  # cached: one lookup per subject
+            by_stream.setdefault(stream, []).append(
+                Outgoing(id=e.id, subject=e.subject, data=e.data)
+            )
+        published: list[Published] = []
+        failed: list[Failed] = []
+        for stream, items in by_stream.items():
+            if stream is None:
+                ok, bad = await self._pub.publish_batch(items)
+            else:
+                ok, bad = await self._pub.publish_atomic(items, stream=stream)
+            published += ok
+            failed += bad
+        return published, failed
 
     async def _target(self, subject: str) -> tuple[str | None, float]:
         """(JetStream stream capturing `subject`, its duplicate window in s), cached for a
