@@ -1,7 +1,9 @@
 """The n:1 fan-out without NATS: ring, backfill, catch-up reads, lag policy, acks, rates.
 
 An in-memory stream stands in for JetStream behind the `Reader` protocol; the policy
-functions are pure and tested with a fake clock.
+functions are pure and tested with a fake clock. Every test runs twice: with clients the
+feed can serve in its own pass (`deliver_now`, refused while the client is blocked) and
+with clients served only by their pumps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from runtime.query import compile_filter
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.unit
+INLINE = [False]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["pump", "inline"])
+def inline(request: pytest.FixtureRequest) -> bool:
+    """Whether the `Client`s made by this test offer `deliver_now`."""
+    INLINE[0] = request.param
+    return request.param
 
 
 class MemStream:
@@ -70,6 +80,8 @@ class Client:
         self.progress: list[int] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        if INLINE[0]:
+            kw.setdefault("deliver_now", self.deliver_now)
         self.sub = Subscriber(
             "s",
             compile_filter(flt),
@@ -86,6 +98,12 @@ class Client:
     async def deliver(self, batch: list[tuple[StreamMessage, bytes]]) -> None:
         await self.gate.wait()
         self.seqs.extend(e.seq for e, _ in batch)
+
+    def deliver_now(self, batch: list[tuple[StreamMessage, bytes]]) -> bool:
+        if not self.gate.is_set():
+            return False  # a blocked socket refuses; its pump waits instead
+        self.seqs.extend(e.seq for e, _ in batch)
+        return True
 
 
 async def run(feed: Feed, client: Client, start: int, history: MemStream) -> asyncio.Task[None]:
@@ -129,6 +147,16 @@ async def test_one_reader_serves_everyone_and_backfill_covers_late_resumes() -> 
     assert mem.opened == [58]  # one reader, from the first start minus the backfill
     assert feed.counters["history_readers"] == 0
     assert a.progress[-1] == 120
+    # at the head, clients that can be served in the feed's pass are, their pumps stay parked
+    wakes = feed.counters["pump_wakes"]
+    await await_until(lambda: feed.stats()["parked"] == 2, timeout=5)
+    mem.publish(10)
+    await await_until(lambda: a.seqs[-1:] == [130] and b.seqs[-1:] == [130], timeout=5)
+    assert a.seqs == list(range(90, 131)) and b.seqs == list(range(70, 131))
+    if INLINE[0]:
+        assert feed.counters["pump_wakes"] == wakes and feed.counters["served_inline"] >= 2
+    else:
+        assert feed.counters["pump_wakes"] >= wakes + 2 and feed.counters["served_inline"] == 0
     await finish(feed, ta, tb)
 
 

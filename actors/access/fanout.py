@@ -6,6 +6,13 @@ earlier are served from memory too), and keeps the latest `ring_size` events in 
 Each `Subscriber` is only a position in that ring: the feed never copies an event per
 client, and a client's sender reads the ring at the client's own pace.
 
+One wake per batch, not per client: a subscriber whose pump waits at the head is parked
+with the feed, and when a batch arrives the feed serves every parked subscriber in place,
+in one pass, through its `deliver_now` (a write that cannot wait: the protocol's socket
+takes it now or it refuses). Only a subscriber that cannot be served that way (a paused
+socket, a rate limit, a full ack window, no `deliver_now`) has its own pump woken, which
+delivers at the client's pace exactly as before; so a slow socket never holds the pass up.
+
 Bounded per client: a subscriber may be at most `LagPolicy.max_lag` stream messages behind
 the feed, counting what the feed has held for at least one lag check (`lag_every_s`), so a
 burst the client drains at once is not lag. Past `warn_lag` it is warned in-stream (how far
@@ -33,6 +40,7 @@ import bisect
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -55,6 +63,7 @@ __all__ = [
 ]
 
 Verdict = Literal["ok", "warn", "overflow"]
+_NOT_PARKED: Any = object()
 
 
 # --------------------------------------------------------------------------- policy
@@ -165,11 +174,13 @@ class Subscriber:
     """One client subscription: a position in a feed, a filter and a lag policy.
 
     The protocol layer gives it `deliver(batch)` (write these (event, data JSON) pairs to the
-    client) and is told about lag through `on_lag(behind)`, `on_dropped(count, first, last)`
-    and `on_overflow(behind)` (cut the client off). `delivered` is the last sequence handled
-    (written, or filtered out); `on_progress(seq)` reports it as it moves. With `ack_window`
-    the client acknowledges (`ack(seq)`), at most `ack_window` events stay unacknowledged, and
-    progress is the last acknowledged sequence.
+    client) and optionally `deliver_now(batch) -> bool` (write them without waiting, or
+    refuse with False having written nothing), and is told about lag through
+    `on_lag(behind)`, `on_dropped(count, first, last)` and `on_overflow(behind)` (cut the
+    client off). `delivered` is the last sequence handled (written, or filtered out);
+    `on_progress(seq)` reports it as it moves. With `ack_window` the client acknowledges
+    (`ack(seq)`), at most `ack_window` events stay unacknowledged, and progress is the last
+    acknowledged sequence.
     """
 
     def __init__(
@@ -186,11 +197,15 @@ class Subscriber:
         ack_window: int | None = None,
         batch: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        deliver_now: Callable[[list[tuple[StreamMessage, bytes]]], bool] | None = None,
     ) -> None:
         self.sid = sid
         self.filter = flt
         self.policy = policy
         self._deliver = deliver
+        self._deliver_now = deliver_now
+        self._feed: Feed | None = None
+        self._waiter: asyncio.Future[None] | None = None  # set while parked with the feed
         self._on_lag = on_lag
         self._on_dropped = on_dropped
         self._on_overflow = on_overflow
@@ -252,7 +267,7 @@ class Subscriber:
         self._gen += 1
         self.dropped += count
         self._on_dropped(count, first, target - 1)
-        feed.wake()
+        feed.wake_one(self)
 
     # ---- client acks ------------------------------------------------------------------
 
@@ -319,7 +334,7 @@ class Subscriber:
                     events = feed.ring.read(self.next_seq, self.batch)
                     if not events:
                         self.catching_up = False
-                        await feed.wait_change(self.next_seq)
+                        await feed.park(self)
                         continue
                 await self._send(events, gen)
                 if self._gen == gen:
@@ -349,11 +364,53 @@ class Subscriber:
                 return
             self._writing = out[-1][0].seq
             await self._deliver(out)
-            self.sent += len(out)
-            if self.ack_window is not None:
-                self._unacked.extend(e.seq for e, _ in out)
+            self._sent(out)
         if self.closed or self._gen != gen:
             return
+        self._advance(last)
+
+    def serve_inline(self, feed: Feed) -> bool:
+        """Deliver, in place and without waiting, what the feed holds past this parked
+        subscriber's position. True: done (or nothing to do), it stays parked. False:
+        nothing was written and its pump must run (a paused or closed socket, a rate limit,
+        an ack window without room, a position the ring no longer holds)."""
+        if (
+            self._deliver_now is None
+            or self.closed
+            or self.catching_up
+            or self.limiter is not None
+            or self.next_seq < feed.ring.base
+        ):
+            return False
+        events = feed.ring.read(self.next_seq, feed.batch)
+        if not events:
+            return True
+        flt = self.filter
+        out = [(ev, body) for ev in events if (body := ev.view(flt)) is not None]
+        if out:
+            window = self.ack_window
+            if window is not None and self._unacked and len(self._unacked) + len(out) > window:
+                return False
+            try:
+                written = self._deliver_now(out)
+            except Exception:  # noqa: BLE001 - the pump retries it the slow way and ends there
+                log.debug("deliver_now of %s failed", self.sid, exc_info=True)
+                return False
+            if not written:
+                return False
+            self._writing = out[-1][0].seq
+            self._sent(out)
+        self._advance(events[-1].seq)
+        return True
+
+    def _sent(self, out: list[tuple[StreamMessage, bytes]]) -> None:
+        self.sent += len(out)
+        if self.ack_window is not None:
+            self._unacked.extend(e.seq for e, _ in out)
+
+    def _advance(self, last: int) -> None:
+        """Everything up to `last` is handled (written or filtered out)."""
+        first = self.next_seq
         self.next_seq = last + 1
         self.delivered = last
         if self.ack_window is None:
@@ -361,6 +418,8 @@ class Subscriber:
         elif not self._unacked and last > self.acked:
             self.acked = last  # everything sent is acknowledged; the rest was filtered out
             self._on_progress(last)
+        if self._feed is not None:
+            self._feed.reached(self, first, last)
 
 
 # --------------------------------------------------------------------------- feed
@@ -404,12 +463,22 @@ class Feed:
         self._checked_position = 0  # the position at the previous lag check
         self._idle_since = clock()
         self.history_open = 0
+        self._parked: dict[Subscriber, None] = {}  # insertion-ordered: served in that order
+        # the spread of the newest batch: from its arrival to its last subscriber's write
+        self._spread_end = 0
+        self._spread_t0 = 0.0
+        self._spread_left: set[Subscriber] = set()
+        self.spread_ms: deque[float] = deque(maxlen=256)
         self.counters = {
             "read": 0,
             "reopens": 0,
             "read_errors": 0,
             "history_readers": 0,
             "catchups": 0,
+            "served_inline": 0,
+            "pump_wakes": 0,
+            "spread_batches": 0,
+            "spread_unfinished": 0,
         }
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -438,10 +507,39 @@ class Feed:
                 await self._task
 
     def wake(self) -> None:
-        """Wake every waiting subscriber (new events, or a position moved)."""
+        """Wake every waiting subscriber and poller (new events, or a position moved)."""
+        self._wake_pollers()
+        for sub in list(self._parked):
+            self.wake_one(sub)
+
+    def _wake_pollers(self) -> None:
         fut, self._changed = self._changed, None
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+    def wake_one(self, sub: Subscriber) -> None:
+        """Wake `sub`'s pump if it is parked (its position moved, or it must serve itself)."""
+        if self._parked.pop(sub, _NOT_PARKED) is _NOT_PARKED:
+            return
+        fut = sub._waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+            self.counters["pump_wakes"] += 1
+
+    async def park(self, sub: Subscriber) -> None:
+        """Wait, as `sub`'s pump, until the feed is past `sub.next_seq - 1` and `sub` must
+        serve itself; while parked, each new batch is delivered to it in place
+        (`Subscriber.serve_inline`) and it stays parked."""
+        if self.position > sub.next_seq or self.stopped or sub.closed:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sub._waiter = fut
+        self._parked[sub] = None
+        try:
+            await fut
+        finally:
+            sub._waiter = None
+            self._parked.pop(sub, None)
 
     async def wait_change(self, next_seq: int, timeout: float | None = None) -> bool:
         """Wait until the feed is past `next_seq - 1` (or anything changed); False on timeout."""
@@ -460,6 +558,7 @@ class Feed:
     def attach(self, sub: Subscriber, start_seq: int) -> None:
         """Serve `sub` from `start_seq` on (the feed starts if it was not running)."""
         self.start(start_seq)
+        sub._feed = self
         sub.next_seq = start_seq
         sub.delivered = start_seq - 1
         sub.acked = start_seq - 1
@@ -474,7 +573,9 @@ class Feed:
     def detach(self, sub: Subscriber) -> None:
         sub.close()
         self.subs.discard(sub)
-        self.wake()
+        self.wake_one(sub)
+        self._wake_pollers()
+        self._spread_done(sub)
         if not self.subs and not self.pollers:
             self._idle_since = self._clock()
 
@@ -544,13 +645,49 @@ class Feed:
                     await reader.close()
 
     def _dispatch(self, events: list[StreamMessage]) -> None:
+        """One pass per batch: parked subscribers are served in place, the rest woken."""
         events = [e for e in events if e.seq >= self.position]
         if not events:
             return
+        self._spread_start(events[-1].seq)
         self.ring.append(events)
         self.position = events[-1].seq + 1
         self.counters["read"] += len(events)
-        self.wake()
+        served = 0
+        for sub in list(self._parked):
+            if sub._waiter is None or sub._waiter.done():
+                continue
+            if sub.serve_inline(self):
+                served += 1
+            else:
+                self.wake_one(sub)
+        self.counters["served_inline"] += served
+        self._wake_pollers()
+
+    # ---- the spread: a batch's arrival to its last live subscriber's write ------------
+
+    def _spread_start(self, end: int) -> None:
+        if self._spread_left:
+            self.counters["spread_unfinished"] += 1  # a newer batch came first
+        self._spread_end = end
+        self._spread_t0 = self._clock()
+        self._spread_left = {
+            s for s in self.subs if not (s.closed or s.catching_up) and s.next_seq <= end
+        }
+
+    def reached(self, sub: Subscriber, first: int, last: int) -> None:
+        """`sub` has handled [first, last]: it is done with the batch being timed if that
+        range holds the batch's last sequence."""
+        if first <= self._spread_end <= last:
+            self._spread_done(sub)
+
+    def _spread_done(self, sub: Subscriber) -> None:
+        left = self._spread_left
+        if sub in left:
+            left.discard(sub)
+            if not left:
+                self.spread_ms.append((self._clock() - self._spread_t0) * 1000)
+                self.counters["spread_batches"] += 1
 
     def _check_lag(self) -> None:
         now = self._clock()
@@ -582,6 +719,8 @@ class Feed:
             "pollers": self.pollers,
             "history_open": self.history_open,
             "consumers": 1 + self.history_open if self.started and not self.stopped else 0,
+            "parked": len(self._parked),
+            "spread_recent_ms": [round(ms, 2) for ms in self.spread_ms],
         }
 
 

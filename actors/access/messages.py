@@ -1,8 +1,9 @@
 """A stream message as the access tier serves it, and where such messages come from.
 
 Every protocol (WebSocket, SSE, polling, webhooks) sends the same `StreamMessage` objects
-out of a feed's ring (actors/access/fanout.py): the payload is decoded at most once and
-rendered once per distinct filter, so a thousand clients with one filter cost one render.
+out of a feed's ring (actors/access/fanout.py): the payload is decoded at most once,
+rendered once per distinct filter, and each protocol's frame is built once per distinct
+frame shape (`frame`), so a thousand clients with one filter cost one render and one frame.
 A `Reader` yields them in sequence order (actors/access/reader.py reads JetStream; the
 fan-out tests read memory). Not the collection tier's envelope (runtime/events.py): this
 is what a stream holds, as a client is sent it.
@@ -10,8 +11,8 @@ is what a stream holds, as a client is sent it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -20,6 +21,7 @@ from runtime.query import Filter
 __all__ = [
     "KV_OP_HEADER",
     "KV_PREFIX",
+    "MAX_SHAPES",
     "OpenReader",
     "Reader",
     "StreamMessage",
@@ -30,12 +32,18 @@ KV_PREFIX = "KV_"
 KV_OP_HEADER = "KV-Operation"
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
+_MISS: Any = object()
+T = TypeVar("T")
+# frame shapes kept per message: a ring of 8,192 messages stays bounded however many
+# distinct shapes (subscription ids x filters) its clients ask for; past this a frame is
+# built per client, as if there were no cache
+MAX_SHAPES = 16
 
 
 class StreamMessage:
     """One stream message, decoded at most once and rendered once per distinct filter."""
 
-    __slots__ = ("_data", "_json", "_views", "raw", "seq", "subject")
+    __slots__ = ("_data", "_frames", "_json", "_views", "raw", "seq", "subject")
 
     def __init__(self, seq: int, subject: str, raw: bytes, data: Any = ...) -> None:
         self.seq = seq
@@ -44,6 +52,7 @@ class StreamMessage:
         self._data = data
         self._json: bytes | None = None
         self._views: dict[Filter, bytes | None] | None = None
+        self._frames: dict[Hashable, Any] | None = None
 
     @property
     def data(self) -> Any:
@@ -81,6 +90,23 @@ class StreamMessage:
         if flt.matches(data, self.subject):
             out = self.json if flt.select_all else _json.encode(flt.select(data, self.subject))
         views[flt] = out
+        return out
+
+    def frame(self, shape: Hashable, build: Callable[[StreamMessage], T]) -> T:
+        """What `build` makes of this message, built once per distinct `shape` (protocol,
+        subscription id, filter: whatever the bytes depend on besides the message) and the
+        same object for every client that asks with an equal shape. At most MAX_SHAPES
+        shapes are kept; past that `build` runs for each call."""
+        frames = self._frames
+        if frames is None:
+            frames = self._frames = {}
+        else:
+            hit = frames.get(shape, _MISS)
+            if hit is not _MISS:
+                return hit
+        out = build(self)
+        if len(frames) < MAX_SHAPES:
+            frames[shape] = out
         return out
 
     def __repr__(self) -> str:

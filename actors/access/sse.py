@@ -26,9 +26,14 @@ from actors.access.plane import DataPlane
 from actors.access.protocol import CLOSE_TOO_SLOW, Problem, filter_problem, int_param, refusal
 from runtime.query import FilterError
 
-__all__ = ["SseRoutes"]
+__all__ = ["SseRoutes", "sse_event"]
 
 _json = msgspec.json.Encoder()
+
+
+def sse_event(seq: int, body: bytes) -> bytes:
+    """One event as the stream carries it; built once per (event, filter) for all clients."""
+    return b"id: %d\nevent: message\ndata: %s\n\n" % (seq, body)
 
 
 class SseRoutes:
@@ -81,10 +86,13 @@ class SseRoutes:
         def control(event: str, body: dict[str, Any]) -> None:
             plane.spawn(write(b"event: %s\ndata: %s\n\n" % (event.encode(), _json.encode(body))))
 
+        shape = ("sse", flt)
+
+        def build(ev: StreamMessage) -> bytes:
+            return sse_event(ev.seq, ev.view(flt) or b"")
+
         async def deliver(batch: list[tuple[StreamMessage, bytes]]) -> None:
-            await write(
-                b"".join(b"id: %d\nevent: message\ndata: %s\n\n" % (e.seq, b) for e, b in batch)
-            )
+            await write(b"".join(e.frame(shape, build) for e, _ in batch))
             plane.counters["events_sent"] += len(batch)
 
         policy = plane.policy(ref)

@@ -14,6 +14,11 @@ has no other active subscription; otherwise the connection goes on. A client too
 under the disconnect policy is closed with 4408; a replica that shuts down closes with
 1001 after flushing the connection's cursors (automatic close is off for that reason).
 
+An `event` frame is built once per event and frame shape (subscription id, filter) and the
+same bytes go to every socket that wants them (`EventFrames`); a socket that can take a
+batch now gets it as one write during the feed's pass (`WsSink.deliver_now`), one that
+cannot (flow control paused) gets it from its own pump through aiohttp's writer.
+
 `/streaming` is the book's endpoint: the latest top-N list (the `top` of the newest
 message on `topn_subject`) as one JSON text frame on every change; 4404 when no top-N
 subject is configured.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from typing import Any
 
 import msgspec
@@ -54,13 +60,101 @@ from actors.access.protocol import (
     no_cursor,
 )
 from actors.access.reader import stored_message
-from runtime.query import FilterError, compile_filter
+from runtime.query import Filter, FilterError, compile_filter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WebSocketRoutes", "WsSession"]
+__all__ = ["EventFrames", "WebSocketRoutes", "WsSession", "WsSink", "event_payload", "ws_frame"]
 
 _json = msgspec.json.Encoder()
+_LEN2 = struct.Struct("!BBH").pack
+_LEN3 = struct.Struct("!BBQ").pack
+_FIN_TEXT = 0x81
+
+
+def event_payload(prefix: bytes, ev: StreamMessage, body: bytes) -> bytes:
+    """An `event` frame's JSON (docs/contracts.md): `prefix` is `{"op":"event","id":<sid>,
+    "seq":`, `body` the data as the subscription's filter selects it."""
+    return b'%s%d,"subject":%s,"data":%s}' % (prefix, ev.seq, _json.encode(ev.subject), body)
+
+
+def ws_frame(payload: bytes) -> bytes:
+    """`payload` as one whole server-to-client text frame (RFC 6455: FIN, no mask, no
+    compression), the bytes aiohttp's writer would put on the wire for it."""
+    n = len(payload)
+    if n < 126:
+        return bytes((_FIN_TEXT, n)) + payload
+    if n < 65536:
+        return _LEN2(_FIN_TEXT, 126, n) + payload
+    return _LEN3(_FIN_TEXT, 127, n) + payload
+
+
+class EventFrames:
+    """One subscription's `event` frames, built once per (event, shape) and shared: every
+    subscription with the same id and projection gets the very same bytes (a frame is only
+    asked for an event its subscription's filter passes)."""
+
+    __slots__ = ("filter", "prefix", "shape")
+
+    def __init__(self, sid: str, flt: Filter) -> None:
+        self.filter = flt
+        self.prefix = b'{"op":"event","id":%s,"seq":' % _json.encode(sid)
+        # every filter that keeps whole events renders the same data bytes (the event's)
+        self.shape = ("ws", self.prefix, None if flt.select_all else flt)
+
+    def _build(self, ev: StreamMessage) -> tuple[bytes, bytes]:
+        body = ev.view(self.filter)
+        assert body is not None, "a frame is built only for an event the filter passes"
+        payload = event_payload(self.prefix, ev, body)
+        return payload, ws_frame(payload)
+
+    def payload(self, ev: StreamMessage) -> bytes:
+        """The frame's JSON (for aiohttp's writer)."""
+        return ev.frame(self.shape, self._build)[0]
+
+    def wire(self, ev: StreamMessage) -> bytes:
+        """The whole frame, header included (for a direct write)."""
+        return ev.frame(self.shape, self._build)[1]
+
+
+class WsSink:
+    """Where one subscription's events go: `deliver` (the pump's path, aiohttp's writer and
+    its flow control) and `deliver_now` (the feed's pass: one write of the whole batch if
+    the socket takes it now, else False and nothing written)."""
+
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        request: web.Request,
+        frames: EventFrames,
+        counters: dict[str, int],
+    ) -> None:
+        self.ws = ws
+        self.request = request
+        self.frames = frames
+        self.counters = counters
+
+    async def deliver(self, batch: list[tuple[StreamMessage, bytes]]) -> None:
+        payload = self.frames.payload
+        for ev, _ in batch:
+            await self.ws.send_frame(payload(ev), WSMsgType.TEXT)
+        self.counters["events_sent"] += len(batch)
+
+    def deliver_now(self, batch: list[tuple[StreamMessage, bytes]]) -> bool:
+        transport = self.request.transport
+        if (
+            self.ws.closed
+            or transport is None
+            or transport.is_closing()
+            or self.request.protocol.writing_paused
+        ):
+            return False
+        wire = self.frames.wire
+        transport.write(
+            wire(batch[0][0]) if len(batch) == 1 else b"".join(wire(e) for e, _ in batch)
+        )
+        self.counters["events_sent"] += len(batch)
+        return True
 
 
 class WebSocketRoutes:
@@ -279,17 +373,7 @@ class WsSession:
             await self.fail(sid, Problem(503, f"NATS unavailable, retry later: {err!r}"))
             return
         policy = plane.policy(ref, op.policy)
-        prefix = b'{"op":"event","id":%s,"seq":' % _json.encode(sid)
-        ws = self.ws
-
-        async def deliver(batch: list[tuple[StreamMessage, bytes]]) -> None:
-            for ev, body in batch:
-                await ws.send_frame(
-                    b'%s%d,"subject":%s,"data":%s}'
-                    % (prefix, ev.seq, _json.encode(ev.subject), body),
-                    WSMsgType.TEXT,
-                )
-            plane.counters["events_sent"] += len(batch)
+        sink = WsSink(self.ws, self.request, EventFrames(sid, flt), plane.counters)
 
         def on_overflow(behind: int) -> None:
             plane.counters["slow_disconnects"] += 1
@@ -301,7 +385,8 @@ class WsSession:
             sid,
             flt,
             policy,
-            deliver,
+            sink.deliver,
+            deliver_now=sink.deliver_now,
             on_lag=lambda behind: self.send_soon(plane.lag_body(sid, behind, policy)),
             on_dropped=lambda n, a, b: self.send_soon(
                 {"op": "dropped", "id": sid, "count": n, "from_seq": a, "to_seq": b}

@@ -7,7 +7,13 @@ real nats-server; a publisher writes events carrying their publish time at a fix
 one stream; every client subscribes from "new" and records, per event, the time from
 publish to its own receipt (one machine, so one clock). That is the whole path: JetStream
 append and ack, the gateway's one consumer, the fan-out, the socket, and the client's
-parsing, all on the same 2 cores, so the clients' own CPU is part of the figure. A profile
+parsing, all on the same 2 cores, so the clients' own CPU is part of the figure. The
+gateway's own share is measured apart: `spread_*_ms` is, per batch of events, the time from
+its arrival in the gateway's feed to the last subscriber's socket write (the feed's
+`spread_recent_ms`, the batches of this phase only). Since other work on the same cores
+stretches every wall-clock figure, each phase also reports CPU time per event published
+(user + system, from the clients' subscription to the last delivery) of the gateway's
+process (`gw_cpu_ms_per_event`) and of the clients' (`clients_cpu_ms_per_event`). A profile
 pass (py-spy on the gateway and on the clients' process) at 1,000 WebSocket clients
 follows, not measured.
 
@@ -24,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import psutil
 import pytest
 import ray
 
@@ -105,8 +112,19 @@ async def sse_client(url: str, stats: Stats, n: int, stop: asyncio.Event, s: Any
     stats.per_client.append(got)
 
 
+def spread(gw: Any) -> tuple[int, list[float]]:
+    """The bench feed's timed batches so far and the most recent spreads (ms)."""
+    feed = ray.get(gw.stats.remote(), timeout=30).get("feeds", {}).get("bench", {})
+    return feed.get("spread_batches", 0), list(feed.get("spread_recent_ms", []))
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 async def phase(
-    kind: str, clients: int, gw_url: str, nats_url: str, seconds: float = SECONDS
+    kind: str, clients: int, gw_url: str, nats_url: str, gw_pid: int, seconds: float = SECONDS
 ) -> dict[str, Any]:
     stats = Stats()
     n = int(RATE * seconds)
@@ -123,6 +141,7 @@ async def phase(
                 asyncio.create_task(sse_client(url, stats, n, stop, s)) for _ in range(clients)
             ]
         await await_until(lambda: stats.ready >= clients, timeout=120, what="clients ready")
+        cpu0 = cpu_s(gw_pid), cpu_s(os.getpid())
         nc = await connect(nats_url)
         js = nc.jetstream()
         t0 = time.perf_counter()
@@ -131,6 +150,7 @@ async def phase(
             await asyncio.sleep(max(0.0, t0 + (i + 1) / RATE - time.perf_counter()))
         await nc.close()
         done, pending = await asyncio.wait(tasks, timeout=30)
+        cpu1 = cpu_s(gw_pid), cpu_s(os.getpid())
         stop.set()
         await asyncio.gather(*pending, return_exceptions=True)
     lat = sorted(stats.latencies)
@@ -149,7 +169,13 @@ async def phase(
         "p50_ms": q(0.5),
         "p99_ms": q(0.99),
         "max_ms": lat[-1] * 1000 if lat else float("nan"),
+        "gw_cpu_ms_per_event": (cpu1[0] - cpu0[0]) * 1000 / n,
+        "clients_cpu_ms_per_event": (cpu1[1] - cpu0[1]) * 1000 / n,
     }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 @pytest.mark.timeout(900)
@@ -187,12 +213,23 @@ def test_gateway_fan_out(bench_ray: Any, tmp_path: Path) -> None:
         try:
             ray.get(gw.endpoints.remote(), timeout=60)
             url = f"http://127.0.0.1:{port}"
-            rows = [asyncio.run(phase("ws", n, url, server.url)) for n in CLIENTS]
-            rows.append(asyncio.run(phase("sse", max(CLIENTS), url, server.url)))
+            pid = ray.get(gw.heartbeat.remote(), timeout=30)["pid"]
+            rows = []
+            for kind, n in [*(("ws", c) for c in CLIENTS), ("sse", max(CLIENTS))]:
+                before, _ = spread(gw)
+                row = asyncio.run(phase(kind, n, url, server.url, pid))
+                after, recent = spread(gw)
+                mine = sorted(recent[-(after - before) :]) if after > before else []
+                row["spread_batches"] = len(mine)
+                row["spread_p50_ms"] = mine[len(mine) // 2] if mine else None
+                row["spread_p99_ms"] = (
+                    mine[min(len(mine) - 1, int(0.99 * len(mine)))] if mine else None
+                )
+                row["spread_max_ms"] = mine[-1] if mine else None
+                rows.append(row)
             if PROFILE:
-                pid = ray.get(gw.heartbeat.remote(), timeout=30)["pid"]
                 spy = Profiler({"gateway": pid, "clients": os.getpid()}, PROFILE_S)
-                asyncio.run(phase("ws", max(CLIENTS), url, server.url, seconds=PROFILE_S))
+                asyncio.run(phase("ws", max(CLIENTS), url, server.url, pid, seconds=PROFILE_S))
                 profiles = spy.results()
             stats = ray.get(gw.stats.remote(), timeout=30)
         finally:
@@ -207,13 +244,16 @@ def test_gateway_fan_out(bench_ray: Any, tmp_path: Path) -> None:
     )
     print(
         f"{'protocol':<10}{'clients':>8}{'deliveries':>12}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'max ms':>9}{'1-client p99 / p99':>20}"
+        f"{'max ms':>9}{'1-client p99 / p99':>20}{'gw spread p50/p99 ms':>22}"
+        f"{'cpu ms/event gw, clients':>26}"
     )
     for r in rows:
         r["vs_one"] = one["p99_ms"] / r["p99_ms"]
         print(
             f"{r['protocol']:<10}{r['clients']:>8,}{r['deliveries']:>12,}{r['p50_ms']:>9.1f}"
             f"{r['p99_ms']:>9.1f}{r['max_ms']:>9.1f}{r['vs_one']:>20.2f}"
+            f"{_ms(r['spread_p50_ms']):>11}/{_ms(r['spread_p99_ms']):<10}"
+            f"{r['gw_cpu_ms_per_event']:>16.2f}, {r['clients_cpu_ms_per_event']:<8.2f}"
         )
     print(
         f"gateway: events_sent {stats['events_sent']:,}, lag warnings {stats['lag_warnings']}, "
