@@ -7,14 +7,17 @@ gives one row per topic of each RSVP. A leading ``$.`` is allowed. ``_subject``,
 as a string, numbers and objects as their JSON text), so a field missing from an event is
 null, never an error.
 
-Parsing is pure; `json_schema` and `extract` import pyspark when called (it is the job's
-engine, not the CLI's: the CLI checks paths without loading Spark).
+`extract` gives one row per value (exploding); `extract_values` keeps one row per event with
+the values a path reaches as an array (what top-N counts, with no explode before its
+aggregation). Parsing is pure; `json_schema`, `extract` and `extract_values` import pyspark
+when called (it is the job's engine, not the CLI's: the CLI checks paths without loading
+Spark).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,3 +128,35 @@ def extract(
                 col = F.col(tmp)
         df = df.withColumn(alias, col.cast("string"))
     return df.drop(*temps)
+
+
+def extract_values(df: DataFrame, alias: str, path: str, *, json_col: str = "data") -> DataFrame:
+    """`df` plus `alias`: array<string> of the non-null values `path` reaches in each event.
+
+    Every ``[]`` flattens instead of exploding, so the row count stays one per event; a
+    missing or empty array gives an empty array (never null). Spark expressions only
+    (`from_json`, `transform`, `flatten`, `filter`): no Python per event.
+    """
+    from pyspark.sql import functions as F
+
+    steps = parse_path(path)
+    if steps[0].name in PSEUDO_FIELDS:
+        values = F.array(F.col(PSEUDO_FIELDS[steps[0].name]).cast("string"))
+    else:
+        col: Column = F.from_json(F.col(json_col), json_schema([path]))
+        many = False
+        for step in steps:
+            col = F.transform(col, _member(step.name)) if many else col.getField(step.name)
+            if step.explode:
+                if many:  # an array of arrays: drop the missing ones, then flatten
+                    col = F.flatten(F.filter(col, lambda a: a.isNotNull()))
+                many = True
+        values = col if many else F.array(col)
+        values = F.transform(values, lambda v: v.cast("string"))
+    kept = F.filter(values, lambda v: v.isNotNull())
+    return df.withColumn(alias, F.coalesce(kept, F.array().cast("array<string>")))
+
+
+def _member(name: str) -> Callable[[Column], Column]:
+    # a one-argument lambda: Spark's `transform` passes the index to a second parameter
+    return lambda x: x.getField(name)

@@ -3,10 +3,11 @@
 =========  ================================================================================
 kind       result rows (``key`` always; ``window_start``/``window_end`` ISO when windowed)
 =========  ================================================================================
-topn       ``{"key","top":[{"item","count","error"}...n],"events"}``: Space-Saving
-           (`jobs.sketches.TopN`, ``capacity`` counters) kept in Spark state across
-           micro-batches; key ``"all"`` or the window start. With capacity >= distinct items
-           the counts are exact (error 0).
+topn       ``{"key","top":[{"item","count","error"}...n],"events"}``: exact counts per
+           item (per window) in Spark's own state, the top n merged on the driver
+           (jobs/topn.py); key ``"all"`` or the window start (windowed rows have no
+           ``events``). Error is 0; ties rank by item. ``capacity`` no longer bounds
+           anything: state holds one count per distinct item (per open window).
 distinct   ``{"key","distinct","lower","upper"}``: HyperLogLog by Spark's own
            ``hll_sketch_agg`` (JVM), bounds at 2 standard deviations.
 count      ``{"key", <by names>..., "count"}`` per key (and window): exact. The key joins the
@@ -33,14 +34,16 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.errors import JobError
 from jobs.event_time import iso_ms, source_events, window_column, windowed_events
 from jobs.paths import extract
 from jobs.sketch_state import sketch_state, window_sketch_state
-from jobs.sketches import Distinct, Reservoir, TopN
+from jobs.sketches import Distinct, Reservoir
 from jobs.specs import JobSpec, check_spec, duration_ms, output_names
+from jobs.topn import BatchRows, as_top, topn_batches, topn_counts
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -53,11 +56,21 @@ Finalize = Callable[[dict[str, Any]], dict[str, Any]]
 @dataclass
 class Plan:
     """What a job computes: the result DataFrame, its output mode, and the row shaping done
-    on the driver before the rows are published (sketch bytes -> the query's answer)."""
+    on the driver before the rows are published (sketch bytes -> the query's answer; for
+    top-N, the updated counts -> the top lists)."""
 
     df: DataFrame
     output_mode: str = "update"
     finalize: Finalize = field(default=lambda row: row)
+    batches: Callable[[Path | None], BatchRows] | None = None
+
+    def batch_rows(self, checkpoint: Path | None) -> BatchRows:
+        """A micro-batch's rows (and batch id) -> its result rows. Plans that keep driver
+        state between batches (top-N) keep it under the query's `checkpoint`; the others
+        shape each row with `finalize`."""
+        if self.batches is not None:
+            return self.batches(checkpoint)
+        return lambda rows, _batch_id: [self.finalize(r) for r in rows]
 
 
 def build_plan(spec: JobSpec, source: DataFrame) -> Plan:
@@ -83,32 +96,14 @@ def _window_fields(spec: JobSpec, start_ms: int | None, end_ms: int | None) -> d
 
 
 def _topn(spec: JobSpec, events: DataFrame) -> Plan:
-    from pyspark.sql import functions as F
+    def shape(key: int | None, value: Any) -> dict[str, Any]:
+        if key is None:
+            top, events_so_far = value
+            return {"key": ALL, "top": as_top(top), "events": events_so_far}
+        window = _window_fields(spec, key, value.end)
+        return {"key": iso_ms(key), **window, "top": as_top(value.top)}
 
-    if spec.window is not None:
-        events = windowed_events(events, spec)
-    items = extract(events, {"_tf_it": spec.field}, outer=True)
-    params = {"capacity": spec.capacity}
-    if spec.window is None:
-        state = sketch_state(
-            items.withColumn("_tf_key", F.lit(ALL)),
-            key="_tf_key",
-            item="_tf_it",
-            kind="topn",
-            params=params,
-            order="seq",
-            event="seq",
-        )
-    else:
-        state = _window_state(spec, items, "topn", params)
-
-    def finalize(row: dict[str, Any]) -> dict[str, Any]:
-        top = TopN.from_bytes(row["sketch"]).top(spec.n)
-        if spec.window is None:
-            return {"key": ALL, "top": top, "events": row["events"]}
-        return {**_window_row(spec, row), "top": top}
-
-    return Plan(state, "update", finalize)
+    return Plan(topn_counts(spec, events), "update", batches=topn_batches(spec, shape))
 
 
 def _window_state(spec: JobSpec, items: DataFrame, kind: Any, params: dict[str, Any]) -> Any:

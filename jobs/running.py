@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.plans import Finalize, build_plan
+from jobs.plans import build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
 from jobs.specs import JobSpec, check_spec, deadletter_query_name
+from jobs.topn import BatchRows
 from runtime.nats import NatsEndpoint
 
 if TYPE_CHECKING:
@@ -38,10 +39,14 @@ def checkpoint_run_id(checkpoint: str | Path) -> str:
 
 @dataclass
 class JobWriter:
-    """``foreachBatch``: the batch's result rows shaped by the plan, published idempotently."""
+    """``foreachBatch``: the batch's result rows shaped by the plan, published idempotently.
+
+    `shape` is the plan's `Plan.batch_rows`: a pure function of (its saved state, the
+    batch's rows, batch id), so a replayed batch publishes the same rows under the same ids.
+    """
 
     sink: ResultSink
-    finalize: Finalize
+    shape: BatchRows
     on_batch: Callable[[int, BatchReport], None] | None = None
     checkpoint: str | Path | None = None
 
@@ -49,7 +54,7 @@ class JobWriter:
         if self.checkpoint is not None and not self.sink.run_id:
             # Spark has written the checkpoint's metadata by the first batch
             self.sink.run_id = checkpoint_run_id(self.checkpoint)
-        rows = [self.finalize(r.asDict(recursive=True)) for r in df.collect()]
+        rows = self.shape([r.asDict(recursive=True) for r in df.collect()], batch_id)
         report = self.sink.publish_results(rows, batch_id)
         if self.on_batch is not None:
             self.on_batch(batch_id, report)
@@ -98,7 +103,8 @@ def start_job(
         source = read_stream(spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger)
     plan = build_plan(spec, source)
     checkpoint = Path(checkpoint_root) / spec.name
-    writer = JobWriter(ResultSink.for_query(nats, spec.name), plan.finalize, on_batch, checkpoint)
+    sink = ResultSink.for_query(nats, spec.name)
+    writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
     return (
         plan.df.writeStream.queryName(spec.name)
         .outputMode(plan.output_mode)

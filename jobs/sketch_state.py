@@ -1,5 +1,9 @@
 """Sketches kept in Spark state: one per key, or one per pane of sliding/tumbling windows.
 
+For what has no native Spark form: the `sample` jobs' reservoirs (Python per event, in
+`applyInPandasWithState`). Top-N jobs no longer come here: they count on Spark's own state
+(jobs/topn.py); the Space-Saving kind stays for custom use.
+
 Windowed top-N and samples keep one mergeable summary (jobs/sketches.py) per pane (gcd of
 length and slide) and emit each changed window as the merge of its panes, so an event reaches
 Python once, not once per sliding window. Rows are put in a fixed order before a sketch sees

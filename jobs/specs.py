@@ -53,6 +53,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     time_field: str = ""
     time_format: Literal["epoch_ms", "epoch_s", "iso"] = "epoch_ms"
     n: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 10
+    # kept so older specs still load; top-N counts every item exactly (jobs/topn.py)
     capacity: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1024
     lg_k: Annotated[int, msgspec.Meta(ge=4, le=21)] = 12
     seed: int = 0

@@ -1,0 +1,222 @@
+"""Top-N on Spark's own state: exact counts per item in Spark, the top list on the driver.
+
+Spark keeps one count per item (per window when windowed) with a plain streaming
+``groupBy(item[, window]).count()`` in update mode: no Python per event. Each event also
+adds one row whose item is null, so the same aggregation counts the events (an event's
+items count once; an event with none still counts). A micro-batch's output is only the
+(item, total) rows it updated.
+
+Counts only grow, so the top N after a batch is the top N of (the previous top N together
+with the items the batch updated); `merge_top` computes it on the driver, ordered by count
+desc, then item asc. Merging is idempotent (the batch's totals merged into a top list that
+already holds them give the same list), and the list the driver starts a batch from is the
+one saved for the latest earlier batch id (`TopStore`, a small file per batch under the
+query's checkpoint). So a micro-batch Spark replays after a crash, whose rows are the same
+since Spark restores its state to the previous batch, publishes the same result ids with
+the same values.
+
+Windowed: the same per window; the driver forgets a window once no event can reach it
+any more (its end at or before the newest window start seen minus the watermark delay:
+Spark's watermark is at least that, and events at or before it are dropped as late).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from jobs.errors import JobError
+from jobs.event_time import window_column, windowed_events
+from jobs.paths import extract_values
+from jobs.specs import JobSpec, duration_ms
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+ITEM, COUNT, START, END = "_tf_it", "_tf_n", "_tf_start", "_tf_end"
+STATE_DIR = "tierflow-topn"
+Ranked = list[tuple[str, int]]
+BatchRows = Callable[[list[dict[str, Any]], int], list[dict[str, Any]]]
+
+
+def topn_counts(spec: JobSpec, events: DataFrame) -> DataFrame:
+    """The running counts a top-N job keeps in Spark state, as update-mode rows:
+    ``_tf_it`` (null: the per-event row, its count the events so far), ``_tf_n``, and
+    ``_tf_start``/``_tf_end`` (epoch ms) when windowed."""
+    from pyspark.sql import functions as F
+
+    if spec.window is not None:
+        events = windowed_events(events, spec)
+    items = extract_values(events, "_tf_its", spec.field)
+    marker = F.array(F.lit(None).cast("string"))
+    exploded = F.explode(F.concat(marker, F.col("_tf_its"))).alias(ITEM)
+    n = F.count(F.lit(1)).alias(COUNT)
+    if spec.window is None:
+        return items.select(exploded).groupBy(ITEM).agg(n)
+    w = window_column(spec).alias("_tf_w")
+    return (
+        items.select("_tf_time", exploded)
+        .groupBy(w, ITEM)
+        .agg(n)
+        .select(
+            F.unix_millis(F.col("_tf_w.start")).alias(START),
+            F.unix_millis(F.col("_tf_w.end")).alias(END),
+            ITEM,
+            COUNT,
+        )
+    )
+
+
+def rank(counts: Iterable[tuple[str, int]], n: int) -> Ranked:
+    """The n heaviest (item, count), count desc then item asc: a total, deterministic order."""
+    return heapq.nsmallest(n, counts, key=lambda kv: (-kv[1], kv[0]))
+
+
+def merge_top(top: Ranked, updated: dict[str, int], n: int) -> Ranked:
+    """The top n after a batch: `top` (before it) with the batch's updated totals.
+
+    Exact as long as counts only grow: an item outside `top` that the batch did not
+    update ranked below all of `top`, which it still does.
+    """
+    counts = dict(top)
+    counts.update(updated)
+    return rank(counts.items(), n)
+
+
+def as_top(ranked: Ranked) -> list[dict[str, Any]]:
+    """The book's ``[{"item","count","error"}]`` (counts exact: error 0)."""
+    return [{"item": item, "count": count, "error": 0} for item, count in ranked]
+
+
+class WindowTop(msgspec.Struct, array_like=True):
+    end: int
+    top: Ranked
+
+
+class TopState(msgspec.Struct, kw_only=True):
+    """What the driver keeps between batches: the top list (all time) or one per open
+    window, and the batch it is after."""
+
+    batch: int = -1
+    events: int = 0
+    top: Ranked = []
+    windows: dict[int, WindowTop] = {}
+    newest_start: int | None = None
+
+
+def apply_batch(
+    state: TopState, rows: list[dict[str, Any]], batch_id: int, n: int, delay_ms: int | None
+) -> tuple[TopState, dict[int | None, Any]]:
+    """(state after the batch, per key the new top list) from the batch's updated rows.
+
+    Keys: None for all time (the top list and the events so far), else each updated
+    window's start (``WindowTop``). `delay_ms` is the watermark delay (windowed only).
+    """
+    if delay_ms is None:
+        updated = {r[ITEM]: int(r[COUNT]) for r in rows if r[ITEM] is not None}
+        events = [int(r[COUNT]) for r in rows if r[ITEM] is None]
+        if not rows:
+            return msgspec.structs.replace(state, batch=batch_id), {}
+        top = merge_top(state.top, updated, n)
+        total = events[0] if events else state.events
+        new = TopState(batch=batch_id, events=total, top=top)
+        return new, {None: (top, total)}
+    per_window: dict[int, tuple[int, dict[str, int]]] = {}
+    for r in rows:
+        start = int(r[START])
+        _, counts = per_window.setdefault(start, (int(r[END]), {}))
+        if r[ITEM] is not None:
+            counts[r[ITEM]] = int(r[COUNT])
+    windows = dict(state.windows)
+    out: dict[int | None, Any] = {}
+    for start in sorted(per_window):
+        end, counts = per_window[start]
+        before = windows.get(start)
+        top = merge_top(before.top if before else [], counts, n)
+        windows[start] = out[start] = WindowTop(end, top)
+    starts = [*per_window, *([] if state.newest_start is None else [state.newest_start])]
+    newest = max(starts) if starts else None
+    if newest is not None:  # no event can reach a window ending at or before this any more
+        windows = {s: w for s, w in windows.items() if w.end > newest - delay_ms}
+    return TopState(batch=batch_id, windows=windows, newest_start=newest), out
+
+
+class TopStore:
+    """The driver's `TopState` per batch id: in memory, and durably under `directory`
+    (``<batch id>.json``, written atomically) so a restarted query resumes from it.
+
+    `before(b)` is the state saved for the latest batch id below b: what batch b started
+    from the first time it ran, whether or not b itself was saved before a crash.
+    """
+
+    def __init__(self, directory: Path | None, keep: int = 10) -> None:
+        self.directory = directory
+        self.keep = keep
+        self._last: TopState | None = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def _ids(self) -> list[int]:
+        assert self.directory is not None
+        return sorted(int(p.stem) for p in self.directory.glob("*.json") if p.stem.isdigit())
+
+    def before(self, batch_id: int) -> TopState:
+        if self._last is not None and self._last.batch == batch_id - 1:
+            return self._last
+        if self.directory is None:
+            if batch_id == 0 or self._last is None:
+                return TopState()
+            raise JobError(f"top-N: no saved state before batch {batch_id}")
+        earlier = [i for i in self._ids() if i < batch_id]
+        if not earlier:
+            if batch_id == 0:
+                return TopState()
+            raise JobError(
+                f"top-N: batch {batch_id} has no saved top list before it in "
+                f"{self.directory}; the checkpoint was made by another version of this job "
+                "or part of it was deleted: give the job a new name, or reset its checkpoint"
+            )
+        path = self.directory / f"{earlier[-1]}.json"
+        return msgspec.json.decode(path.read_bytes(), type=TopState)
+
+    def save(self, state: TopState) -> None:
+        self._last = state
+        if self.directory is None:
+            return
+        path = self.directory / f"{state.batch}.json"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(state))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        for old in self._ids()[: -self.keep]:
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / f"{old}.json").unlink()
+
+
+def topn_batches(
+    spec: JobSpec, shape: Callable[[int | None, Any], dict[str, Any]]
+) -> Callable[[Path | None], BatchRows]:
+    """The driver side of a top-N job: given the query's checkpoint directory, a function
+    from a batch's updated count rows (and batch id) to its result rows; `shape` makes a
+    result row from a key and its `apply_batch` value."""
+    delay = duration_ms(spec.window.watermark) if spec.window is not None else None
+
+    def make(checkpoint: Path | None) -> BatchRows:
+        store = TopStore(checkpoint / STATE_DIR if checkpoint is not None else None)
+
+        def batch(rows: list[dict[str, Any]], batch_id: int) -> list[dict[str, Any]]:
+            state, out = apply_batch(store.before(batch_id), rows, batch_id, spec.n, delay)
+            store.save(state)
+            return [shape(key, value) for key, value in out.items()]
+
+        return batch
+
+    return make
