@@ -8,6 +8,11 @@ first is `event: subscribed` (stream, from_seq, cursor) with `retry: 1000`. A br
 drops are `event: lag` / `event: dropped`; a client too slow under the disconnect policy
 gets `event: error` with code 4408 and the response ends. Comment lines keep an idle
 connection alive every `sse_keepalive_s`.
+
+An event's bytes are built once per (event, filter) and shared by every SSE client with
+that filter (`sse_event`). SSE clients are served by their own pumps, one write per batch:
+aiohttp's response writer has no synchronous write, so the feed cannot serve them in its
+pass as it does WebSocket clients.
 """
 
 from __future__ import annotations
