@@ -47,7 +47,7 @@ import random
 import re
 import secrets
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -65,6 +65,7 @@ BATCH_SEQ_HEADER = "Nats-Batch-Sequence"
 BATCH_COMMIT_HEADER = "Nats-Batch-Commit"
 MAX_ATOMIC_BATCH = 1000  # nats-server's default max_batch_size (streamDefaultMaxAtomicBatchSize)
 MAX_OPEN_BATCHES = 16  # below the server's 50 open atomic batches per stream
+BATCHES_PER_STREAM = 2  # in flight per stream; what arrives meanwhile joins the next batch
 NOT_ATOMIC_RECHECK_S = 300.0  # a stream that refused batching is asked again after this
 # err_codes of an atomic commit (nats-server server/errors.json)
 ERR_BATCH_DISABLED = 10174
@@ -281,6 +282,29 @@ class _Batch:
         self.done: asyncio.Future[None] | None = None
 
 
+class _Call:
+    """One publish_atomic call: its events, one result slot each, and how many of its
+    queued events are not settled yet."""
+
+    __slots__ = ("events", "results", "pending", "done")
+
+    def __init__(self, events: Sequence[Outgoing]) -> None:
+        self.events = events
+        self.results: list[Outcome | None] = [None] * len(events)
+        self.pending = 0
+        self.done: asyncio.Future[None] | None = None
+
+
+class _Lane:
+    """One stream's queue of (call, index) waiting for a batch, and its batches in flight."""
+
+    __slots__ = ("queue", "in_flight")
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[_Call, int]] = deque()
+        self.in_flight = 0
+
+
 _FATAL_SEND_ERRORS = (
     nats.errors.MaxPayloadError,
     nats.errors.BadSubjectError,
@@ -390,6 +414,8 @@ class JetStreamPublisher:
         self._open_batches = asyncio.Semaphore(max_open_batches)
         self._take_window = asyncio.Lock()  # one batch at a time takes its window slots
         self._commits: dict[str, asyncio.Future[Msg | None]] = {}
+        self._lanes: dict[str, _Lane] = {}  # stream -> events waiting for a batch
+        self._lane_tasks: set[asyncio.Task[None]] = set()
         self._not_atomic: dict[str, float] = {}  # stream (or subject) -> when it refused
         self._batch_prefix = secrets.token_hex(8) + "-"
 
@@ -423,6 +449,8 @@ class JetStreamPublisher:
         for fut in self._commits.values():
             if not fut.done():
                 fut.set_result(None)  # the batch's events fail: "publisher closed"
+        for lane in self._lanes.values():
+            self._fail_queued(lane)
         while self._inflight:
             _, (batch, i, _) = self._inflight.popitem(last=False)
             self._window.release()  # wakes batches waiting for room; they see _closed
@@ -536,10 +564,13 @@ class JetStreamPublisher:
         """Publish events bound for one stream as atomic batches; (acked, failed) in input
         order, with `publish_batch`'s guarantees (see the module docstring).
 
-        `stream` names the JetStream stream that captures every subject (the key under
-        which a refusal to batch is remembered; the first subject when None). Events for
-        several streams must be split by the caller: a batch spread over two streams is
-        incomplete in both and is published again event by event.
+        Concurrent calls for the same stream share batches (group commit): up to
+        `BATCHES_PER_STREAM` batches per stream are in flight, and what arrives meanwhile
+        goes out together in the next (at most `max_batch` events each). `stream` names
+        the JetStream stream that captures every subject (the key under which a refusal to
+        batch is remembered; the first subject when None). Events for several streams must
+        be split by the caller: a batch spread over two streams is incomplete in both and
+        is published again event by event.
         """
         if not events:
             return [], []
@@ -548,32 +579,32 @@ class JetStreamPublisher:
             return await self.publish_batch(events)
         if self._sub is None:
             await self.start()
-        results: list[Outcome | None] = [None] * len(events)
+        call = _Call(events)
         max_payload = self._nc.max_payload
         # the largest batch headers any message gets: id, sequence up to the limit, commit
         probe_id = self._batch_prefix + "0" * 12
-        batched: list[int] = []
         alone: list[int] = []
+        lane = self._lanes.setdefault(key, _Lane())
         for i, ev in enumerate(events):
             probe = batch_headers(ev, probe_id, MAX_ATOMIC_BATCH * 10, commit=True)
             if oversize_error(ev.data, probe, max_payload) is None:
-                batched.append(i)
+                lane.queue.append((call, i))
+                call.pending += 1
             elif why := oversize_error(ev.data, {**ev.headers, MSG_ID_HEADER: ev.id}, max_payload):
-                results[i] = Failed(ev.id, why, False)  # never sent (it would reset the link)
+                call.results[i] = Failed(ev.id, why, False)  # never sent: it would reset the link
                 self.failed += 1
             else:
                 alone.append(i)  # fits without the batch headers: published on its own
-        size = self.max_batch
-        chunks = [batched[k : k + size] for k in range(0, len(batched), size)]
-        if len(chunks) > 1 and len(chunks[-1]) == 1:  # a batch of one is a plain publish
-            alone.append(chunks.pop()[0])
-        work = [self._publish_chunk(events, chunk, results, key) for chunk in chunks]
+        if call.pending:
+            call.done = asyncio.get_running_loop().create_future()
+            self._pump(key, lane)
         if alone:
-            work.append(self._publish_each(events, alone, results))
-        await asyncio.gather(*work)
+            await self._publish_each(events, alone, call.results)
+        if call.done is not None:
+            await call.done
         published: list[Published] = []
         failed: list[Failed] = []
-        for r in results:
+        for r in call.results:
             if type(r) is Published:
                 published.append(r)
             else:
@@ -590,6 +621,70 @@ class JetStreamPublisher:
             return True
         return False
 
+    def _pump(self, key: str, lane: _Lane) -> None:
+        """Start batches from the lane's queue while it has fewer than its limit in flight."""
+        while lane.queue and lane.in_flight < BATCHES_PER_STREAM:
+            take = min(self.max_batch, len(lane.queue))
+            entries = [lane.queue.popleft() for _ in range(take)]
+            lane.in_flight += 1
+            task = asyncio.ensure_future(self._lane_batch(key, lane, entries))
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
+
+    async def _lane_batch(self, key: str, lane: _Lane, entries: list[tuple[_Call, int]]) -> None:
+        """One batch of queued entries, every entry's outcome set exactly once."""
+        try:
+            evs = [call.events[i] for call, i in entries]
+            outcomes = None
+            if len(evs) > 1:
+                n = len(evs)
+                async with self._open_batches:
+                    async with self._take_window:  # whole batches take slots: no deadlock
+                        for _ in range(n):
+                            await self._window.acquire()
+                    try:
+                        outcomes = await self._send_batch(evs, key)
+                    finally:
+                        for _ in range(n):
+                            self._window.release()
+            if outcomes is None:  # refused (or one event): each call's share event by event
+                if len(evs) > 1:
+                    self.batch_fallbacks += 1
+                shares: dict[int, tuple[_Call, list[int]]] = {}
+                for call, i in entries:
+                    shares.setdefault(id(call), (call, []))[1].append(i)
+                await asyncio.gather(
+                    *(self._publish_each(c.events, idx, c.results) for c, idx in shares.values())
+                )
+            else:
+                for (call, i), outcome in zip(entries, outcomes, strict=True):
+                    call.results[i] = outcome
+        except BaseException as err:  # never leave a caller waiting: fail what is unsettled
+            for call, i in entries:
+                if call.results[i] is None:
+                    call.results[i] = Failed(call.events[i].id, f"atomic batch: {err!r}", True)
+                    self.failed += 1
+            raise
+        finally:
+            for call, _ in entries:
+                call.pending -= 1
+                if call.pending == 0 and call.done is not None and not call.done.done():
+                    call.done.set_result(None)
+            lane.in_flight -= 1
+            if not self._closed:
+                self._pump(key, lane)
+            else:
+                self._fail_queued(lane)
+
+    def _fail_queued(self, lane: _Lane) -> None:
+        while lane.queue:
+            call, i = lane.queue.popleft()
+            call.results[i] = Failed(call.events[i].id, "publisher closed", True)
+            self.failed += 1
+            call.pending -= 1
+            if call.pending == 0 and call.done is not None and not call.done.done():
+                call.done.set_result(None)
+
     async def _publish_each(
         self, events: Sequence[Outgoing], idx: Sequence[int], results: list[Outcome | None]
     ) -> None:
@@ -601,62 +696,30 @@ class JetStreamPublisher:
         for r in [*published, *failed]:  # an id twice in idx: one outcome for each copy
             results[by_id[r.id].pop(0)] = r
 
-    async def _publish_chunk(
-        self,
-        events: Sequence[Outgoing],
-        idx: Sequence[int],
-        results: list[Outcome | None],
-        key: str,
-    ) -> None:
-        """One atomic batch of `events[i] for i in idx` (at most max_batch, all fitting);
-        outcomes into `results`, exactly once each."""
-        n = len(idx)
-        async with self._open_batches:
-            async with self._take_window:  # whole batches take slots, so none can deadlock
-                for _ in range(n):
-                    await self._window.acquire()
-            try:
-                fallback = await self._send_batch(events, idx, results, key)
-            finally:
-                for _ in range(n):
-                    self._window.release()
-        if fallback:
-            self.batch_fallbacks += 1
-            await self._publish_each(events, idx, results)
-
-    async def _send_batch(
-        self,
-        events: Sequence[Outgoing],
-        idx: Sequence[int],
-        results: list[Outcome | None],
-        key: str,
-    ) -> bool:
-        """Send one batch and settle it from its commit reply; True when the server refused
-        it and the events must go out one by one instead."""
+    async def _send_batch(self, evs: Sequence[Outgoing], key: str) -> list[Outcome] | None:
+        """Send one batch and settle it from its commit reply: an outcome per event, or
+        None when the server refused it and the events must go out one by one instead."""
         nc = self._nc
         loop = asyncio.get_running_loop()
-        n = len(idx)
+        n = len(evs)
         self._next_token += 1
         batch_id = f"{self._batch_prefix}{self._next_token}"
         reply = self._prefix + str(self._next_token)
         commit: asyncio.Future[Msg | None] = loop.create_future()
         self._commits[reply] = commit
 
-        def fail_all(error: str) -> bool:
+        def fail_all(error: str) -> list[Outcome]:
             self._commits.pop(reply, None)
-            for i in idx:
-                results[i] = Failed(events[i].id, error, True)
             self.failed += n
-            return False
+            return [Failed(ev.id, error, True) for ev in evs]
 
         sent_at = loop.time()
-        for j, i in enumerate(idx, 1):
+        for j, ev in enumerate(evs, 1):
             if self._closed:
                 return fail_all("publisher closed")
             if not nc.is_connected:
                 what = "NATS connection closed" if nc.is_closed else "not connected to NATS"
                 return fail_all(f"{what} (atomic batch not committed)")
-            ev = events[i]
             last = j == n
             try:
                 await nc.publish(
@@ -672,7 +735,7 @@ class JetStreamPublisher:
                 # the event itself (bad subject or header): the per-event path says which;
                 # the server abandons the uncommitted batch after its timeout
                 self._commits.pop(reply, None)
-                return True
+                return None
         try:
             msg = await asyncio.wait_for(commit, self.ack_timeout)
         except TimeoutError:
@@ -683,7 +746,7 @@ class JetStreamPublisher:
             return fail_all("publisher closed")
         if msg.headers and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS:
             return fail_all(
-                f"no responders: no JetStream stream captures subject {events[idx[0]].subject!r} "
+                f"no responders: no JetStream stream captures subject {evs[0].subject!r} "
                 "(or the stream is unavailable)"
             )
         try:
@@ -698,15 +761,13 @@ class JetStreamPublisher:
                 limit = batch_limit_from(ack.error.description)
                 if limit is not None and limit >= 1:
                     self.max_batch = min(self.max_batch, limit)
-            return True
+            return None
         if ack.batch != batch_id or ack.count != n or ack.seq < n:
             # a server that ignores the batch headers stored each message as it came: the
             # per-event resend is acknowledged as duplicates, with every sequence
             self._not_atomic[key] = loop.time()
-            return True
+            return None
         first = ack.seq - n + 1
-        for j, i in enumerate(idx):
-            results[i] = Published(events[i].id, ack.stream, first + j, False)
         self.published += n
         self.batches += 1
         lat = loop.time() - sent_at
@@ -714,7 +775,7 @@ class JetStreamPublisher:
             self.latency.add(lat)
         if self._histogram is not None:
             self._histogram.observe(lat)
-        return False
+        return [Published(ev.id, ack.stream, first + j, False) for j, ev in enumerate(evs)]
 
     # ---- ack handling ----------------------------------------------------------------
 

@@ -246,3 +246,38 @@ async def test_server_killed_mid_batches_then_retry_stores_each_once(
     stored = await stream_ids(nc, len(evs), timeout=60)
     assert sorted(mid for _, mid in stored) == sorted(want)
     assert_seqs_match(list(results.values()), stored)
+
+
+@on_session_loop
+async def test_concurrent_calls_share_batches_each_gets_its_own_outcomes(
+    nc: Client, stream: str
+) -> None:
+    pub = JetStreamPublisher(nc)
+    await pub.start()
+    calls = [events(f"cc{c}", 100) for c in range(10)]
+    got = await asyncio.gather(*(pub.publish_atomic(evs, stream=stream) for evs in calls))
+    for evs, (ok, bad) in zip(calls, got, strict=True):
+        assert bad == [] and [p.id for p in ok] == [e.id for e in evs]
+    # two batches go out at once; the eight calls that came meanwhile share the third
+    assert pub.batches <= 3 and pub.batch_fallbacks == 0
+    assert_seqs_match([p for ok, _ in got for p in ok], await stream_ids(nc, 1000))
+
+
+@on_session_loop
+async def test_stored_id_in_one_call_of_a_shared_batch_keeps_everyone_exactly_once(
+    nc: Client, stream: str
+) -> None:
+    pub = JetStreamPublisher(nc)
+    old = events("so", 50)
+    await pub.publish_atomic(old, stream=stream)
+    fresh = [events(f"sf{c}", 60) for c in range(5)]
+    calls = [*fresh[:2], old[:10] + events("sx", 5), *fresh[2:]]  # one call resends 10
+    got = await asyncio.gather(*(pub.publish_atomic(evs, stream=stream) for evs in calls))
+    for evs, (ok, bad) in zip(calls, got, strict=True):
+        assert bad == [] and [p.id for p in ok] == [e.id for e in evs]
+    resent = by_id(got[2][0])
+    assert all(resent[e.id].duplicate for e in old[:10])
+    assert not any(p.duplicate for ok, _ in got for p in ok if not p.id.startswith("so"))
+    stored = await stream_ids(nc, 50 + 5 * 60 + 5)
+    assert len({mid for _, mid in stored}) == len(stored)
+    assert_seqs_match([p for ok, _ in got for p in ok], stored)
