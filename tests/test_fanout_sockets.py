@@ -189,6 +189,10 @@ async def test_many_subscribers_each_get_their_events_in_order_encoded_once(
         assert len(set(encodes)) == len(encodes)
         assert srv.feed.counters["pump_wakes"] == 0
         assert srv.feed.counters["served_inline"] >= 30
+        # each batch is timed from its arrival to the last socket's write
+        stats = srv.feed.stats()
+        assert stats["spread_batches"] == len(stats["spread_recent_ms"]) >= 1
+        assert stats["spread_unfinished"] == 0 and min(stats["spread_recent_ms"]) >= 0
         assert srv.counters["events_sent"] == sum(
             1
             for key, _, _ in clients

@@ -575,7 +575,7 @@ class Feed:
         self.subs.discard(sub)
         self.wake_one(sub)
         self._wake_pollers()
-        self._spread_done(sub)
+        self._spread_left.discard(sub)  # not timed: the batch was not written to it
         if not self.subs and not self.pollers:
             self._idle_since = self._clock()
 
