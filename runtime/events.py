@@ -50,8 +50,11 @@ def decode_event(data: bytes) -> Event:
 
 
 _lock = threading.Lock()
-_last_ms = 0
-_seq = 0
+_last_slot = -1  # the last (ms << 12 | counter) handed out in this process
+_SEQ_BITS = 12
+_SEQ_HEX = [f"-7{seq:03x}-" for seq in range(1 << _SEQ_BITS)]  # version 7 nibble + counter
+_RAND_MASK = b"\x3f" + b"\xff" * 7  # keep 62 random bits ...
+_RAND_VARIANT = b"\x80" + b"\x00" * 7  # ... under the variant bits 10
 
 
 def new_event_id() -> str:
@@ -60,21 +63,39 @@ def new_event_id() -> str:
     Hand-written because Python 3.11's uuid module has no uuid7. Ids from one process
     sort by creation; the random bits keep processes apart.
     """
-    global _last_ms, _seq
+    return new_event_ids(1)[0]
+
+
+def new_event_ids(n: int) -> list[str]:
+    """`n` ids as `new_event_id` makes them, in creation order, for the price of one.
+
+    One lock, one clock read and one `os.urandom` for the whole batch: the ids take the
+    next `n` (ms, counter) slots after the last one handed out (a counter exhausted within
+    one ms borrows the next ms), so they sort exactly as `n` calls would.
+    """
+    global _last_slot
+    if n <= 0:
+        return []
     with _lock:
-        now = time.time_ns() // 1_000_000
-        if now <= _last_ms:
-            _seq += 1
-            if _seq > 0xFFF:  # counter exhausted within one ms: borrow the next ms
-                _last_ms += 1
-                _seq = 0
-        else:
-            _last_ms, _seq = now, 0
-        ms, seq = _last_ms, _seq
-    rand = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
-    value = (ms << 80) | (0x7 << 76) | (seq << 64) | (0b10 << 62) | rand
-    h = f"{value:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        now_slot = (time.time_ns() // 1_000_000) << _SEQ_BITS
+        first = now_slot if now_slot > _last_slot else _last_slot + 1
+        _last_slot = first + n - 1
+    rand = int.from_bytes(os.urandom(8 * n), "big") & int.from_bytes(
+        _RAND_MASK * n, "big"
+    ) | int.from_bytes(_RAND_VARIANT * n, "big")
+    hexed = rand.to_bytes(8 * n, "big").hex()
+    out: list[str] = []
+    append = out.append
+    ms_prefix, prefix_of = "", -1
+    seq_hex = _SEQ_HEX
+    for i, slot in enumerate(range(first, first + n)):
+        ms = slot >> _SEQ_BITS
+        if ms != prefix_of:
+            h = f"{ms:012x}"
+            ms_prefix, prefix_of = f"{h[:8]}-{h[8:]}", ms
+        j = 16 * i
+        append(ms_prefix + seq_hex[slot & 0xFFF] + hexed[j : j + 4] + "-" + hexed[j + 4 : j + 16])
+    return out
 
 
 def json_kind(value: Any) -> str:

@@ -285,15 +285,14 @@ class StreamLogic:
         return (_recompile, (self.stream, self.cfg, self.default_subject, self.collector))
 
     def apply(self, events: Sequence[Event]) -> LogicResult:
+        if not self._needs_data:
+            return LogicResult(self._mark_processed(events), [], [])
         kept: list[Event] = []
         dropped: list[Event] = []
         invalid: list[tuple[Event, str]] = []
-        replace = msgspec.structs.replace
         for event in events:
             if event.processed:
                 kept.append(event)
-            elif not self._needs_data:
-                kept.append(replace(event, subject=self._fixed_subject(event), processed=True))
             else:
                 outcome = self._one(event)
                 if isinstance(outcome, Event):
@@ -303,6 +302,20 @@ class StreamLogic:
                 else:
                     invalid.append((event, outcome))
         return LogicResult(kept, dropped, invalid)
+
+    def _mark_processed(self, events: Sequence[Event]) -> list[Event]:
+        """No logic: every event kept, data untouched (never decoded), marked processed,
+        with its fixed subject (`_fixed_subject`)."""
+        fixed = self._subject
+        default = self.default_subject
+        return [
+            e
+            if e.processed
+            else Event(
+                e.id, e.stream, fixed or e.subject or default, e.data, e.received_ms, True, e.token
+            )
+            for e in events
+        ]
 
     def _one(self, event: Event) -> Event | str | None:
         """The processed event, None if filtered out, or the reason it is invalid."""

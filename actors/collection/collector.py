@@ -47,7 +47,7 @@ from aiohttp import web
 from actors.collection.buffer import ensure_buffer_stream
 from actors.collection.buffer_consumer import BufferConsumer, BufferedFrame
 from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
-from actors.collection.parsing import BadInput, assign_ids, parse_body
+from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
 from runtime.config import Config, system_streams, validate
@@ -76,6 +76,8 @@ def wire_overhead(event_id: str) -> int:
     headers the bridge sends (counted as the publisher counts them) and a reserve."""
     return header_bytes({MSG_ID_HEADER: event_id}) + HEADER_RESERVE
 
+
+_LONGEST_ID_OVERHEAD = wire_overhead("x" * MAX_ID_CHARS)
 
 # Streams the runtime writes (analysis results, dead letters): no producer path may.
 SYSTEM_STREAMS = frozenset(system_streams())
@@ -390,13 +392,17 @@ class Collector(SupervisedActor):
             answer: dict[str, Any] = {"frame": frame}
             events: list[Event] = []
             try:
-                items = parse_body(
-                    "application/json",
-                    data,
-                    max_events=self.max_events,
-                    max_event_bytes=self.max_event_bytes,
+                events = self._fit(
+                    parse_events(
+                        "application/json",
+                        data,
+                        stream,
+                        subject,
+                        now_ms(),
+                        max_events=self.max_events,
+                        max_event_bytes=self.max_event_bytes,
+                    )
                 )
-                events = self._fit(assign_ids(items, stream, subject, now_ms()))
                 self._handoff(await self._log_and_process(events))
                 self.counters["accepted"] += len(events)
                 answer.update(accepted=len(events), ids=[e.id for e in events])
@@ -502,13 +508,17 @@ class Collector(SupervisedActor):
             raise BadInput(413, f"body over {self.max_body_bytes} bytes") from None
         except TimeoutError:
             raise BadInput(408, f"body not received within {self.body_timeout_s:g} s") from None
-        items = parse_body(
-            request.headers.get("Content-Type"),
-            body,
-            max_events=self.max_events,
-            max_event_bytes=self.max_event_bytes,
+        return self._fit(
+            parse_events(
+                request.headers.get("Content-Type"),
+                body,
+                stream,
+                self.cfg.streams[stream].subjects[0],
+                now_ms(),
+                max_events=self.max_events,
+                max_event_bytes=self.max_event_bytes,
+            )
         )
-        return self._fit(assign_ids(items, stream, self.cfg.streams[stream].subjects[0], now_ms()))
 
     def _check_stream(self, stream: str) -> None:
         """404 for an unknown stream, 403 for one only the runtime writes."""
@@ -524,6 +534,10 @@ class Collector(SupervisedActor):
         nc = self._nc
         max_payload = int(getattr(nc, "max_payload", 0) or 0) if nc is not None else 0
         if not max_payload:
+            return events
+        # The headers grow with the id, and ids are at most MAX_ID_CHARS ASCII characters:
+        # a batch whose largest event fits beside the longest id needs no check per event.
+        if max((len(e.data) for e in events), default=0) <= max_payload - _LONGEST_ID_OVERHEAD:
             return events
         for e in events:
             limit = max_payload - wire_overhead(e.id)
@@ -570,8 +584,13 @@ class Collector(SupervisedActor):
         """Kept events come back processed; rejects go on raw so the bridge settles them
         (dead letter or forget) through the one path replay uses too."""
         by_stream: dict[str, list[Event]] = {}
-        for e in events:
-            by_stream.setdefault(e.stream, []).append(e)
+        first = events[0].stream if events else ""
+        if all(e.stream == first for e in events):  # one request: one stream
+            if events:
+                by_stream[first] = events
+        else:
+            for e in events:
+                by_stream.setdefault(e.stream, []).append(e)
         out: list[Event] = []
         for stream, items in by_stream.items():
             result = self.logic[stream].apply(items)
@@ -656,11 +675,16 @@ class Collector(SupervisedActor):
         try:
             name = stream.decode("ascii")
             self._check_stream(name)
-            items = parse_body(
-                "application/json", payload, max_events=1, max_event_bytes=self.max_event_bytes
-            )
             events = self._fit(
-                assign_ids(items, name, self.cfg.streams[name].subjects[0], now_ms())
+                parse_events(
+                    "application/json",
+                    payload,
+                    name,
+                    self.cfg.streams[name].subjects[0],
+                    now_ms(),
+                    max_events=1,
+                    max_event_bytes=self.max_event_bytes,
+                )
             )
         except (BadInput, UnicodeDecodeError):
             self.counters["rejected"] += 1
@@ -725,11 +749,16 @@ class Collector(SupervisedActor):
         try:
             self._check_stream(name)
             ctype = (msg.headers or {}).get("Content-Type", "application/json")
-            items = parse_body(
-                ctype, msg.data, max_events=self.max_events, max_event_bytes=self.max_event_bytes
-            )
             events = self._fit(
-                assign_ids(items, name, self.cfg.streams[name].subjects[0], now_ms())
+                parse_events(
+                    ctype,
+                    msg.data,
+                    name,
+                    self.cfg.streams[name].subjects[0],
+                    now_ms(),
+                    max_events=self.max_events,
+                    max_event_bytes=self.max_event_bytes,
+                )
             )
             processed = await self._log_and_process(events)
         except BadInput as bad:
