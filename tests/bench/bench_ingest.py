@@ -6,10 +6,16 @@ always`) and the session's local Ray. Measured in this order, each on a fresh st
 - the ceiling: nats-py `publish_async` of the same number of 500-byte messages, each with
   its own Nats-Msg-Id, then every ack awaited (measured first and again last: the machine
   is shared, so rows are compared with the mean of both);
+- the atomic-batch ceiling, also first and last: the same messages as JetStream atomic
+  batches (ADR-50) of 100, 500 and 1000 (the server's limit), sent with nats-py alone (core
+  publishes with the batch headers, the commit as a request, a few batches in flight);
+  queued/s of the tiers is also given against the batches of 1000;
 - the collection tier per logging mode (none, RBML, SBML, HML) at k=0 and k=1 (mode none
   has no log, so k does not apply to it): a fresh tier each (1 collector, 1 bridge, 1
   logger group), driven by the known-id producer (`cluster.loadgen`) in NDJSON batches of
-  100 with 8 requests in flight;
+  100 with 8 requests in flight; then RBML and HML again on a stream with logic
+  (validate, enrich, a filter that keeps every event), the overlap the book's 43% is
+  about: HML moves the logic after logging, off the producer's wait;
 - Ray Serve (tests/bench/serve_app.py): one replica doing the same HTTP-to-JetStream work,
   driven by the same producer.
 
@@ -24,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js.api import StreamConfig
 
 from cluster.loadgen import LoadReport, drive, known_events
 from cluster.pipeline import CollectionTier, start_collection_tier
@@ -41,9 +49,21 @@ from tests.bench.common import Profiler, print_profile, summary, write_report
 EVENTS = int(os.environ.get("TIERFLOW_BENCH_EVENTS", "20000"))
 PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
+# 0 skips the Ray Serve row (needs `.[bench]`'s ray[serve]), for iterating only: the report
+# then has no "serve" entry, which tests/bench/report.py expects
+SERVE = os.environ.get("TIERFLOW_BENCH_SERVE", "1") != "0"
 PAYLOAD = "x" * 400  # ~500 B per event with its JSON framing
 MODES = [("none", 0), ("rbml", 0), ("sbml", 0), ("hml", 0), ("rbml", 1), ("sbml", 1), ("hml", 1)]
+LOGIC_MODES = [("rbml", 0), ("hml", 0), ("rbml", 1), ("hml", 1)]
+# keeps every event, so every row queues the same number; the work is real per event
+LOGIC = {
+    "validate": {"pad": "str", "id": "str"},
+    "enrich": ["received_at", "collector"],
+    "filter": "pad IS NOT NULL",
+}
 BATCH, CONCURRENCY = 100, 8
+ATOMIC_SIZES = (100, 500, 1000)
+ATOMIC_IN_FLIGHT = 4  # batches whose commit is awaited at once
 
 
 async def jetstream_ceiling(url: str, n: int, tag: str) -> dict[str, Any]:
@@ -70,6 +90,74 @@ async def jetstream_ceiling(url: str, n: int, tag: str) -> dict[str, Any]:
     return {"rate": n / elapsed, "queued_rate": n / elapsed, **summary(lat)}
 
 
+async def atomic_ceiling(url: str, n: int, size: int, tag: str) -> dict[str, Any]:
+    """nats-py alone, JetStream atomic batches of `size` (ADR-50): core publishes with
+    Nats-Batch-Id/-Sequence and each message's Nats-Msg-Id, the last with
+    Nats-Batch-Commit as a request; ATOMIC_IN_FLIGHT commits awaited at once. Latency per
+    event from its batch's first message to the commit's PubAck."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    stream = f"atomic{size}"
+    await js.add_stream(StreamConfig(name=stream, subjects=[stream], allow_atomic=True))
+    loop = asyncio.get_running_loop()
+    body = b"x" * 500
+    lat: list[float] = []
+    window = asyncio.Semaphore(ATOMIC_IN_FLIGHT)
+    stored: list[int] = []
+
+    async def commit(last: int, headers: dict[str, str], started: float) -> None:
+        try:
+            msg = await nc.request(stream, body, timeout=30, headers=headers)
+            ack = json.loads(msg.data)
+            assert "error" not in ack and ack["count"] == last, ack
+            stored.append(ack["count"])
+            lat.extend([(loop.time() - started) * 1000] * last)
+        finally:
+            window.release()
+
+    tasks = []
+    t = time.perf_counter()
+    for b, k in enumerate(range(0, n, size)):
+        await window.acquire()
+        started = loop.time()
+        batch_id = f"{tag}-{size}-{b}"
+        count = min(size, n - k)
+        for j in range(1, count):
+            await nc.publish(
+                stream,
+                body,
+                headers={
+                    "Nats-Msg-Id": f"{tag}{k + j}",
+                    "Nats-Batch-Id": batch_id,
+                    "Nats-Batch-Sequence": str(j),
+                },
+            )
+        last = {
+            "Nats-Msg-Id": f"{tag}{k + count}",
+            "Nats-Batch-Id": batch_id,
+            "Nats-Batch-Sequence": str(count),
+            "Nats-Batch-Commit": "1",
+        }
+        tasks.append(asyncio.ensure_future(commit(count, last, started)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t
+    assert sum(stored) == n
+    assert (await js.stream_info(stream)).state.messages == n
+    await js.delete_stream(stream)
+    await nc.close()
+    return {
+        "path": f"nats-py atomic batches of {size} (ceiling)",
+        "batch": size,
+        "rate": n / elapsed,
+        "queued_rate": n / elapsed,
+        **summary(lat),
+    }
+
+
+async def atomic_ceilings(url: str, n: int, tag: str) -> dict[int, dict[str, Any]]:
+    return {size: await atomic_ceiling(url, n, size, f"{tag}{size}-") for size in ATOMIC_SIZES}
+
+
 async def stream_count(url: str, stream: str) -> int:
     nc = await connect(url)
     try:
@@ -91,15 +179,21 @@ def row(report: LoadReport, to_queue_s: float, **labels: Any) -> dict[str, Any]:
     }
 
 
-def start_tier(server: NatsServer, state: Path, mode: str, k: int) -> CollectionTier:
+def start_tier(
+    server: NatsServer, state: Path, mode: str, k: int, *, logic: bool = False
+) -> CollectionTier:
+    tag = f"{mode}{k}{'l' if logic else ''}"
+    stream: dict[str, Any] = {"subjects": [f"raw.bench.{tag}"]}
+    if logic:
+        stream["logic"] = LOGIC
     cfg = load(
         environ={},
         overrides={
-            "state_dir": str(state / f"{mode}-k{k}"),
-            "ray": {"namespace": f"bench-ingest-{mode}-{k}"},
+            "state_dir": str(state / tag),
+            "ray": {"namespace": f"bench-ingest-{tag}"},
             "roles": {"logger": {"k": k, "replicas": 1}, "collector": {"port": 0}},
             "logging": {"mode": mode},
-            "streams": {"bench": {"subjects": [f"raw.bench.{mode}{k}"]}},
+            "streams": {"bench": stream},
         },
     )
     return start_collection_tier(cfg, nats_url=server.url)
@@ -118,11 +212,15 @@ async def load_then_drain(tier: CollectionTier, url: str, tag: str) -> tuple[Loa
     return report, time.perf_counter() - t0
 
 
-def run_mode(server: NatsServer, state: Path, mode: str, k: int) -> dict[str, Any]:
-    tier = start_tier(server, state, mode, k)
+def run_mode(
+    server: NatsServer, state: Path, mode: str, k: int, *, logic: bool = False
+) -> dict[str, Any]:
+    tier = start_tier(server, state, mode, k, logic=logic)
     try:
-        report, to_queue_s = asyncio.run(load_then_drain(tier, tier.url, f"{mode}{k}"))
-        return row(report, to_queue_s, path=f"collector {mode.upper()} k={k}", mode=mode, k=k)
+        tag = f"{mode}{k}{'l' if logic else ''}"
+        report, to_queue_s = asyncio.run(load_then_drain(tier, tier.url, tag))
+        path = f"collector {mode.upper()} k={k}{' + logic' if logic else ''}"
+        return row(report, to_queue_s, path=path, mode=mode, k=k, logic=logic)
     finally:
         tier.stop()
 
@@ -215,53 +313,81 @@ def run_serve(server: NatsServer) -> tuple[dict[str, Any], dict[str, Any]]:
         undeploy()
 
 
-def print_table(ceiling: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def print_table(
+    ceiling: dict[str, Any], rows: list[dict[str, Any]], atomic: dict[str, Any] | None = None
+) -> None:
     cols = f"{'accepted/s':>11}{'queued/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'vs ceiling':>12}"
-    print(f"{'path':<28}{cols}")
+    cols += f"{'vs atomic':>11}" if atomic else ""
+    print(f"{'path':<40}{cols}")
     for r in [{"path": "nats-py publish_async (ceiling)", **ceiling}, *rows]:
-        print(
-            f"{r['path']:<28}{r['rate']:>11,.0f}{r['queued_rate']:>10,.0f}{r['p50_ms']:>8.1f}"
+        line = (
+            f"{r['path']:<40}{r['rate']:>11,.0f}{r['queued_rate']:>10,.0f}{r['p50_ms']:>8.1f}"
             f"{r['p99_ms']:>8.1f}{r['queued_rate'] / ceiling['rate']:>12.2f}"
         )
+        if atomic:
+            line += f"{r['queued_rate'] / atomic['rate']:>11.2f}"
+        print(line)
+
+
+def mean_runs(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """The mean of a ceiling measured first and last, with both runs kept."""
+    keys = ("rate", "queued_rate", "p50_ms", "p99_ms")
+    return {**first, **{key: (first[key] + last[key]) / 2 for key in keys}, "runs": [first, last]}
 
 
 @pytest.mark.timeout(1200)
 def test_ingest_per_logging_mode(bench_ray: Any, tmp_path: Path) -> None:
     with NatsServer(store_dir=tmp_path / "nats").start() as server:
         first = asyncio.run(jetstream_ceiling(server.url, EVENTS, "a"))
+        atomic_first = asyncio.run(atomic_ceilings(server.url, EVENTS, "a"))
         rows = [run_mode(server, tmp_path, mode, k) for mode, k in MODES]
-        serve_row, serve_profile = run_serve(server)
+        rows += [run_mode(server, tmp_path, mode, k, logic=True) for mode, k in LOGIC_MODES]
+        serve_row, serve_profile = run_serve(server) if SERVE else (None, {})
+        atomic_last = asyncio.run(atomic_ceilings(server.url, EVENTS, "b"))
         last = asyncio.run(jetstream_ceiling(server.url, EVENTS, "b"))
         profiles: dict[str, Any] = {}
         if PROFILE:
             profiles["hml k=1"] = profile_mode(server, tmp_path, "hml", 1)
-            profiles["serve"] = serve_profile
-    # the ceiling is measured before and after the rest (the machine is shared): the mean
+            if SERVE:
+                profiles["serve"] = serve_profile
+    # the ceilings are measured before and after the rest (the machine is shared): the mean
     # of both is what every row is compared with; both runs are kept
-    ceiling = {
-        key: (first[key] + last[key]) / 2 for key in ("rate", "queued_rate", "p50_ms", "p99_ms")
-    }
-    ceiling |= {"runs": [first, last]}
-    by = {(r["mode"], r["k"]): r for r in rows}
+    ceiling = mean_runs(first, last)
+    atomic = {str(size): mean_runs(atomic_first[size], atomic_last[size]) for size in ATOMIC_SIZES}
+    top = atomic[str(max(ATOMIC_SIZES))]
+    served = [serve_row] if serve_row is not None else []
+    for r in [*rows, *served]:
+        r["queued_vs_atomic"] = r["queued_rate"] / top["rate"]
+    by = {(r["mode"], r["k"], r["logic"]): r for r in rows}
     print(
         f"\ningest, {EVENTS} events of ~500 B, NDJSON batches of {BATCH}, {CONCURRENCY} requests "
         f"in flight, JetStream sync_interval always, {os.cpu_count()} cores"
     )
-    print_table(ceiling, [*rows, serve_row])
-    # The book's claim (43%): HML cuts logging overhead against RBML. The overhead is what
-    # logging adds to the producer's wait, so it is measured as ack latency (p50), per k.
-    reduction = {}
+    print_table(ceiling, [*atomic.values(), *rows, *served], top)
+    hml_k1 = by[("hml", 1, False)]
+    print(
+        f"queued/s HML k=1: {hml_k1['queued_rate']:,.0f} = {hml_k1['queued_vs_atomic']:.2f} of "
+        f"the atomic-batch ceiling ({top['rate']:,.0f}/s, batches of {max(ATOMIC_SIZES)})"
+    )
+    # The book's claim (43%): HML cuts logging overhead against RBML where the stream has
+    # logic (HML runs it after logging, RBML before). The overhead is what logging adds to
+    # the producer's wait, so it is measured as ack latency (p50), per k; the same figures
+    # on a stream without logic are kept too.
+    reduction: dict[str, Any] = {}
+    no_logic: dict[str, Any] = {}
     for k in (0, 1):
-        rbml, hml = by[("rbml", k)], by[("hml", k)]
-        reduction[str(k)] = {
-            "p50": 1 - hml["p50_ms"] / rbml["p50_ms"],
-            "p99": 1 - hml["p99_ms"] / rbml["p99_ms"],
-            "rate": hml["rate"] / rbml["rate"] - 1,
-        }
-        print(
-            f"k={k}: HML p50 ack {hml['p50_ms']:.1f} ms vs RBML {rbml['p50_ms']:.1f} ms: "
-            f"{reduction[str(k)]['p50']:+.0%} overhead reduction (book cites 43%)"
-        )
+        for logic, into in ((True, reduction), (False, no_logic)):
+            rbml, hml = by[("rbml", k, logic)], by[("hml", k, logic)]
+            into[str(k)] = {
+                "p50": 1 - hml["p50_ms"] / rbml["p50_ms"],
+                "p99": 1 - hml["p99_ms"] / rbml["p99_ms"],
+                "rate": hml["rate"] / rbml["rate"] - 1,
+            }
+            print(
+                f"k={k}{', logic' if logic else ', no logic'}: HML p50 ack {hml['p50_ms']:.1f} ms "
+                f"vs RBML {rbml['p50_ms']:.1f} ms: {into[str(k)]['p50']:+.0%} overhead "
+                "reduction (book cites 43%)"
+            )
     for title, profile in profiles.items():
         with contextlib.suppress(Exception):
             print_profile(f"ingest {title}, {PROFILE_S:g} s", profile)
@@ -272,9 +398,19 @@ def test_ingest_per_logging_mode(bench_ray: Any, tmp_path: Path) -> None:
             "batch": BATCH,
             "concurrency": CONCURRENCY,
             "ceiling": {"path": "nats-py publish_async (ceiling)", **ceiling},
+            "atomic_ceiling": atomic,
+            "queued_vs_atomic_ceiling": {
+                "path": hml_k1["path"],
+                "queued_rate": hml_k1["queued_rate"],
+                "ceiling_rate": top["rate"],
+                "ceiling_batch": max(ATOMIC_SIZES),
+                "ratio": hml_k1["queued_vs_atomic"],
+            },
             "modes": rows,
-            "serve": serve_row,
+            **({"serve": serve_row} if serve_row is not None else {}),
+            "logic": LOGIC,
             "hml_vs_rbml": reduction,
+            "hml_vs_rbml_no_logic": no_logic,
             "profiles": profiles,
         },
     )

@@ -6,7 +6,12 @@ Run: `.venv/bin/python tests/bench/bench_publish.py`, or `pytest tests/bench/ben
 For each fsync policy (`sync_interval` "always", the tierflow default, and "2m", nats-server's
 default) it starts its own nats-server and measures, on a fresh stream each time:
 (a) js.publish_async for every event, then every ack awaited (nats-py's pipelined ceiling);
-(b) JetStreamPublisher.publish_batch in batches of 512 and of 4096.
+(b) JetStreamPublisher.publish_batch in batches of 512 and of 4096;
+(c) the atomic-batch ceiling: nats-py alone sending JetStream atomic batches (ADR-50) of
+1000 (core publishes with the batch headers, the commit as a request, 4 commits awaited at
+once; tests/bench/bench_ingest.atomic_ceiling);
+(d) JetStreamPublisher.publish_atomic (what the bridge uses) in calls of 4096 events,
+split by it into batches of at most 1000.
 The 2-core machine is shared, so the "2m" runs are repeated and the median run is shown.
 """
 
@@ -36,6 +41,7 @@ PAYLOAD = 500
 STREAM = "bench"
 SUBJECT = "raw.bench"
 BATCH_SIZES = (512, 4096)
+ATOMIC_CALL = 4096  # events per publish_atomic call (split into batches of at most 1000)
 SYNC_POLICIES = ("always", "2m")
 # Repeats per policy (median run reported); "always" is fsync-bound and slow, so once.
 REPEATS = {"always": 1, "2m": 3}
@@ -64,7 +70,9 @@ async def fresh_stream(nc: Client) -> None:
     js = nc.jetstream()
     with contextlib.suppress(NotFoundError):
         await js.delete_stream(STREAM)
-    await js.add_stream(StreamConfig(name=STREAM, subjects=[SUBJECT], storage=StorageType.FILE))
+    await js.add_stream(
+        StreamConfig(name=STREAM, subjects=[SUBJECT], storage=StorageType.FILE, allow_atomic=True)
+    )
 
 
 async def raw_ceiling(nc: Client, tag: str) -> tuple[float, list[float]]:
@@ -101,6 +109,55 @@ async def bridge_batches(nc: Client, tag: str, batch_size: int) -> tuple[float, 
     return elapsed, [lat._ring[i] for i in range(len(lat))]
 
 
+async def atomic_raw(nc: Client, tag: str) -> tuple[float, list[float]]:
+    """nats-py atomic batches of 1000 on the stream (bench_ingest's ceiling, on `nc`)."""
+    loop = asyncio.get_running_loop()
+    payload = b"x" * PAYLOAD
+    latencies: list[float] = []
+    window = asyncio.Semaphore(4)  # as bench_ingest's ATOMIC_IN_FLIGHT
+
+    async def commit(headers: dict[str, str], count: int, started: float) -> None:
+        try:
+            msg = await nc.request(SUBJECT, payload, timeout=30, headers=headers)
+            assert b'"count":' + str(count).encode() in msg.data, msg.data
+            latencies.extend([loop.time() - started] * count)
+        finally:
+            window.release()
+
+    tasks = []
+    t0 = time.perf_counter()
+    for b, k in enumerate(range(0, EVENTS, 1000)):
+        await window.acquire()
+        started = loop.time()
+        count = min(1000, EVENTS - k)
+        batch_id = f"{tag}-{b}"
+        for j in range(1, count):
+            headers = {MSG_ID_HEADER: f"{tag}-{k + j}", "Nats-Batch-Id": batch_id}
+            headers["Nats-Batch-Sequence"] = str(j)
+            await nc.publish(SUBJECT, payload, headers=headers)
+        headers = {MSG_ID_HEADER: f"{tag}-{k + count}", "Nats-Batch-Id": batch_id}
+        headers |= {"Nats-Batch-Sequence": str(count), "Nats-Batch-Commit": "1"}
+        tasks.append(asyncio.ensure_future(commit(headers, count, started)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - t0, latencies
+
+
+async def bridge_atomic(nc: Client, tag: str, batch_size: int) -> tuple[float, list[float]]:
+    pub = JetStreamPublisher(nc)
+    pub.latency = type(pub.latency)(size=EVENTS)
+    payload = b"x" * PAYLOAD
+    events = [Outgoing(id=f"{tag}-{i}", subject=SUBJECT, data=payload) for i in range(EVENTS)]
+    t0 = time.perf_counter()
+    for k in range(0, EVENTS, batch_size):
+        _, failed = await pub.publish_atomic(events[k : k + batch_size], stream=STREAM)
+        assert not failed, failed[:3]
+    elapsed = time.perf_counter() - t0
+    assert pub.batch_fallbacks == 0
+    await pub.close()
+    lat = pub.latency
+    return elapsed, [lat._ring[i] for i in range(len(lat))]
+
+
 async def bench_policy(sync: str, base: Path) -> list[Row]:
     rows: list[Row] = []
     server = NatsServer(store_dir=base / f"nats-{sync}", sync_interval=sync).start()
@@ -113,12 +170,17 @@ async def bench_policy(sync: str, base: Path) -> list[Row]:
             )
             runs: list[tuple[str, int | None]] = [("nats-py publish_async", None)]
             runs += [(f"publish_batch({b})", b) for b in BATCH_SIZES]
+            runs += [("nats-py atomic(1000)", None), (f"publish_atomic({ATOMIC_CALL})", None)]
             got: dict[str, list[Row]] = {name: [] for name, _ in runs}
             for rep in range(REPEATS[sync]):  # interleaved, so load spikes hit every method
                 for name, batch in runs:
                     await fresh_stream(nc)
                     tag = f"{name}-{sync}-{rep}"
-                    if batch is None:
+                    if name.startswith("nats-py atomic"):
+                        elapsed, lat = await atomic_raw(nc, tag)
+                    elif name.startswith("publish_atomic"):
+                        elapsed, lat = await bridge_atomic(nc, tag, ATOMIC_CALL)
+                    elif batch is None:
                         elapsed, lat = await raw_ceiling(nc, tag)
                     else:
                         elapsed, lat = await bridge_batches(nc, tag, batch)
@@ -139,7 +201,7 @@ def render(rows: list[Row]) -> str:
         f"{'p50 ms':>9}{'p99 ms':>9}{'vs (a)':>8}"
     )
     lines = [head, "-" * len(head)]
-    ceiling = {r.sync: r.rate for r in rows if r.method.startswith("nats-py")}
+    ceiling = {r.sync: r.rate for r in rows if r.method == "nats-py publish_async"}
     for r in rows:
         ratio = r.rate / ceiling[r.sync]
         lines.append(
@@ -154,16 +216,24 @@ async def main() -> str:
         for sync in SYNC_POLICIES:
             rows += await bench_policy(sync, Path(tmp))
     table = render(rows)
-    print(f"\n{EVENTS} events of {PAYLOAD} B per run; ratio = publish_batch / publish_async")
+    print(f"\n{EVENTS} events of {PAYLOAD} B per run; ratio = method / publish_async")
     print(table)
     from tests.bench.common import write_report
 
+    atomic = {
+        r.sync: r.rate for r in rows if r.method.startswith("nats-py atomic")
+    }  # publish_atomic against nats-py's own atomic batches, per fsync policy
     write_report(
         "publish",
         {
             "events": EVENTS,
             "payload": PAYLOAD,
             "rows": [{**asdict(r), "rate": r.rate} for r in rows],
+            "atomic_vs_ceiling": {
+                r.sync: r.rate / atomic[r.sync]
+                for r in rows
+                if r.method.startswith("publish_atomic")
+            },
         },
     )
     return table
@@ -172,7 +242,7 @@ async def main() -> str:
 def test_bench_publish() -> None:
     """Prints the table; no speed assertion (the numbers depend on the machine)."""
     table = asyncio.run(main())
-    assert "publish_batch(4096)" in table
+    assert "publish_batch(4096)" in table and "publish_atomic" in table
 
 
 if __name__ == "__main__":
