@@ -254,3 +254,20 @@ async def test_filters_render_once_per_event() -> None:
     assert ev.json == b'{"a":1,"b":2}'  # a multi-line payload is re-encoded on one line
     assert StreamMessage(2, "s", b"not json").json == b'"not json"'
     assert StreamMessage(3, "s", b'{"a":1}').view(compile_filter("WHERE a = 2")) is None
+
+
+async def test_a_pass_that_leaves_events_behind_wakes_the_pump() -> None:
+    """The feed's pass takes one fetch's worth; a parked subscriber left with more (a
+    batch larger than that) is woken and its pump delivers the rest, in order."""
+    mem = MemStream()
+    feed = Feed("s", mem.open, batch=4, fetch_timeout_s=0.05)
+    c = Client()
+    task = await run(feed, c, 1, mem)
+    await await_until(lambda: feed.stats()["parked"] == 1, timeout=5)
+    feed._dispatch([StreamMessage(i, "raw.s", b'{"i":%d}' % i) for i in range(1, 11)])
+    await await_until(lambda: c.seqs[-1:] == [10], timeout=5)
+    assert c.seqs == list(range(1, 11)) and c.progress[-1] == 10
+    if INLINE[0]:
+        assert feed.counters["served_inline"] == 0 and feed.counters["pump_wakes"] == 1
+        assert c.sub.sent == 10
+    await finish(feed, task)

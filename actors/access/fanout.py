@@ -371,9 +371,10 @@ class Subscriber:
 
     def serve_inline(self, feed: Feed) -> bool:
         """Deliver, in place and without waiting, what the feed holds past this parked
-        subscriber's position. True: done (or nothing to do), it stays parked. False:
-        nothing was written and its pump must run (a paused or closed socket, a rate limit,
-        an ack window without room, a position the ring no longer holds)."""
+        subscriber's position. True: done (or nothing to do), it stays parked. False: its
+        pump must run: nothing was written (a paused or closed socket, a rate limit, an ack
+        window without room, a position the ring no longer holds), or more is left than
+        one pass takes."""
         if (
             self._deliver_now is None
             or self.closed
@@ -401,7 +402,7 @@ class Subscriber:
             self._writing = out[-1][0].seq
             self._sent(out)
         self._advance(events[-1].seq)
-        return True
+        return self.next_seq >= feed.position
 
     def _sent(self, out: list[tuple[StreamMessage, bytes]]) -> None:
         self.sent += len(out)
@@ -695,10 +696,11 @@ class Feed:
             return
         self._last_lag_check = now
         aged, self._checked_position = self._checked_position, self.position
+        position = self.position
         for sub in list(self.subs):
             if sub.closed:
                 self.subs.discard(sub)
-            else:
+            elif sub.next_seq < position:  # one at the head is behind by nothing: "ok"
                 sub.check_lag(self, aged)
 
     def _idle(self) -> bool:
