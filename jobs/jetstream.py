@@ -29,7 +29,9 @@ onAgedOut            ``fail`` (default): a start sequence below the stream's fir
                      an error naming both; ``skip``: continue from the first sequence and add
                      the gap to the offset's ``skipped`` count (and log it)
 validate             ``json`` (default), ``utf8``, or ``none``
-partitionSize        sequences per partition (default 20000)
+partitionSize        sequences per partition at most (default 20000)
+minPartitions        partitions a range is cut into at least, each of 1000 sequences or more,
+                     so Spark's cores read one micro-batch together (default 2)
 fetchBatch           messages per pull request (default 2000)
 timeout              seconds for a NATS request (default 10)
 ==================== ==========================================================================
@@ -114,7 +116,8 @@ class JetStreamBatchReader(DataSourceReader):
                 bounds.first,
             )
             start = bounds.first
-        return list(split_range(start, end, self.opts.partition_size)) or [SeqRange(start, start)]
+        parts = split_range(start, end, self.opts.partition_size, self.opts.min_partitions)
+        return list(parts) or [SeqRange(start, start)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_range(self.opts, partition)  # type: ignore[arg-type]
@@ -167,7 +170,8 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         # A skip recorded in `end` moved the batch's first sequence past the aged-out gap.
         first = int(start["seq"]) + int(end.get("skipped", 0)) - int(start.get("skipped", 0))
-        return list(split_range(first, int(end["seq"]), self.opts.partition_size))
+        opts = self.opts
+        return list(split_range(first, int(end["seq"]), opts.partition_size, opts.min_partitions))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_range(self.opts, partition)  # type: ignore[arg-type]

@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
+from nats.protocol.parser import MAX_CONTROL_LINE_SIZE as _MAX_CONTROL_LINE
+from nats.protocol.parser import Parser
 
 from jobs.jetstream_options import (
     DEFAULT_TIMEOUT,
@@ -106,14 +109,39 @@ def _parse_reply(reply: str) -> tuple[int, int, int]:
     # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or the v2 form
     # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<r>
     t = reply.split(".")
-    if len(t) == 9:
-        return int(t[5]), int(t[7]), int(t[8])
-    if len(t) >= 12:
-        return int(t[7]), int(t[9]), int(t[10])
+    try:
+        if len(t) == 9:
+            return int(t[5]), int(t[7]), int(t[8])
+        if len(t) >= 12:
+            return int(t[7]), int(t[9]), int(t[10])
+    except ValueError:
+        pass
     raise SourceError(f"jetstream source: unexpected delivery reply subject {reply!r}")
 
 
-Fetched = tuple[int, str, int, str | None, bytes]  # seq, subject, ts ns, msg id, payload
+class Chunk:
+    """Deliveries as the client read them off the wire, one list per part, in stream order:
+    no per-event object, no header parsing (both happen per column in `chunk_to_batch`)."""
+
+    __slots__ = ("headers", "payloads", "replies", "subjects")
+
+    def __init__(self) -> None:
+        self.subjects: list[bytes] = []
+        self.replies: list[bytes] = []
+        self.headers: list[bytes | None] = []
+        self.payloads: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def append(self, subject: bytes, reply: bytes, headers: bytes | None, payload: bytes) -> None:
+        self.subjects.append(subject)
+        self.replies.append(reply)
+        self.headers.append(headers)
+        self.payloads.append(payload)
+
+    def last_reply(self) -> tuple[int, int, int]:
+        return _parse_reply(self.replies[-1].decode("utf-8", "replace"))
 
 
 class _RangeFetcher:
@@ -123,6 +151,10 @@ class _RangeFetcher:
     is complete, so it travels while the caller converts and hands over the last chunk. A pull
     that gets no answer (a reconnect, a lost consumer) starts a new consumer right after the
     last sequence received, a bounded number of times, so nothing is skipped or repeated.
+
+    Deliveries to the consumer's inbox are taken straight off the wire (`take_deliveries`):
+    nats-py's per-message `Msg`, header dict and subscription queue cost more than the rest
+    of the read.
     """
 
     def __init__(self, opts: SourceOptions, part: SeqRange, restarts: int = 3) -> None:
@@ -130,9 +162,9 @@ class _RangeFetcher:
         self._restarts_left = restarts
         self._nc: Client | None = None
         self._sub: Any = None
+        self._sid: int | None = None
         self._consumer: str | None = None
-        self._gen = 0
-        self._chunk: list[Fetched] = []
+        self._chunk = Chunk()
         self._want = 0
         self._next_seq = part.start
         self._finished = False
@@ -142,8 +174,9 @@ class _RangeFetcher:
 
     async def open(self) -> None:
         opts, part = self._opts, self._part
-        self._nc = await opts.nats.connect(name=f"jetstream-read-{opts.stream}")
-        bounds = await stream_bounds(self._nc, opts.stream, opts.timeout)
+        self._nc = nc = await opts.nats.connect(name=f"jetstream-read-{opts.stream}")
+        take_deliveries(nc, self._take)
+        bounds = await stream_bounds(nc, opts.stream, opts.timeout)
         if bounds.first > part.start:
             if opts.on_aged_out != "skip":
                 raise AgedOutError(opts.stream, part.start, bounds.first)
@@ -163,7 +196,6 @@ class _RangeFetcher:
         assert self._nc is not None
         opts = self._opts
         await self._drop_consumer()
-        self._gen += 1
         self._error = None
         config = ConsumerConfig(
             name=f"tf-read-{uuid.uuid4().hex[:16]}",
@@ -184,22 +216,17 @@ class _RangeFetcher:
             self._finished = True
             self._done.set()
             return
-        gen = self._gen
 
-        async def on_msg(msg: Msg) -> None:
-            if gen == self._gen:
-                self._on_msg(msg)
+        async def unused(msg: Msg) -> None:  # deliveries go to `_take`
+            """Never called: `take_deliveries` takes this inbox's messages."""
 
-        self._sub = await self._nc.subscribe(
-            self._nc.new_inbox(),
-            cb=on_msg,
-            pending_msgs_limit=4 * opts.fetch_batch + 16,
-            pending_bytes_limit=256 << 20,
-        )
+        self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=unused)
+        self._sid = self._sub._id
         await self._pull()
 
     async def _drop_consumer(self) -> None:
         sub, name, self._sub, self._consumer = self._sub, self._consumer, None, None
+        self._sid = None
         try:
             if sub is not None:
                 await sub.unsubscribe()
@@ -218,37 +245,49 @@ class _RangeFetcher:
             reply=self._sub.subject,
         )
 
-    def _on_msg(self, msg: Msg) -> None:
-        if self._finished or self._done.is_set():
-            return  # the tail of a request already complete (e.g. past the range's end)
-        headers = msg.headers
-        if headers and STATUS_HEADER in headers:
-            status = headers[STATUS_HEADER]
-            if status in ("404", "408"):  # no more messages now / request expired
+    def _take(
+        self, sid: int, subject: bytes, reply: bytes, headers: bytes | None, data: bytes
+    ) -> bool:
+        """One message off the wire: True if it was for the current consumer's inbox."""
+        if sid != self._sid:
+            return False
+        if not (self._finished or self._done.is_set()):  # else: the tail of a complete request
+            self._on_delivery(subject, reply, headers, data)
+        return True
+
+    def _on_delivery(
+        self, subject: bytes, reply: bytes, headers: bytes | None, data: bytes
+    ) -> None:
+        """One delivery or status message for the current pull."""
+        if headers is not None and headers[8:9] == b" ":  # "NATS/1.0 404 ...": a status
+            status = headers[9:12]
+            if status in (b"404", b"408"):  # no more messages now / request expired
                 if not self._chunk:
                     self._finished = True
                 self._done.set()
-            elif status != "100":  # 100 = heartbeat or flow control
-                self._error = f"{status} {headers.get('Description', '')}".strip()
+            elif status != b"100":  # 100 = heartbeat or flow control
+                line = headers[9:].split(b"\r\n", 1)[0]
+                self._error = line.decode("utf-8", "replace").strip()
                 self._done.set()
             return
-        seq, ts, pending = _parse_reply(msg.reply)
-        if seq >= self._part.end:
-            self._finished = True
-            self._done.set()
-            return
-        msg_id = headers.get(MSG_ID_HEADER) if headers else None
-        self._chunk.append((seq, msg.subject, ts, msg_id, msg.data))
-        self._next_seq = seq + 1
+        self._chunk.append(subject, reply, headers, data)
         self._want -= 1
-        if pending == 0 or seq + 1 >= self._part.end:
-            self._finished = True
-            self._done.set()
-        elif self._want <= 0:
+        if self._want <= 0:
             self._done.set()
 
-    async def next_chunk(self) -> list[Fetched] | None:
-        """The next events of the range (in sequence order); None when the range is done."""
+    def _advance(self) -> None:
+        """Move the next wanted sequence past what the chunk holds; finish at the range's
+        end or when the consumer has nothing more pending."""
+        if not self._chunk:
+            return
+        seq, _, pending = self._chunk.last_reply()
+        self._next_seq = seq + 1
+        if pending == 0 or seq + 1 >= self._part.end:
+            self._finished = True
+
+    async def next_chunk(self) -> Chunk | None:
+        """The next deliveries of the range (in sequence order; the last chunk may run past
+        the range's end, `chunk_to_batch` cuts it); None when the range is done."""
         while True:
             try:
                 await asyncio.wait_for(self._done.wait(), self._opts.timeout)
@@ -256,6 +295,9 @@ class _RangeFetcher:
             except TimeoutError:
                 problem = f"no answer to a pull within {self._opts.timeout} s"
             if problem is None:
+                break
+            self._advance()
+            if self._finished:
                 break
             if self._restarts_left <= 0:
                 raise SourceError(
@@ -270,7 +312,8 @@ class _RangeFetcher:
                 problem,
             )
             await self._start_consumer()
-        chunk, self._chunk = self._chunk, []
+        self._advance()
+        chunk, self._chunk = self._chunk, Chunk()
         if not self._finished:
             await self._pull()
         elif not chunk:
@@ -284,49 +327,232 @@ class _RangeFetcher:
             await nc.close()
 
 
+# --------------------------------------------------------------------------- off the wire
+
+Take = Callable[[int, bytes, bytes, "bytes | None", bytes], bool]
+
+
+def take_deliveries(nc: Client, take: Take) -> None:
+    """Offer every message `nc` receives to `take(sid, subject, reply, headers, payload)`
+    first, before nats-py builds anything for it; what `take` declines (returns False for)
+    goes on through nats-py as usual.
+
+    Relies on two internals of the pinned nats-py (2.16): the protocol parser `nc._ps` and
+    `nc._process_msg`, which the parser calls per message. The parser keeps its state; only
+    its class changes, to `_WireParser`, whose fast lane reads whole ``MSG``/``HMSG``
+    frames with a few byte operations and leaves every other operation to nats-py.
+    """
+    parsed = nc._process_msg
+
+    async def process_msg(
+        sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        if not take(sid, subject, reply, headers, data):
+            await parsed(sid, subject, reply, data, headers)
+
+    nc._process_msg = process_msg  # type: ignore[method-assign]
+    parser = nc._ps
+    parser.__class__ = _WireParser
+    parser.take = take  # type: ignore[attr-defined]
+
+
+class _WireParser(Parser):
+    """nats-py's protocol parser with a fast lane for whole ``MSG`` / ``HMSG`` frames."""
+
+    take: Take
+
+    async def parse(self, data: bytes = b"") -> None:
+        buf = self.buf
+        buf.extend(data)
+        pos, size, partial = 0, len(buf), False
+        try:
+            while self.state == _AWAITING_CONTROL_LINE and pos < size:
+                if buf.startswith(b"HMSG ", pos):
+                    head = 5
+                elif buf.startswith(b"MSG ", pos):
+                    head = 4
+                else:
+                    break  # PING, INFO, +OK, -ERR, ...: nats-py's
+                eol = buf.find(b"\r\n", pos, pos + _MAX_CONTROL_LINE)
+                if eol < 0:
+                    partial = size - pos < _MAX_CONTROL_LINE
+                    break
+                args = buf[pos + head : eol].split()
+                hdr_len = 0
+                if head == 5 and len(args) == 5:
+                    subject, sid, reply, hdr, total = args
+                    hdr_len = int(hdr)
+                elif head == 5 and len(args) == 4:
+                    subject, sid, hdr, total = args
+                    reply, hdr_len = b"", int(hdr)
+                elif head == 4 and len(args) == 4:
+                    subject, sid, reply, total = args
+                elif head == 4 and len(args) == 3:
+                    subject, sid, total = args
+                    reply = b""
+                else:
+                    break  # nats-py raises the protocol error
+                start = eol + 2
+                stop = start + int(total)
+                if size < stop + 2:
+                    partial = True  # the payload is still on its way
+                    break
+                headers = bytes(buf[start : start + hdr_len]) if hdr_len else None
+                payload = bytes(buf[start + hdr_len : stop])
+                pos = stop + 2
+                if not self.take(int(sid), bytes(subject), bytes(reply), headers, payload):
+                    del buf[:pos]
+                    pos, size = 0, len(buf)
+                    await self.nc._process_msg(
+                        int(sid), bytes(subject), bytes(reply), payload, headers
+                    )
+        finally:
+            if pos:
+                del buf[:pos]
+        if buf and not partial:
+            await super().parse()
+
+
+# --------------------------------------------------------------------------- to Arrow
+
+
 def _arrow_schema() -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     return to_arrow_schema(schema(), timezone="UTC")
 
 
+_RAW = msgspec.json.Decoder(msgspec.Raw)
+_MSG_ID = r"\r\n" + MSG_ID_HEADER + r":[ \t]*(?P<id>[^\r\n]*?)[ \t]*\r\n"
+
+
 def check_payload(payload: bytes, validate: str) -> tuple[str | None, str | None]:
-    """(text, error): the payload as text when it is UTF-8, and why it is malformed, if it is."""
+    """(text, error): the payload as text when it is UTF-8, and why it is malformed, if it is.
+
+    The per-event rule; `payload_columns` applies the same rule to a whole chunk at once."""
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as err:
         return None, f"payload is not UTF-8: {err}"
     if validate == "json":
         try:
-            msgspec.json.decode(payload, type=msgspec.Raw)
+            _RAW.decode(payload)
         except msgspec.DecodeError as err:
             return text, f"payload is not JSON: {err}"
     return text, None
 
 
-def events_to_batch(
-    events: list[Fetched], validate: str, arrow_schema: pa.Schema
-) -> pa.RecordBatch:
-    """Events as one Arrow record batch in the source's schema."""
+def _as_text(values: pa.Array) -> pa.Array:
+    """A binary column as strings; a value that is not UTF-8 gets U+FFFD (as nats-py would)."""
     import pyarrow as pa
 
-    seqs, subjects, tss, ids, datas, valids, errors, raws = ([] for _ in range(8))
-    for seq, subject, ts, msg_id, payload in events:
-        if validate == "none":
-            text, err = payload.decode("utf-8", "replace"), None
-        else:
-            text, err = check_payload(payload, validate)
-        seqs.append(seq)
-        subjects.append(subject)
-        tss.append(ts // 1000)
-        ids.append(msg_id)
-        datas.append(text)
-        valids.append(err is None)
-        errors.append(err)
-        raws.append(payload if err is not None else None)
-    cols = [seqs, subjects, tss, ids, datas, valids, errors, raws]
-    arrays = [pa.array(c, type=f.type) for c, f in zip(cols, arrow_schema, strict=True)]
-    return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+    try:
+        return values.cast(pa.string())
+    except pa.ArrowInvalid:
+        return pa.array(
+            [None if v is None else v.decode("utf-8", "replace") for v in values.to_pylist()],
+            pa.string(),
+        )
+
+
+def payload_columns(
+    payloads: list[bytes], validate: str
+) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array]:
+    """(data, valid, error, raw) for a chunk's payloads: exactly `check_payload` per event.
+
+    UTF-8 is checked by one Arrow cast of the whole column and JSON by msgspec's C decoder
+    in one loop; only a chunk holding a bad payload pays a per-event pass, and only its
+    malformed events carry `error` and `raw`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(payloads)
+    binary = pa.array(payloads, pa.binary())
+    if validate == "none":
+        return (
+            _as_text(binary),
+            pa.repeat(True, n),
+            pa.nulls(n, pa.string()),
+            pa.nulls(n, pa.binary()),
+        )
+    errors: dict[int, str] = {}
+    try:
+        data = binary.cast(pa.string())
+    except pa.ArrowInvalid:  # some payload is not UTF-8: find which, per event
+        texts: list[str | None] = []
+        for i, payload in enumerate(payloads):
+            text, err = check_payload(payload, "utf8")
+            texts.append(text)
+            if err is not None:
+                errors[i] = err
+        data = pa.array(texts, pa.string())
+    if validate == "json":
+        decode = _RAW.decode
+        for i, payload in enumerate(payloads):
+            try:
+                decode(payload)
+            except msgspec.DecodeError as err:
+                if i not in errors:
+                    errors[i] = f"payload is not JSON: {err}"
+    if not errors:
+        return data, pa.repeat(True, n), pa.nulls(n, pa.string()), pa.nulls(n, pa.binary())
+    valid = pa.array([i not in errors for i in range(n)], pa.bool_())
+    error = pa.array([errors.get(i) for i in range(n)], pa.string())
+    raw = pc.if_else(valid, pa.scalar(None, pa.binary()), binary)
+    return data, valid, error, raw
+
+
+def _reply_columns(replies: list[bytes]) -> tuple[pa.Array, pa.Array]:
+    """(stream seq, timestamp ns) from the deliveries' reply subjects, by column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = pa.array(replies, pa.binary()).cast(pa.string())
+    tokens = pc.split_pattern(text, ".")
+    lengths = pc.min_max(pc.list_value_length(tokens))
+    low, high = lengths["min"].as_py(), lengths["max"].as_py()
+    at = (5, 7) if low == high == 9 else (7, 9) if low >= 12 else None
+    if at is not None:
+        try:
+            return (
+                pc.list_element(tokens, at[0]).cast(pa.int64()),
+                pc.list_element(tokens, at[1]).cast(pa.int64()),
+            )
+        except pa.ArrowInvalid:
+            pass
+    parsed = [_parse_reply(r.decode("utf-8", "replace")) for r in replies]  # raises on a bad one
+    return pa.array([p[0] for p in parsed], pa.int64()), pa.array(
+        [p[1] for p in parsed], pa.int64()
+    )
+
+
+def chunk_to_batch(
+    chunk: Chunk, validate: str, arrow_schema: pa.Schema, end: int | None = None
+) -> pa.RecordBatch:
+    """A chunk as one Arrow record batch in the source's schema, cut before sequence `end`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    seq, ts_ns = _reply_columns(chunk.replies)
+    n = len(chunk)
+    if end is not None and n and seq[n - 1].as_py() >= end:
+        n = pc.sum(pc.less(seq, end)).as_py() or 0  # sequences rise: the first n are in range
+        seq, ts_ns = seq[:n], ts_ns[:n]
+    subjects = chunk.subjects if n == len(chunk) else chunk.subjects[:n]
+    headers = chunk.headers if n == len(chunk) else chunk.headers[:n]
+    payloads = chunk.payloads if n == len(chunk) else chunk.payloads[:n]
+    ts = pc.divide(ts_ns, 1000).cast(arrow_schema.field("ts").type)
+    if any(h is not None for h in headers):
+        found = pc.extract_regex(pa.array(headers, pa.binary()), _MSG_ID)
+        found = pc.struct_field(found, "id")  # null where no header matched (.field is not)
+        msg_id = _as_text(found)
+    else:
+        msg_id = pa.nulls(n, pa.string())
+    data, valid, error, raw = payload_columns(payloads, validate)
+    subject = _as_text(pa.array(subjects, pa.binary()))
+    return pa.RecordBatch.from_arrays(
+        [seq, subject, ts, msg_id, data, valid, error, raw], schema=arrow_schema
+    )
 
 
 def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
@@ -344,8 +570,9 @@ def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
             chunk = _run(lt, fetcher.next_chunk(), call_timeout)
             if chunk is None:
                 break
-            if chunk:
-                yield events_to_batch(chunk, opts.validate, arrow_schema)
+            batch = chunk_to_batch(chunk, opts.validate, arrow_schema, part.end)
+            if batch.num_rows:
+                yield batch
     finally:
         try:
             _run(lt, fetcher.close(), call_timeout)
@@ -355,10 +582,12 @@ def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
 
 
 __all__ = [
-    "Fetched",
+    "Chunk",
     "StreamControl",
     "check_payload",
-    "events_to_batch",
+    "take_deliveries",
+    "chunk_to_batch",
+    "payload_columns",
     "read_range",
     "stream_bounds",
 ]

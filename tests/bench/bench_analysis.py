@@ -7,6 +7,11 @@ reading the JetStream stream through the ``jetstream`` source, once reading the 
 from JSON-lines files (Spark's file source), in micro-batches of equal size. A small
 warm-up query per source first pays the Python workers' start-up, so neither measured run
 does. Micro-batch latency (p50/p99) is each batch's ``triggerExecution`` from query progress.
+
+The sources alone, with no query, show how far each is from the query's rate: the same
+micro-batches written to Spark's ``noop`` sink (every column of every row materialised,
+nothing computed), and one batch ``spark.read`` of the whole stream (``count`` over every
+row's ``data``), which reads its partitions in parallel.
 A profile pass (py-spy on this process and its Spark Python workers, reading JetStream)
 follows, not measured.
 
@@ -136,10 +141,37 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             q = start_job(spark, spec, nats, tmp_path / "ckpt", trigger=once, **kw)
             return measure(q, t, events)
 
+        def read_only(name: str, source: Any) -> dict[str, Any]:
+            """The source alone: its micro-batches into the noop sink."""
+            t = time.perf_counter()
+            q = (
+                source.writeStream.queryName(name)
+                .format("noop")
+                .option("checkpointLocation", str(tmp_path / "ckpt" / name))
+                .trigger(availableNow=True)
+                .start()
+            )
+            return measure(q, t, EVENTS)
+
+        def js_source(stream: str) -> Any:
+            reader = spark.readStream.format("jetstream").options(**nats.to_options())
+            return reader.option("stream", stream).option("maxEventsPerTrigger", BATCH).load()
+
         run("bench_warm_files", WARM, source=files_source(warm))
         run("bench_warm_jetstream", WARM, stream="warm")
         from_js = run("bench_topn_jetstream")
         from_files = run("bench_topn_files", source=files_source(files))
+        js_alone = read_only("bench_read_jetstream", js_source("meetup"))
+        files_alone = read_only("bench_read_files", files_source(files))
+        batch_df = spark.read.format("jetstream").options(**nats.to_options())
+        batch_df = batch_df.option("stream", "meetup").load()
+        t = time.perf_counter()
+        counted = batch_df.selectExpr("count(data)").collect()[0][0]
+        js_batch = {
+            "events": counted,
+            "partitions": batch_df.rdd.getNumPartitions(),
+            "events_per_s": counted / (time.perf_counter() - t),
+        }
         profiles: dict[str, Any] = {}
         if PROFILE:
             spy = Profiler(
@@ -163,6 +195,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     exact = [t for t, _ in topic_counts(rsvps).most_common(10)]
     assert [t["item"] for t in tops[0]] == exact == [t["item"] for t in tops[1]]
     assert from_js["events"] == from_files["events"] == EVENTS
+    assert js_alone["events"] == files_alone["events"] == js_batch["events"] == EVENTS
 
     print(
         f"\nanalysis: Meetup top-N (Space-Saving, capacity 100000), {EVENTS} RSVPs, "
@@ -170,15 +203,26 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         f"(stream filled in {publish_s:.1f} s, not measured)"
     )
     head = f"{'events/s':>10}{'proc ev/s':>11}{'batches':>9}{'p50 ms':>9}{'p99 ms':>9}"
-    print(f"{'source':<12}{head}")
-    for label, r in (("jetstream", from_js), ("files", from_files)):
+    print(f"{'source':<22}{head}{'vs files':>10}")
+    for label, r, files_r in (
+        ("top-N, jetstream", from_js, from_files),
+        ("top-N, files", from_files, from_files),
+        ("read only, jetstream", js_alone, files_alone),
+        ("read only, files", files_alone, files_alone),
+    ):
         print(
-            f"{label:<12}{r['events_per_s']:>10,.0f}{r['processing_events_per_s']:>11,.0f}"
+            f"{label:<22}{r['events_per_s']:>10,.0f}{r['processing_events_per_s']:>11,.0f}"
             f"{r['batches']:>9}{r['p50_ms']:>9.0f}{r['p99_ms']:>9.0f}"
+            f"{r['events_per_s'] / files_r['events_per_s']:>10.2f}"
         )
     print(
+        f"batch read of the stream, count(data): {js_batch['events_per_s']:,.0f} events/s "
+        f"over {js_batch['partitions']} partitions"
+    )
+    print(
         "events/s: wall clock from query start to its end; proc ev/s: events over the sum of "
-        "batch durations; p50/p99: triggerExecution per micro-batch"
+        "batch durations; p50/p99: triggerExecution per micro-batch; read only: the same "
+        "micro-batches into the noop sink, no query"
     )
     if profiles:
         print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
@@ -190,6 +234,9 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             "master": master,
             "jetstream": from_js,
             "files": from_files,
+            "jetstream_source": js_alone,
+            "files_source": files_alone,
+            "jetstream_batch_read": js_batch,
             "profiles": profiles,
         },
     )

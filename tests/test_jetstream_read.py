@@ -1,0 +1,299 @@
+"""The jetstream source's read path (jobs/jetstream_read.py) without Spark: the by-column
+conversion against the per-event rule, the wire parser's fast lane against any cut of the
+byte stream, and whole ranges read from a real nats-server across several partitions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+from nats.protocol.parser import Parser
+
+from jobs.jetstream_options import SourceError, SourceOptions, split_range
+from jobs.jetstream_read import (
+    Chunk,
+    _arrow_schema,
+    check_payload,
+    chunk_to_batch,
+    payload_columns,
+    read_range,
+    take_deliveries,
+)
+from tests.support import NatsFactory, with_nats
+
+pytestmark = pytest.mark.timeout(120)
+
+# ---- payloads: by column == per event -----------------------------------------------------
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=8,
+)
+good_json = json_values.map(lambda v: json.dumps(v, ensure_ascii=False).encode())
+payloads = st.one_of(
+    good_json,
+    good_json.flatmap(lambda b: st.integers(0, len(b)).map(lambda i: b[:i])),  # cut short
+    good_json.map(lambda b: b[:1] + b"\xff\xfe" + b[1:]),  # not UTF-8 inside JSON
+    st.text().map(str.encode),  # UTF-8, rarely JSON
+    st.binary(max_size=40),  # often not UTF-8
+    st.sampled_from([b"", b" ", b"{}", b"[1,2]", b"1,2", b"\xc3", b'"\xed\xa0\x80"', b"nul\x00"]),
+)
+
+
+@pytest.mark.unit
+@given(st.lists(payloads, max_size=40), st.sampled_from(["json", "utf8"]))
+@settings(max_examples=300, deadline=None)
+def test_payload_columns_match_the_per_event_check(batch: list[bytes], validate: str) -> None:
+    data, valid, error, raw = payload_columns(batch, validate)
+    want = [check_payload(p, validate) for p in batch]
+    assert data.to_pylist() == [text for text, _ in want]
+    assert valid.to_pylist() == [err is None for _, err in want]
+    assert error.to_pylist() == [err for _, err in want]
+    assert raw.to_pylist() == [
+        p if err is not None else None for p, (_, err) in zip(batch, want, strict=True)
+    ]
+
+
+@pytest.mark.unit
+@given(st.lists(payloads, max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_validate_none_keeps_every_event_as_text(batch: list[bytes]) -> None:
+    data, valid, error, raw = payload_columns(batch, "none")
+    assert data.to_pylist() == [p.decode("utf-8", "replace") for p in batch]
+    assert valid.to_pylist() == [True] * len(batch)
+    assert error.null_count == raw.null_count == len(batch)
+
+
+# ---- chunks: reply subjects, headers, the range's end --------------------------------------
+
+TS = 1795301006886081543
+
+
+def v1(seq: int, pending: int = 5) -> bytes:
+    return b"$JS.ACK.ev.tf-read-x.1.%d.%d.%d.%d" % (seq, seq, TS + seq, pending)
+
+
+def v2(seq: int) -> bytes:
+    return b"$JS.ACK.hub.ACCHASH.ev.cons.1.%d.%d.%d.0.tok" % (seq, seq, TS + seq)
+
+
+@pytest.mark.unit
+def test_chunk_columns_from_replies_and_headers() -> None:
+    chunk = Chunk()
+    chunk.append(b"raw.a", v1(3), b"NATS/1.0\r\nNats-Msg-Id: id-3\r\n\r\n", b'{"a":1}')
+    chunk.append(b"raw.b", v1(7), None, b"[]")  # no headers: no id
+    chunk.append(b"raw.a", v1(8), b"NATS/1.0\r\nOther: x\r\nNats-Msg-Id:id 8 \r\n\r\n", b"{")
+    chunk.append(b"raw.a", v1(9), b"NATS/1.0\r\nOther: x\r\n\r\n", b"1")
+    chunk.append(b"raw.a", v1(12), b"NATS/1.0\r\nNats-Msg-Id: past-end\r\n\r\n", b"1")
+    batch = chunk_to_batch(chunk, "json", _arrow_schema(), end=12)
+    rows = batch.to_pylist()
+    assert [r["seq"] for r in rows] == [3, 7, 8, 9]  # 12 is past the range's end
+    assert [r["subject"] for r in rows] == ["raw.a", "raw.b", "raw.a", "raw.a"]
+    assert [r["msg_id"] for r in rows] == ["id-3", None, "id 8", None]
+    assert [r["valid"] for r in rows] == [True, True, False, True]
+    assert rows[2]["raw"] == b"{" and "not JSON" in rows[2]["error"]
+    assert rows[0]["ts"].timestamp() == pytest.approx((TS + 3) / 1e9, abs=1e-6)
+
+    two = Chunk()
+    for seq in (41, 42):
+        two.append(b"s", v2(seq), None, b"{}")
+    assert chunk_to_batch(two, "json", _arrow_schema()).column("seq").to_pylist() == [41, 42]
+
+    bad = Chunk()
+    bad.append(b"s", b"_INBOX.abc", None, b"{}")
+    with pytest.raises(SourceError, match="_INBOX.abc"):
+        chunk_to_batch(bad, "json", _arrow_schema())
+
+
+# ---- the wire parser's fast lane ------------------------------------------------------------
+
+
+class FakeClient:
+    """What the protocol parser calls back on a client; records everything."""
+
+    def __init__(self) -> None:
+        self._ps = Parser(self)
+        self.passed: list[tuple[int, bytes, bytes, bytes, bytes | None]] = []
+        self.pings = 0
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        self.passed.append((sid, subject, reply, data, headers))
+
+    async def _process_ping(self) -> None:
+        self.pings += 1
+
+    async def _process_pong(self) -> None:
+        pass
+
+
+def frame(sid: int, subject: bytes, reply: bytes, headers: bytes | None, data: bytes) -> bytes:
+    args = [subject, b"%d" % sid] + ([reply] if reply else [])
+    if headers is None:
+        return b"MSG " + b" ".join([*args, b"%d" % len(data)]) + b"\r\n" + data + b"\r\n"
+    size = [b"%d" % len(headers), b"%d" % (len(headers) + len(data))]
+    return b"HMSG " + b" ".join(args + size) + b"\r\n" + headers + data + b"\r\n"
+
+
+messages = st.lists(
+    st.tuples(
+        st.sampled_from([1, 2]),  # sid 1 is taken, sid 2 goes on to nats-py
+        st.sampled_from([b"raw.a", b"_INBOX.x"]),
+        st.sampled_from([b"", v1(5)]),
+        st.one_of(st.none(), st.just(b"NATS/1.0\r\nNats-Msg-Id: a\r\n\r\n")),
+        st.binary(max_size=30),
+    ),
+    max_size=12,
+)
+
+
+@pytest.mark.unit
+@given(messages, st.lists(st.integers(1, 60), max_size=20), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_wire_parser_takes_each_frame_once_however_the_bytes_are_cut(
+    msgs: list[tuple[int, bytes, bytes, bytes | None, bytes]], cuts: list[int], ping: bool
+) -> None:
+    nc = FakeClient()
+    taken: list[tuple[int, bytes, bytes, bytes | None, bytes]] = []
+
+    def take(sid: int, subject: bytes, reply: bytes, headers: bytes | None, data: bytes) -> bool:
+        if sid != 1:
+            return False
+        taken.append((sid, subject, reply, headers, data))
+        return True
+
+    take_deliveries(nc, take)  # type: ignore[arg-type]
+    wire = b"".join(frame(*m) for m in msgs)
+    if ping:  # another operation in the middle
+        half = b"".join(frame(*m) for m in msgs[: len(msgs) // 2])
+        wire = half + b"PING\r\n" + wire[len(half) :]
+
+    async def feed() -> None:
+        pos = 0
+        for cut in cuts:
+            await nc._ps.parse(wire[pos : pos + cut])
+            pos += cut
+        await nc._ps.parse(wire[pos:])
+
+    asyncio.run(feed())
+    assert taken == [m for m in msgs if m[0] == 1]
+    assert nc.passed == [(s, subj, r, d, h) for s, subj, r, h, d in msgs if s != 1]
+    assert nc.pings == int(ping)
+    assert not nc._ps.buf
+
+
+# ---- against nats-server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nats_url(nats_factory: NatsFactory) -> str:
+    return nats_factory(sync_interval="2m").url
+
+
+N = 12_000
+DELETED = {2, 3, 500, 4001, 4002, 7777, N}
+
+
+@pytest.fixture(scope="module")
+def gappy(nats_url: str) -> list[tuple[int, str, str | None, bytes]]:
+    """Stream `gappy`: N events on raw.g.a / raw.g.b, every 5th without a msg id, some
+    payloads malformed, then a few sequences deleted. Returns what remains, in order."""
+    msgs = []
+    for i in range(N):
+        subject = f"raw.g.{'ab'[i % 4 == 0]}"
+        payload = b"\xff bad" if i % 1000 == 7 else json.dumps({"i": i}).encode()
+        msgs.append((i + 1, subject, None if i % 5 == 0 else f"g-{i}", payload))
+
+    async def fill(nc: Client) -> None:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="gappy", subjects=["raw.g.>"]))
+        futs = []
+        for _, subject, mid, payload in msgs:
+            headers = {"Nats-Msg-Id": mid} if mid else None
+            futs.append(await js.publish_async(subject, payload, headers=headers))
+        await asyncio.wait_for(asyncio.gather(*futs), 60)
+        for seq in sorted(DELETED):
+            await js.delete_msg("gappy", seq)
+
+    with_nats(fill, nats_url)
+    return [m for m in msgs if m[0] not in DELETED]
+
+
+def read_all(opts: SourceOptions, start: int, end: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for part in split_range(start, end, opts.partition_size, opts.min_partitions):
+        for batch in read_range(opts, part):
+            rows.extend(batch.to_pylist())
+    return rows
+
+
+def test_a_range_over_several_partitions_delivers_every_retained_seq_once_in_order(
+    nats_url: str, gappy: list[tuple[int, str, str | None, bytes]]
+) -> None:
+    opts = SourceOptions.parse(
+        {"url": nats_url, "stream": "gappy", "partitionSize": "5000", "fetchBatch": "700"}
+    )
+    assert len(split_range(1, N + 1, opts.partition_size, opts.min_partitions)) == 3
+    rows = read_all(opts, 1, N + 1)
+    assert [r["seq"] for r in rows] == [m[0] for m in gappy]  # in order, gaps skipped
+    assert [(r["subject"], r["msg_id"]) for r in rows] == [(m[1], m[2]) for m in gappy]
+    bad = [r["seq"] for r in rows if not r["valid"]]
+    assert bad == [m[0] for m in gappy if m[3] == b"\xff bad"]
+    assert all(
+        r["raw"] == b"\xff bad" and "not UTF-8" in r["error"] for r in rows if not r["valid"]
+    )
+
+    # a range starting and ending inside gaps, cut in two by minPartitions
+    two = SourceOptions.parse({"url": nats_url, "stream": "gappy", "minPartitions": "2"})
+    assert len(split_range(3, 4002, two.partition_size, two.min_partitions)) == 2
+    assert [r["seq"] for r in read_all(two, 3, 4002)] == [m[0] for m in gappy if 3 <= m[0] < 4002]
+
+
+def test_a_filter_subject_reads_only_its_events_across_partitions(
+    nats_url: str, gappy: list[tuple[int, str, str | None, bytes]]
+) -> None:
+    opts = SourceOptions.parse(
+        {
+            "url": nats_url,
+            "stream": "gappy",
+            "subject": "raw.g.b",
+            "partitionSize": "4000",
+            "fetchBatch": "1000",
+        }
+    )
+    rows = read_all(opts, 1, N + 1)
+    assert [r["seq"] for r in rows] == [m[0] for m in gappy if m[1] == "raw.g.b"]
+    assert {r["subject"] for r in rows} == {"raw.g.b"}
+    # a range whose pulls run past its end (the filter skips sequences): cut at the end
+    rows = read_all(opts, 101, 1101)
+    assert [r["seq"] for r in rows] == [
+        m[0] for m in gappy if m[1] == "raw.g.b" and 101 <= m[0] < 1101
+    ]
+
+
+@pytest.mark.unit
+@given(st.integers(1, 10**6), st.integers(0, 60_000), st.integers(50, 30_000), st.integers(1, 4))
+@settings(deadline=None)
+def test_split_range_covers_the_range_once_and_honours_min_partitions(
+    start: int, span: int, size: int, min_parts: int
+) -> None:
+    parts = split_range(start, start + span, size, min_parts)
+    assert [p.start for p in parts[1:]] == [p.end for p in parts[:-1]]  # consecutive
+    assert (parts[0].start, parts[-1].end) == (start, start + span) if span else parts == []
+    assert all(0 < p.end - p.start <= size for p in parts)
+    if span >= min_parts * 1000:
+        assert len(parts) >= min_parts
+    if 0 < span < 2000 and span <= size:
+        assert len(parts) == 1  # never cut below 1000 sequences a part
