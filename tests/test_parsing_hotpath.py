@@ -83,6 +83,17 @@ def test_missing_id_is_generated_and_written_first() -> None:
         assert msgspec.json.decode(e.data)["id"] == e.id
 
 
+def test_pretty_printed_events_are_compacted_to_one_line() -> None:
+    """A line break inside an event would end an SSE `data:` line or an NDJSON export early."""
+    body = b'[\n  {\n    "id": "p-1",\n    "x": [1,\r\n 2]\n  },\n  {"y": "a\\nb"}\n]'
+    events = fast(JSON, body)
+    assert events[0].data == b'{"id":"p-1","x":[1,2]}'
+    assert events[1].data == b'{"id":"' + events[1].id.encode() + b'","y": "a\\nb"}'
+    assert not any(b"\n" in e.data or b"\r" in e.data for e in events)
+    (one,) = fast(JSON, b'{\n "id": 7\n}')
+    assert (one.id, one.data) == ("7", b'{"id":7}')
+
+
 def test_null_id_is_replaced_in_place() -> None:
     (event,) = fast(JSON, b'{"a": 1, "id": null, "b": [2]}')
     assert UUID7.match(event.id)

@@ -400,6 +400,10 @@ def _identify(
     append = events.append
     match = _ID_RE.match
     for i, (raw, given) in enumerate(zip(raws, ids, strict=True)):
+        if b"\n" in raw or b"\r" in raw:
+            # a pretty-printed event: kept as received, its line breaks would end an SSE
+            # `data:` line or an NDJSON export early, so it is re-encoded compactly
+            raw = _encode(_decode_any(raw))
         if given.__class__ is str and match(given):
             eid, data = given, raw
         elif given is _UNSET:
