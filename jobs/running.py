@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming import StreamingQuery
 
 
+DEADLETTER_TRIGGER_S = 5.0
+
+
 def checkpoint_run_id(checkpoint: str | Path) -> str:
     """The id Spark gave the query when its checkpoint was made (``<checkpoint>/metadata``):
     the same across restarts, new after a reset. The sink guards KV with it."""
@@ -125,8 +128,14 @@ def start_deadletters(
     trigger: Mapping[str, Any] | None = None,
     trigger_s: float = 1.0,
 ) -> StreamingQuery:
-    """The stream's malformed events to ``deadletter.<stream>`` (ids ``dl:<stream>:<seq>``)."""
+    """The stream's malformed events to ``deadletter.<stream>`` (ids ``dl:<stream>:<seq>``).
+
+    This query reads every event of the stream a second time, so it runs at most every
+    `DEADLETTER_TRIGGER_S` (fewer, bigger batches: each batch's fixed cost would otherwise
+    compete for the cores with the jobs' own); dead letters are not a live result.
+    """
     name = deadletter_query_name(stream)
+    trigger_s = max(trigger_s, DEADLETTER_TRIGGER_S)
     writer = DeadLetterBatch(ResultSink.for_query(nats, name), stream, on_batch)
     return (
         read_stream(spark, nats, stream)

@@ -217,11 +217,21 @@ def spark_checkpoint_dir(cfg: Config) -> Path:
     return cfg.state_path / "spark" / "checkpoints"
 
 
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+
 def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
     """A SparkSession on `spark.master` with quiet logs and checkpoints under the state dir.
 
     PySpark's Python DataSources run Python workers that must find pyarrow, so the
     workers use this interpreter (the venv's), not whatever `python3` is on PATH.
+
+    Micro-batch settings, measured with the Meetup top-N (batches of 100 and of 5,000
+    events, local[2]): 2 shuffle partitions (one stateful task per core; 4 cost a task's
+    overhead twice per batch) and RocksDB state with changelog checkpointing (each batch
+    writes only its changes; at least as fast as the in-memory HDFS-backed store here and
+    off the JVM heap as state grows with distinct items and windows). A query keeps the
+    settings its checkpoint was made with; `spark.conf` in the config overrides these.
     """
     require_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -234,7 +244,9 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
         SparkSession.builder.master(cfg.spark.master)
         .appName(app_name)
         .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
         .config("spark.sql.streaming.checkpointLocation", str(ckpt))
         .config("spark.sql.session.timeZone", "UTC")
     )

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from jobs.errors import JobError
 from jobs.event_time import iso_ms
+from jobs.paths import extract_values
 from jobs.plans import build_plan
 from jobs.specs import JobSpec, decode_spec
 from jobs.topn import (
@@ -200,6 +201,24 @@ def windows_of(events: list[dict[str, Any]]) -> set[int]:
 
 def spec_of(**kw: Any) -> JobSpec:
     return decode_spec({"name": "t", "kind": "topn", "stream": "s", "field": "tags[].name", **kw})
+
+
+def test_extract_values_flattens_every_array_without_exploding(spark: Any) -> None:
+    rows = [
+        (json.dumps({"a": [{"b": [{"c": 1}, {"c": "x"}]}, {"b": None}, {"b": [{"c": None}]}]}),),
+        (json.dumps({"a": []}),),
+        (json.dumps({"z": 1}),),
+        ("not json",),
+    ]
+    from pyspark.sql import functions as F
+
+    df = spark.createDataFrame(rows, "data string").withColumn("subject", F.lit("raw.s"))
+    got = extract_values(df, "v", "a[].b[].c").select("v").collect()
+    assert [r.v for r in got] == [["1", "x"], [], [], []]  # one row per event, nulls dropped
+    one = extract_values(df, "v", "z").select("v").collect()
+    assert [r.v for r in one] == [[], [], ["1"], []]
+    pseudo = extract_values(df, "v", "_subject").select("v").collect()
+    assert [r.v for r in pseudo] == [["raw.s"]] * 4
 
 
 def test_all_time_top_n_equals_a_recount_after_every_batch(spark: Any, tmp_path: Path) -> None:

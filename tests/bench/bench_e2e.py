@@ -2,9 +2,9 @@
 
 Prints numbers, asserts no speed (`make bench`). The whole Meetup pipeline as shipped (HML,
 logger k=1, one collector, bridge and gateway, JetStream `sync_interval: always`, the
-`meetup_topn` Spark query on local[2] with a 0.5 s trigger) on the session's Ray. Synthetic
-RSVPs are POSTed by the known-id producer at a fixed rate (1k, 5k, 10k events/s, a few
-seconds each); two WebSocket clients of the gateway watch:
+`meetup_topn` Spark query on local[2] with the trigger `TIERFLOW_BENCH_E2E_TRIGGER_S`, default
+0.5 s) on the session's Ray. Synthetic RSVPs are POSTed by the known-id producer at a fixed
+rate (1k, 5k, 10k events/s, a few seconds each); two WebSocket clients of the gateway watch:
 
 - top-N: the `results` stream filtered to `results.meetup_topn`; each update carries the
   number of events it counts. An accepted batch counts as shown once an update counting at
@@ -40,6 +40,7 @@ RATES = tuple(
     int(r) for r in os.environ.get("TIERFLOW_BENCH_E2E_RATES", "1000,5000,10000").split(",")
 )
 SECONDS = float(os.environ.get("TIERFLOW_BENCH_E2E_SECONDS", "6"))
+TRIGGER_S = float(os.environ.get("TIERFLOW_BENCH_E2E_TRIGGER_S", "0.5"))
 PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
 BATCH, CONCURRENCY = 100, 16
@@ -183,10 +184,10 @@ def pids_of(p: Pipeline) -> dict[str, int]:
 
 @pytest.mark.timeout(1200)
 def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
-    with pipeline(tmp_path, "bench-e2e") as p:
+    with pipeline(tmp_path, "bench-e2e", trigger_s=TRIGGER_S) as p:
         rows, profiles = asyncio.run(measure(p))
     print(
-        f"\nend to end, HML k=1, Spark local[2] trigger 0.5 s, batches of {BATCH}, "
+        f"\nend to end, HML k=1, Spark local[2] trigger {TRIGGER_S:g} s, batches of {BATCH}, "
         f"{SECONDS:g} s per rate, {os.cpu_count()} cores"
     )
     print(
@@ -211,7 +212,7 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
             "seconds": SECONDS,
             "logging": "hml",
             "k": 1,
-            "trigger_s": 0.5,
+            "trigger_s": TRIGGER_S,
             "rates": rows,
             "profiles": profiles,
         },
