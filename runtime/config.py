@@ -85,9 +85,26 @@ class NatsConfig(_Strict):
     users: dict[NatsRole, NatsUser] = {}
     encryption_key: str = ""
     encryption_cipher: Literal["chachapoly", "aes"] = "chachapoly"
+    # the bridge publishes a logged group as JetStream atomic batches: "auto" = only when
+    # `sync_interval` is "always" (see `atomic_batches_enabled`)
+    atomic_batches: Literal["auto", "on", "off"] = "auto"
 
     def __repr__(self) -> str:
         return f"NatsConfig({_redacted_fields(self)})"
+
+
+def atomic_batches_enabled(setting: str, sync_interval: str) -> bool:
+    """Whether the bridge publishes atomic batches (ADR-50) rather than one acked publish
+    per event. Measured on nats-server 2.15.1: with an fsync per write ("always") a batch
+    pays one fsync instead of one per event and wins (65k/s against 4-5k/s); with a
+    periodic sync the server stages every batch and per-event pipelined publishes win
+    (30.5k/s against 15.6k/s at 2m). "auto" follows that; "on"/"off" force it, e.g. for an
+    external server whose fsync policy `sync_interval` here does not describe."""
+    if setting == "auto":
+        return sync_interval == "always"
+    if setting in ("on", "off"):
+        return setting == "on"
+    raise ValueError(f"atomic_batches must be auto, on or off, not {setting!r}")
 
 
 class RayConfig(_Strict):

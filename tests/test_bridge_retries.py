@@ -8,6 +8,7 @@ an outage longer than the window is cheap to stage.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -333,3 +334,29 @@ async def test_same_id_invalid_in_two_streams_gets_two_dead_letter_records(
     for stream, body in (("s", a.data), ("s2", b.data)):
         msg = await nc.jetstream().get_last_msg("deadletter", f"deadletter.{stream}")
         assert msg.data == body and msg.headers["Tf-Id"] == a.id
+
+
+async def test_concurrent_calls_land_once_in_order_and_are_forgotten_after_ack(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """Several bridge calls in flight at once (the collector's hand-off senders): every
+    event stored once, each call's events in their order in the stream, and every acked
+    entry forgotten once the bridge's forgets are flushed (off the publish path)."""
+    bridge, group, _ = rig
+    calls = [[event(b'{"n": %d}' % (100 * c + i)) for i in range(60)] for c in range(6)]
+    every = [e for call in calls for e in call]
+    await group.append(every)
+    answers = await asyncio.gather(
+        *(bridge.publish(encode_batch(call), group.name) for call in calls)
+    )
+    for call, answer in zip(calls, answers, strict=True):
+        assert answer["failed"] == {}, answer["failed"]
+        seqs = [answer["published"][e.id][1] for e in call]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    stored = await stream_ids(nc, "s")
+    assert all(stored[e.id] == 1 for e in every)
+    await bridge.flush_forgets()
+    held = {e.id for e in await group.pending(0, limit=100_000)}
+    assert not held & {e.id for e in every}
+    stats = await bridge.stats()
+    assert stats["forgets_pending"] == 0 and stats["forgets_left"] == 0

@@ -37,6 +37,7 @@ import base64
 import hashlib
 import hmac
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,12 @@ from aiohttp import web
 
 from actors.collection.buffer import ensure_buffer_stream
 from actors.collection.buffer_consumer import BufferConsumer, BufferedFrame
-from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
+from actors.collection.group_commit import (
+    GroupCommitPolicy,
+    GroupCommitter,
+    Overloaded,
+    take_batches,
+)
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
@@ -160,6 +166,7 @@ class Collector(SupervisedActor):
         max_event_bytes: int = 1 << 20,
         commit: GroupCommitPolicy | None = None,
         max_bridge_calls: int = 4,
+        max_call_events: int = 4000,
         max_handoff_events: int = 50_000,
         start_timeout_s: float = 30.0,
         idle_timeout_s: float = 15.0,
@@ -206,6 +213,10 @@ class Collector(SupervisedActor):
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
         )
         self._max_bridge_calls = max_bridge_calls
+        # hand-offs waiting for a bridge call go together, up to this many events a call
+        self.max_call_events = max_call_events
+        self._handoffs: deque[list[Event]] = deque()
+        self._handoff_senders = 0
         self.max_handoff_events = max_handoff_events
         self._handoff_events = 0
         self._rr = 0
@@ -608,32 +619,50 @@ class Collector(SupervisedActor):
     async def _send_to_bridge(self, events: list[Event]) -> dict[str, Any] | None:
         """One Ray call per batch; None if no bridge answered (the log still holds it)."""
         async with self._bridge_slots:
-            try:
-                self.counters["handoffs"] += 1
-                return await self._bridge().publish.remote(encode_batch(events), self.logger.name)
-            except Exception as err:
-                self.counters["bridge_errors"] += 1
-                log.warning("bridge call failed; the replayer will publish: %r", err)
-                return None
+            return await self._call_bridge(events)
+
+    async def _call_bridge(self, events: list[Event]) -> dict[str, Any] | None:
+        """The Ray call itself; the caller holds a bridge slot."""
+        try:
+            self.counters["handoffs"] += 1
+            return await self._bridge().publish.remote(encode_batch(events), self.logger.name)
+        except Exception as err:
+            self.counters["bridge_errors"] += 1
+            log.warning("bridge call failed; the replayer will publish: %r", err)
+            return None
 
     def _handoff(self, events: list[Event]) -> None:
         """Hand a logged batch to a bridge in the background. Past `max_handoff_events`
         in memory the batch is left to the log: the bridge's replayer publishes it once
-        it is stale, so memory stays bounded while nothing is lost."""
+        it is stale, so memory stays bounded while nothing is lost.
+
+        Group commit: up to `max_bridge_calls` senders; each, once it holds a bridge slot,
+        takes every batch waiting (oldest first, up to `max_call_events`) into one call, so
+        a backlog makes calls bigger rather than longer queues of small ones."""
         if not events:
             return
         if self._handoff_events + len(events) > self.max_handoff_events:
             self.counters["handoffs_deferred"] += len(events)
             return
         self._handoff_events += len(events)
+        self._handoffs.append(events)
+        if self._handoff_senders < self._max_bridge_calls:
+            self._handoff_senders += 1
+            self._spawn(self._send_handoffs())
 
-        async def send() -> None:
-            try:
-                await self._send_to_bridge(events)
-            finally:
-                self._handoff_events -= len(events)
-
-        self._spawn(send())
+    async def _send_handoffs(self) -> None:
+        try:
+            while self._handoffs:  # bounded: each pass takes at least one batch out
+                async with self._bridge_slots:
+                    events = take_batches(self._handoffs, self.max_call_events)
+                    if not events:  # another sender took them meanwhile
+                        break
+                    try:
+                        await self._call_bridge(events)
+                    finally:
+                        self._handoff_events -= len(events)
+        finally:
+            self._handoff_senders -= 1
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

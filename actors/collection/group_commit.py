@@ -20,7 +20,18 @@ __all__ = [
     "GroupCommitter",
     "Overloaded",
     "event_bytes",
+    "take_batches",
 ]
+
+
+def take_batches(waiting: deque[list[Event]], max_events: int) -> list[Event]:
+    """Group commit of bridge hand-offs: the batches waiting, oldest first and each whole,
+    joined into one call of at most `max_events` (the first batch always, however big).
+    Order is kept: a batch never overtakes an older one."""
+    out: list[Event] = []
+    while waiting and (not out or len(out) + len(waiting[0]) <= max_events):
+        out.extend(waiting.popleft())
+    return out
 
 
 class Overloaded(Exception):

@@ -1,10 +1,12 @@
 """BrokerBridge: the actor side of NATS JetStream (book ch. 2 SBML completion, ch. 3).
 
-The data path of one batch: decode -> publish each stream's events as JetStream atomic
-batches, every event with `Nats-Msg-Id` = its id (a batch the stream refuses, e.g. for an id
-it already holds, goes out event by event with many acks in flight) -> acked ids are
-forgotten by the MessageLogger (with their stream sequences, for ack tokens) -> failures
-move to the logger's failed store.
+The data path of one batch: decode -> publish each stream's events, every event with
+`Nats-Msg-Id` = its id: as JetStream atomic batches where they win (`[nats] atomic_batches`,
+by default when the server fsyncs every write; a batch the stream refuses, e.g. for an id
+it already holds, goes out event by event), else event by event with many acks in flight
+-> acked ids are handed to the group's `Forgetter`, which forgets them in the MessageLogger
+(with their stream sequences, for ack tokens) batched and off the publish path -> failures
+move to the logger's failed store before the call returns.
 
 The replayer closes every gap the happy path leaves: entries still in the logger's
 transient store after `stale_after_s` (a collector or bridge died with them in flight, or
@@ -48,9 +50,10 @@ from typing import Any
 
 import msgspec
 
+from actors.queue.forgetter import Forgetter
 from actors.queue.logger import LoggerGroup, key_of
 from runtime.clock import now_ms
-from runtime.config import Config, validate
+from runtime.config import Config, atomic_batches_enabled, validate
 from runtime.events import Event, decode_batch
 from runtime.logic import LogicResult, StreamLogic, compile_logic
 from runtime.loop_thread import LoopThread
@@ -101,6 +104,9 @@ class BrokerBridge(SupervisedActor):
         super().__init__(state_dir, name=name)
         self.reconnect_deadline_s = reconnect_deadline_s
         self.cfg: Config = validate(config)
+        self.atomic = atomic_batches_enabled(
+            self.cfg.nats.atomic_batches, self.cfg.nats.sync_interval
+        )
         self.nats_url = nats_url
         self.replay = replay
         self.max_in_flight = max_in_flight
@@ -118,6 +124,7 @@ class BrokerBridge(SupervisedActor):
         self._fallback_window_s = min(windows, default=120.0)
         # Given at construction: Ray reruns __init__ with these on restart.
         self.loggers: dict[str, LoggerGroup] = {g.name: g for g in loggers}
+        self._forgetters: dict[str, Forgetter] = {}  # made on the data plane's loop
         self.logic: dict[str, StreamLogic] = {
             name: compile_logic(name, s.logic, s.subjects[0])
             for name, s in self.cfg.streams.items()
@@ -159,6 +166,10 @@ class BrokerBridge(SupervisedActor):
             watchdog.cancel()
             if replayer is not None:
                 replayer.cancel()
+            for forgetter in self._forgetters.values():  # acked keys: forget them if quick
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(forgetter.flush(), 5.0)
+                forgetter.cancel()  # what is left stays logged: resent as duplicates
             await self._pub.close()
             await self._nc.close()
 
@@ -223,6 +234,11 @@ class BrokerBridge(SupervisedActor):
             "in_flight": pub.in_flight if pub else 0,
             "ack_p50_ms": _ms(pub.latency.quantile(0.5)) if pub else None,
             "ack_p99_ms": _ms(pub.latency.quantile(0.99)) if pub else None,
+            "atomic_batches": self.atomic,
+            "forgets_pending": sum(f.pending for f in self._forgetters.values()),
+            "forget_calls": sum(f.calls for f in self._forgetters.values()),
+            "forget_errors": sum(f.errors for f in self._forgetters.values()),
+            "forgets_left": sum(f.left for f in self._forgetters.values()),
             "loggers": sorted(self.loggers),
         }
 
@@ -236,8 +252,9 @@ class BrokerBridge(SupervisedActor):
 
         One Ray call per batch (never per event). Events the collector already processed
         go out as they are; raw ones (and replayed ones) run the stream's logic here first.
-        The logger entries are completed before this returns, so a caller that answers
-        `?wait=queued` after it tells the truth.
+        Returns once JetStream answered for every event, so a caller that answers
+        `?wait=queued` after it tells the truth; failures are in the failed store by then,
+        acked entries are forgotten shortly after (`Forgetter`, `flush_forgets`).
         """
         self.counters["batches"] += 1
         work = self._process_and_publish(self.loggers[logger], decode_batch(batch))
@@ -267,13 +284,14 @@ class BrokerBridge(SupervisedActor):
         by_stream: dict[str | None, list[Outgoing]] = {}
         for e in events:
             stream, _ = await self._target(e.subject)  # cached: one lookup per subject
+            stream = stream if self.atomic else None  # None: event by event
             by_stream.setdefault(stream, []).append(
                 Outgoing(id=e.id, subject=e.subject, data=e.data)
             )
         published: list[Published] = []
         failed: list[Failed] = []
         for stream, items in by_stream.items():
-            if stream is None:
+            if stream is None:  # not atomic, or no stream answers: acks per event
                 ok, bad = await self._pub.publish_batch(items)
             else:
                 ok, bad = await self._pub.publish_atomic(items, stream=stream)
@@ -363,10 +381,10 @@ class BrokerBridge(SupervisedActor):
         dead-lettered ids with their reasons. The log is keyed by (stream, id); `events`
         carry each id in one stream only."""
         by_id = {e.id: e for e in events}
-        if published:
+        if published:  # acked: forgotten off this path, batched with other calls' acks
             keys = [key_of(by_id[p.id]) for p in published]
             seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published}
-            await group.forget(keys, seqs)
+            await self._forgetter(group).add(keys, seqs)
         retry = [(by_id[f.id], f.error) for f in failed if f.retryable]
         poison = [(by_id[f.id], f.error) for f in failed if not f.retryable]
         dead = await self._dead_letter(group, poison) if poison else {}
@@ -443,6 +461,22 @@ class BrokerBridge(SupervisedActor):
             await group.fail(retry, now_ms())
         self.counters["deadlettered"] += len(published)
         return {by_id[p.id][0].id: by_id[p.id][1] for p in published}
+
+    def _forgetter(self, group: LoggerGroup) -> Forgetter:
+        forgetter = self._forgetters.get(group.name)
+        if forgetter is None:
+            forgetter = self._forgetters[group.name] = Forgetter(group.forget)
+        return forgetter
+
+    async def flush_forgets(self) -> None:
+        """Return once every acked entry handed over so far is forgotten (or left to the
+        replayer after repeated refusals): drains and tests."""
+
+        async def flush() -> None:
+            for forgetter in list(self._forgetters.values()):
+                await forgetter.flush()
+
+        await self._dataplane.run(flush())
 
     # ------------------------------------------------------------------ replay
 
