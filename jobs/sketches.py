@@ -67,6 +67,9 @@ def _check_weight(weight: int | float) -> None:
 # --------------------------------------------------------------------------- top-N
 
 
+_PROBE = "\x00tierflow-probe\x00"  # an item never seen: its bounds give the offset
+
+
 class TopN:
     """Heavy hitters with Space-Saving's contract: `count - error <= true <= count`.
 
@@ -84,6 +87,11 @@ class TopN:
 
     kind: ClassVar[str] = "topn"
 
+    # DataSketches treats a sketch whose purges left no tracked item as empty: `merge`
+    # skips it and `serialize` drops its weight and offset. What such a sketch held is kept
+    # beside it (weight, offset) and travels in the bytes behind this marker.
+    _CARRY = b"tfTN1"
+
     def __init__(self, capacity: int = 1024, *, _sketch: Any = None) -> None:
         if _sketch is None:
             if capacity < 1:
@@ -91,6 +99,19 @@ class TopN:
             lg = max(3, math.ceil(math.log2(capacity / 0.75)))
             _sketch = ds.frequent_strings_sketch(lg)
         self._s = _sketch
+        self._carried_weight = 0
+        self._carried_offset = 0
+
+    def _sketch_offset(self) -> int:
+        lb, ub = self._s.get_lower_bound(_PROBE), self._s.get_upper_bound(_PROBE)
+        return int(ub - lb)
+
+    def _carry_if_hollow(self) -> None:
+        """Move a hollow sketch's weight and offset beside it (see `_CARRY`)."""
+        if self._s.num_active_items == 0 and self._s.total_weight > 0:
+            self._carried_weight += int(self._s.total_weight)
+            self._carried_offset += self._sketch_offset()
+            self._s = ds.frequent_strings_sketch(self._lg_max_map_size())
 
     @property
     def capacity(self) -> int:
@@ -102,25 +123,30 @@ class TopN:
     @property
     def total(self) -> int:
         """Sum of all weights seen (N)."""
-        return int(self._s.total_weight)
+        return int(self._s.total_weight) + self._carried_weight
 
     def update(self, item: str, weight: int = 1) -> None:
         _check_weight(weight)
         if weight:
             self._s.update(item, int(weight))
+            self._carry_if_hollow()
 
     def merge(self, other: TopN) -> TopN:
+        other._carry_if_hollow()
         self._s.merge(other._s)
+        self._carried_weight += other._carried_weight
+        self._carried_offset += other._carried_offset
+        self._carry_if_hollow()
         return self
 
     def max_error(self) -> int:
         """The sketch's offset: every item's error, and the upper bound of untracked items."""
-        lb, ub = self.bounds("\x00tierflow-probe\x00")  # any item: ub - lb is the offset
-        return ub - lb
+        return self._sketch_offset() + self._carried_offset
 
     def bounds(self, item: str) -> tuple[int, int]:
         """(lower, upper) with lower <= true count <= upper, for tracked or untracked items."""
-        return int(self._s.get_lower_bound(item)), int(self._s.get_upper_bound(item))
+        lb, ub = self._s.get_lower_bound(item), self._s.get_upper_bound(item)
+        return int(lb), int(ub) + self._carried_offset
 
     def top(self, n: int | None = 10) -> list[dict[str, Any]]:
         """The n items with the highest count, as the book's `[{"item","count","error"}]`.
@@ -128,16 +154,33 @@ class TopN:
         Ordered by count (desc), then error (asc), then item, so output is deterministic.
         """
         rows = self._s.get_frequent_items(ds.frequent_items_error_type.NO_FALSE_NEGATIVES, 0)
-        out = [{"item": it, "count": int(ub), "error": int(ub - lb)} for it, _e, lb, ub in rows]
+        extra = self._carried_offset
+        out = [
+            {"item": it, "count": int(ub) + extra, "error": int(ub - lb) + extra}
+            for it, _e, lb, ub in rows
+        ]
         out.sort(key=lambda r: (-r["count"], r["error"], r["item"]))
         return out if n is None else out[:n]
 
     def to_bytes(self) -> bytes:
-        return bytes(self._s.serialize())
+        self._carry_if_hollow()
+        blob = bytes(self._s.serialize())
+        if not (self._carried_weight or self._carried_offset):
+            return blob  # the plain DataSketches format, as before
+        head = struct.pack("<QQ", self._carried_weight, self._carried_offset)
+        return self._CARRY + head + blob
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> TopN:
-        return cls(_sketch=ds.frequent_strings_sketch.deserialize(bytes(blob)))
+        blob = bytes(blob)
+        weight = offset = 0
+        if blob.startswith(cls._CARRY):
+            n = len(cls._CARRY)
+            weight, offset = struct.unpack("<QQ", blob[n : n + 16])
+            blob = blob[n + 16 :]
+        out = cls(_sketch=ds.frequent_strings_sketch.deserialize(blob))
+        out._carried_weight, out._carried_offset = weight, offset
+        return out
 
 
 # --------------------------------------------------------------------------- distinct

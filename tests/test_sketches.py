@@ -392,3 +392,17 @@ def test_spark_keyed_sketch_state_accumulates_across_micro_batches(spark, tmp_pa
     for key in ("a", "b"):
         values = [e["v"] for b in batches for e in b if e["k"] == key]
         assert last[key] == (build(Frequency, values, eps=0.01, delta=0.01).to_bytes(), len(values))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("into", [[], ["z"], list("hijklmn")])
+def test_topn_merge_of_a_sketch_whose_purges_left_nothing_keeps_its_weight(into: list[str]) -> None:
+    """DataSketches skips merging (and serialises as empty) a sketch with no tracked item
+    left; TopN carries such a sketch's weight and offset itself."""
+    hollow = build(TopN, list("abcdefg"), capacity=4)  # 7 singletons in a 6-counter map
+    assert hollow.total == 7 and hollow.top(None) == []
+    back = TopN.from_bytes(hollow.to_bytes())
+    assert back.total == 7 and back.max_error() == hollow.max_error() >= 1
+    merged = build(TopN, into, capacity=4).merge(back)
+    assert merged.total == 7 + len(into)
+    assert_space_saving(merged, Counter(into + list("abcdefg")))
