@@ -25,7 +25,7 @@ from typing import Any
 
 from tests.bench.common import REPORTS, restart_lines
 
-NAMES = ("ingest", "e2e", "analysis", "gateway", "failover", "scaling", "publish")
+NAMES = ("ingest", "hotpath", "e2e", "analysis", "gateway", "failover", "scaling", "publish")
 DOCS = Path("docs")
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 FLAG = 0.5
@@ -76,8 +76,10 @@ def label(m: Mapping[str, Any]) -> str:
 
 def ingest_section(d: dict[str, Any]) -> list[str]:
     c = d["ceiling"]
+    atomic = d.get("atomic_ceiling") or {}
+    top = atomic[max(atomic, key=int)] if atomic else None
     rows = []
-    for r in [c, *d["modes"], d["serve"]]:
+    for r in [c, *atomic.values(), *d["modes"], *([d["serve"]] if "serve" in d else [])]:
         rows.append(
             [
                 r["path"],
@@ -87,6 +89,7 @@ def ingest_section(d: dict[str, Any]) -> list[str]:
                 fmt(r["p99_ms"], ".1f"),
                 cell(ratio(r["rate"], c["rate"])),
                 cell(ratio(r["queued_rate"], c["rate"])),
+                cell(ratio(r["queued_rate"], top["rate"])) if top else "-",
             ]
         )
     runs = ", ".join(fmt(x["rate"]) for x in c.get("runs", []))
@@ -103,19 +106,67 @@ def ingest_section(d: dict[str, Any]) -> list[str]:
                 "ack p99 ms",
                 "accepted / ceiling",
                 "queued / ceiling",
+                "queued / atomic ceiling",
             ],
             rows,
         ),
         "",
         f"Ceiling: nats-py `publish_async`, every ack awaited, measured before and after the "
-        f"rest ({runs}/s); the mean is the ceiling.",
+        f"rest ({runs}/s); the mean is the ceiling. Atomic ceiling: nats-py alone sending "
+        "atomic batches (ADR-50) of the size named, also measured first and last; the largest "
+        "is the one the bridge is compared with.",
     ]
-    for k, red in sorted(d["hml_vs_rbml"].items()):
+    q = d.get("queued_vs_atomic_ceiling")
+    if q:
         out.append(
-            f"HML vs RBML at k={k}: p50 ack latency {red['p50']:+.0%}, p99 {red['p99']:+.0%}, "
-            f"accepted/s {red['rate']:+.0%} (overhead reduction; the book cites 43%)."
+            f"Queued/s of {q['path']}: {q['queued_rate']:,.0f} = {q['ratio']:.2f} of the "
+            f"atomic-batch ceiling ({q['ceiling_rate']:,.0f}/s, batches of {q['ceiling_batch']})."
         )
+    logic = "on a stream with logic (validate, filter, enrich, route)" if "logic" in d else ""
+    for name, extra in (("hml_vs_rbml", logic), ("hml_vs_rbml_no_logic", "without logic")):
+        for k, red in sorted((d.get(name) or {}).items()):
+            out.append(
+                f"HML vs RBML at k={k} {extra}: p50 ack latency {red['p50']:+.0%}, "
+                f"p99 {red['p99']:+.0%}, accepted/s {red['rate']:+.0%} (overhead reduction; "
+                "the book cites 43%)."
+            )
     return out
+
+
+def hotpath_section(d: dict[str, Any]) -> list[str]:
+    names = {
+        "ids_no_logic": "ids given, no logic",
+        "no_ids_no_logic": "ids assigned, no logic",
+        "ids_logic": "ids given, logic",
+        "no_ids_logic": "ids assigned, logic",
+    }
+    rows = [
+        [
+            names.get(name, name),
+            fmt(r["total_us"], ".2f"),
+            fmt(r["parse_us"], ".2f"),
+            fmt(r["apply_us"], ".2f"),
+            fmt(r["events_per_s"]),
+            fmt(r.get("vs_dict_path"), ".2f"),
+        ]
+        for name, r in d["cases"].items()
+    ]
+    return [
+        f"### 1b. Ingest hot path in one process (`{d['path']}`, NDJSON batches of "
+        f"{d['batch_events']}, CPU time, median of {d['rounds']} rounds)",
+        "",
+        *table(
+            [
+                "case",
+                "µs/event",
+                "parse µs",
+                "logic µs",
+                "events/s",
+                "dict-based µs / this",
+            ],
+            rows,
+        ),
+    ]
 
 
 def e2e_section(d: dict[str, Any]) -> list[str]:
@@ -190,6 +241,9 @@ def gateway_section(d: dict[str, Any]) -> list[str]:
             fmt(r["p50_ms"], ".1f"),
             fmt(r["p99_ms"], ".1f"),
             cell(r.get("vs_one")),
+            fmt(r.get("spread_p99_ms"), ".1f"),
+            fmt(r.get("gw_cpu_ms_per_event"), ".1f"),
+            fmt(r.get("clients_cpu_ms_per_event"), ".1f"),
         ]
         for r in d["phases"]
     ]
@@ -198,8 +252,22 @@ def gateway_section(d: dict[str, Any]) -> list[str]:
         "replica, clients on the same cores)",
         "",
         *table(
-            ["protocol", "clients", "deliveries", "p50 ms", "p99 ms", "1-client p99 / p99"], rows
+            [
+                "protocol",
+                "clients",
+                "deliveries",
+                "p50 ms",
+                "p99 ms",
+                "1-client p99 / p99",
+                "gateway spread p99 ms",
+                "gateway CPU ms/event",
+                "clients CPU ms/event",
+            ],
+            rows,
         ),
+        "",
+        "Spread: in the gateway, from a batch's arrival to its last socket write. The bench's "
+        "clients run on the same cores as the gateway; their CPU is shown beside it.",
     ]
 
 
@@ -263,8 +331,92 @@ def scaling_section(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _rate_row(reports: Mapping[str, dict[str, Any]], rate: int) -> dict[str, Any] | None:
+    return next((r for r in reports.get("e2e", {}).get("rates", []) if r["rate"] == rate), None)
+
+
+def goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    """Issue 13's goals against this run: (figure, measured, goal, met)."""
+    rows: list[list[str]] = []
+
+    def add(figure: str, value: float | None, shown: str, goal: str, met: bool | None) -> None:
+        verdict = "-" if value is None or met is None else ("yes" if met else "**no**")
+        rows.append([figure, "-" if value is None else shown, goal, verdict])
+
+    q = reports.get("ingest", {}).get("queued_vs_atomic_ceiling")
+    r = q["ratio"] if q else None
+    add("queued/s HML k=1 / atomic-batch ceiling", r, f"{r or 0:.2f}", ">= 0.4", r and r >= 0.4)
+    a = reports.get("analysis")
+    if a:
+        js, files = a["jetstream"]["events_per_s"], a["files"]["events_per_s"]
+        add(
+            "analysis events/s, jetstream / files",
+            js / files,
+            f"{js / files:.2f}",
+            ">= 0.8",
+            js / files >= 0.8,
+        )
+        add(
+            "analysis events/s, one topn job from jetstream",
+            js,
+            f"{js:,.0f}",
+            ">= 20,000",
+            js >= 20_000,
+        )
+    for rate, goal_ms in ((1000, 1500), (5000, 3000)):
+        row = _rate_row(reports, rate)
+        p99 = row["topn"]["p99_ms"] if row else None
+        keeps = row is not None and row["shown_rate"] >= 0.95 * row["accepted_rate"]
+        note = "" if rate == 1000 else ", keeping up"
+        add(
+            f"e2e top-N p99 at {rate:,}/s offered{note}",
+            p99,
+            f"{p99 or 0:,.0f} ms" + ("" if rate == 1000 or keeps else " (falling behind)"),
+            f"<= {goal_ms:,} ms",
+            p99 is not None and p99 <= goal_ms and (rate == 1000 or keeps),
+        )
+    row = _rate_row(reports, 1000)
+    raw = row["raw"]["p99_ms"] if row else None
+    add(
+        "raw path p99 at 1,000/s",
+        raw,
+        f"{raw or 0:,.0f} ms",
+        "<= 100 ms",
+        raw is not None and raw <= 100,
+    )
+    g = reports.get("gateway", {}).get("phases", [])
+    ws = next((x for x in g if x["protocol"] == "ws" and x["clients"] == 1000), None)
+    p = ws["p99_ms"] if ws else None
+    add(
+        "fan-out p99, 1,000 WebSocket clients",
+        p,
+        f"{p or 0:,.0f} ms",
+        "<= 100 ms",
+        p is not None and p <= 100,
+    )
+    red = (reports.get("ingest", {}).get("hml_vs_rbml") or {}).get("1")
+    v = red["p50"] if red else None
+    add(
+        "HML overhead reduction vs RBML, k=1, stream with logic (p50 ack)",
+        v,
+        f"{v or 0:+.0%}",
+        "measured (book: 43%)",
+        None if v is None else True,
+    )
+    return rows
+
+
+def goals_section(reports: Mapping[str, dict[str, Any]]) -> list[str]:
+    return [
+        "### Goals (issue 13) in this run",
+        "",
+        *table(["figure", "measured", "goal", "met"], goal_rows(reports)),
+    ]
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "ingest": ingest_section,
+    "hotpath": hotpath_section,
     "e2e": e2e_section,
     "analysis": analysis_section,
     "gateway": gateway_section,
@@ -310,6 +462,7 @@ def markdown(reports: Mapping[str, dict[str, Any]]) -> str:
         f"run; **(!)** marks a figure under half its ceiling (see the profiles below).",
         "",
     ]
+    lines += goals_section(reports) + [""]
     for name, section in SECTIONS.items():
         if name in reports:
             lines += section(reports[name]) + [""]
