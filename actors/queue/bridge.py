@@ -282,12 +282,12 @@ class BrokerBridge(SupervisedActor):
         stream answers for go out one by one, to be reported as the server answers."""
         assert self._pub is not None
         by_stream: dict[str | None, list[Outgoing]] = {}
+        streams: dict[str, str | None] = {}  # subject -> stream, for this call
         for e in events:
-            stream, _ = await self._target(e.subject)  # cached: one lookup per subject
-            stream = stream if self.atomic else None  # None: event by event
-            by_stream.setdefault(stream, []).append(
-                Outgoing(id=e.id, subject=e.subject, data=e.data)
-            )
+            if e.subject not in streams:
+                stream, _ = await self._target(e.subject)  # cached across calls too
+                streams[e.subject] = stream if self.atomic else None  # None: event by event
+            by_stream.setdefault(streams[e.subject], []).append(Outgoing(e.id, e.subject, e.data))
         published: list[Published] = []
         failed: list[Failed] = []
         for stream, items in by_stream.items():
@@ -383,7 +383,8 @@ class BrokerBridge(SupervisedActor):
         by_id = {e.id: e for e in events}
         if published:  # acked: forgotten off this path, batched with other calls' acks
             keys = [key_of(by_id[p.id]) for p in published]
-            seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published}
+            # sequences matter only to ack-token records: the rest are not shipped
+            seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published if by_id[p.id].token}
             await self._forgetter(group).add(keys, seqs)
         retry = [(by_id[f.id], f.error) for f in failed if f.retryable]
         poison = [(by_id[f.id], f.error) for f in failed if not f.retryable]
