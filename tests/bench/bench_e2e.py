@@ -217,3 +217,37 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
             "profiles": profiles,
         },
     )
+
+
+DEMO_RATE = float(os.environ.get("TIERFLOW_BENCH_DEMO_RATE", "200"))
+DEMO_SECONDS = float(os.environ.get("TIERFLOW_BENCH_DEMO_SECONDS", "20"))
+
+
+async def measure_demo(p: Pipeline) -> dict[str, Any]:
+    rsvps = Rsvps()
+    topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
+    raw = Watcher(p.gateway_url, "meetup", kind="raw").start()
+    try:
+        await asyncio.wait_for(asyncio.gather(topn.ready.wait(), raw.ready.wait()), 60)
+        warm = await drive(p.tier.url, "meetup", rsvps.take(WARM), batch=BATCH, rate=500)
+        assert len(warm.acknowledged) == WARM
+        await await_until(lambda: topn.last >= WARM, timeout=300, what="the first top-N")
+        return await phase(p, rsvps, DEMO_RATE, DEMO_SECONDS, topn, raw)
+    finally:
+        await topn.stop()
+        await raw.stop()
+
+
+@pytest.mark.timeout(900)
+def test_demo_dashboard_lag(bench_ray: Any, tmp_path: Path) -> None:
+    """`make demo`'s shape: the five Meetup queries at their own triggers, RSVPs at the
+    demo's rate; how long after an RSVP is accepted the dashboard's top-N counts it."""
+    with pipeline(tmp_path, "bench-demo", all_jobs=True) as p:
+        row = asyncio.run(measure_demo(p))
+    t, w = row["topn"], row["raw"]
+    print(
+        f"\ndemo shape (five Meetup queries), {DEMO_RATE:g} RSVPs/s for {DEMO_SECONDS:g} s: "
+        f"top-N p50 {t['p50_ms']:,.0f} ms, p99 {t['p99_ms']:,.0f} ms; raw p50 "
+        f"{w['p50_ms']:,.0f} ms, p99 {w['p99_ms']:,.0f} ms"
+    )
+    write_report("demo", {"jobs": 5, **row})

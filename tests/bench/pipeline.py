@@ -48,8 +48,10 @@ def pipeline(
     *,
     trigger_s: float = 0.5,
     overrides: dict[str, Any] | None = None,
+    all_jobs: bool = False,
 ) -> Iterator[Pipeline]:
-    """HML with k=1 (the defaults), one collector, bridge and gateway, the top-N job."""
+    """HML with k=1 (the defaults), one collector, bridge and gateway, the top-N job (or,
+    with `all_jobs`, the five Meetup queries as `make demo` runs them)."""
     import ray
 
     from cluster.demo.meetup import meetup_jobs
@@ -83,8 +85,8 @@ def pipeline(
             ends = ray.get(
                 ray.get_actor(gateways[0], namespace=namespace).endpoints.remote(), timeout=30
             )
-            topn = meetup_jobs(trigger_s=trigger_s)[0]
-            driver = start_driver(cfg, server.url, jobs=[topn])
+            jobs = meetup_jobs() if all_jobs else meetup_jobs(trigger_s=trigger_s)[:1]
+            driver = start_driver(cfg, server.url, jobs=jobs)
             status = wait_running(driver, 180)
             assert status.get("state") == "running", status
             yield Pipeline(cfg, server, tier, gateways, ends["url"], driver)
