@@ -464,7 +464,7 @@ def goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
         v,
         f"{v or 0:+.0%}",
         "measured (book: 43%)",
-        None if v is None else True,
+        None,
     )
     return rows
 
