@@ -23,8 +23,10 @@ Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/ben
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +140,9 @@ async def phase(
     }
 
 
-async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    rsvps = Rsvps()
+@contextlib.asynccontextmanager
+async def warmed(p: Pipeline, rsvps: Rsvps) -> AsyncIterator[tuple[Watcher, Watcher]]:
+    """The top-N and raw watchers, subscribed, once the first top-N counted a warm-up."""
     topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
     raw = Watcher(p.gateway_url, "meetup", kind="raw").start()
     try:
@@ -147,6 +150,15 @@ async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         warm = await drive(p.tier.url, "meetup", rsvps.take(WARM), batch=BATCH, rate=500)
         assert len(warm.acknowledged) == WARM
         await await_until(lambda: topn.last >= WARM, timeout=300, what="the first top-N")
+        yield topn, raw
+    finally:
+        await topn.stop()
+        await raw.stop()
+
+
+async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rsvps = Rsvps()
+    async with warmed(p, rsvps) as (topn, raw):
         rows = [await phase(p, rsvps, rate, SECONDS, topn, raw) for rate in RATES]
         profiles: dict[str, Any] = {}
         if PROFILE:
@@ -165,9 +177,6 @@ async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             )
             profiles = await loop.run_in_executor(None, spy.results)
         return rows, profiles
-    finally:
-        await topn.stop()
-        await raw.stop()
 
 
 def pids_of(p: Pipeline) -> dict[str, int]:
@@ -225,17 +234,8 @@ DEMO_SECONDS = float(os.environ.get("TIERFLOW_BENCH_DEMO_SECONDS", "20"))
 
 async def measure_demo(p: Pipeline) -> dict[str, Any]:
     rsvps = Rsvps()
-    topn = Watcher(p.gateway_url, "results", f"WHERE _subject = '{TOPN_SUBJECT}'").start()
-    raw = Watcher(p.gateway_url, "meetup", kind="raw").start()
-    try:
-        await asyncio.wait_for(asyncio.gather(topn.ready.wait(), raw.ready.wait()), 60)
-        warm = await drive(p.tier.url, "meetup", rsvps.take(WARM), batch=BATCH, rate=500)
-        assert len(warm.acknowledged) == WARM
-        await await_until(lambda: topn.last >= WARM, timeout=300, what="the first top-N")
+    async with warmed(p, rsvps) as (topn, raw):
         return await phase(p, rsvps, DEMO_RATE, DEMO_SECONDS, topn, raw)
-    finally:
-        await topn.stop()
-        await raw.stop()
 
 
 @pytest.mark.timeout(900)
