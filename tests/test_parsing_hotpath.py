@@ -409,3 +409,26 @@ def test_plain_bodies_never_decode_events_to_dicts(monkeypatch: pytest.MonkeyPat
         len(fast(JSON, b"[" + b",".join(lines) + b"]", max_events=100, max_event_bytes=1000)) == 50
     )
     assert fast(JSON, b'{"a": 1}')[0].data.startswith(b'{"id":"')
+
+
+@pytest.mark.unit
+def test_ids_that_look_like_exponents_stay_on_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An id "e2e-100" or a UUID "550e8400-..." is a string, not a number out of range."""
+    import actors.collection.parsing as parsing
+
+    def no_dicts(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("took the dict-based path")
+
+    body = b'{"id":"e2e-100","x":1}\n{"id":"550e8400-e29b-41d4-a716-446655440000","s":"1e999"}'
+    monkeypatch.setattr(parsing, "parse_body", no_dicts)
+    events = fast(NDJSON, body)
+    assert [e.id for e in events] == ["e2e-100", "550e8400-e29b-41d4-a716-446655440000"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("number", [b"1e400", b"-1.5E+400", b"[1,2e309]", b"\n 1e999", b"9" * 250])
+def test_numbers_that_may_be_out_of_range_go_as_the_dict_path_takes_them(number: bytes) -> None:
+    body = b'{"id":"a","x":' + number + b"}"
+    assert outcome(JSON, body) == reference(JSON, body)
