@@ -271,7 +271,8 @@ class LatencyReservoir:
 
 
 class _Batch:
-    """Per-call bookkeeping: one result slot per input event, resolved exactly once."""
+    """Per-call bookkeeping (of publish_batch and publish_atomic alike): one result slot per
+    input event, resolved exactly once; `outstanding` counts events not settled yet."""
 
     __slots__ = ("events", "results", "outstanding", "done")
 
@@ -282,26 +283,13 @@ class _Batch:
         self.done: asyncio.Future[None] | None = None
 
 
-class _Call:
-    """One publish_atomic call: its events, one result slot each, and how many of its
-    queued events are not settled yet."""
-
-    __slots__ = ("events", "results", "pending", "done")
-
-    def __init__(self, events: Sequence[Outgoing]) -> None:
-        self.events = events
-        self.results: list[Outcome | None] = [None] * len(events)
-        self.pending = 0
-        self.done: asyncio.Future[None] | None = None
-
-
 class _Lane:
     """One stream's queue of (call, index) waiting for a batch, and its batches in flight."""
 
     __slots__ = ("queue", "in_flight")
 
     def __init__(self) -> None:
-        self.queue: deque[tuple[_Call, int]] = deque()
+        self.queue: deque[tuple[_Batch, int]] = deque()
         self.in_flight = 0
 
 
@@ -579,7 +567,7 @@ class JetStreamPublisher:
             return await self.publish_batch(events)
         if self._sub is None:
             await self.start()
-        call = _Call(events)
+        call = _Batch(events)
         max_payload = self._nc.max_payload
         # the largest batch headers any message gets: id, sequence up to the limit, commit
         probe_id = self._batch_prefix + "0" * 12
@@ -594,18 +582,18 @@ class JetStreamPublisher:
         for i, ev in enumerate(events):
             if room is None or (not ev.headers and len(ev.data) + 4 * len(ev.id) <= room):
                 lane.queue.append((call, i))
-                call.pending += 1
+                call.outstanding += 1
                 continue
             probe = batch_headers(ev, probe_id, MAX_ATOMIC_BATCH * 10, commit=True)
             if oversize_error(ev.data, probe, max_payload) is None:
                 lane.queue.append((call, i))
-                call.pending += 1
+                call.outstanding += 1
             elif why := oversize_error(ev.data, {**ev.headers, MSG_ID_HEADER: ev.id}, max_payload):
                 call.results[i] = Failed(ev.id, why, False)  # never sent: it would reset the link
                 self.failed += 1
             else:
                 alone.append(i)  # fits without the batch headers: published on its own
-        if call.pending:
+        if call.outstanding:
             call.done = asyncio.get_running_loop().create_future()
             self._pump(key, lane)
         if alone:
@@ -641,7 +629,7 @@ class JetStreamPublisher:
             self._lane_tasks.add(task)
             task.add_done_callback(self._lane_tasks.discard)
 
-    async def _lane_batch(self, key: str, lane: _Lane, entries: list[tuple[_Call, int]]) -> None:
+    async def _lane_batch(self, key: str, lane: _Lane, entries: list[tuple[_Batch, int]]) -> None:
         """One batch of queued entries, every entry's outcome set exactly once."""
         try:
             evs = [call.events[i] for call, i in entries]
@@ -660,7 +648,7 @@ class JetStreamPublisher:
             if outcomes is None:  # refused (or one event): each call's share event by event
                 if len(evs) > 1:
                     self.batch_fallbacks += 1
-                shares: dict[int, tuple[_Call, list[int]]] = {}
+                shares: dict[int, tuple[_Batch, list[int]]] = {}
                 for call, i in entries:
                     shares.setdefault(id(call), (call, []))[1].append(i)
                 await asyncio.gather(
@@ -677,8 +665,8 @@ class JetStreamPublisher:
             raise
         finally:
             for call, _ in entries:
-                call.pending -= 1
-                if call.pending == 0 and call.done is not None and not call.done.done():
+                call.outstanding -= 1
+                if call.outstanding == 0 and call.done is not None and not call.done.done():
                     call.done.set_result(None)
             lane.in_flight -= 1
             if not self._closed:
@@ -691,8 +679,8 @@ class JetStreamPublisher:
             call, i = lane.queue.popleft()
             call.results[i] = Failed(call.events[i].id, "publisher closed", True)
             self.failed += 1
-            call.pending -= 1
-            if call.pending == 0 and call.done is not None and not call.done.done():
+            call.outstanding -= 1
+            if call.outstanding == 0 and call.done is not None and not call.done.done():
                 call.done.set_result(None)
 
     async def _publish_each(
