@@ -24,6 +24,7 @@ from runtime.events import Event
 from runtime.logic import LogicConfig, StreamLogic, compile_logic, dead_letters
 from runtime.query import compile_where
 from runtime.waiting import await_until
+from tests.strategies import json_value
 
 pytestmark = pytest.mark.unit
 
@@ -101,20 +102,6 @@ def test_parse_counts_limits_exactly() -> None:
     assert parse(NDJSON, item + b"\n" + item) == [{"a": "x" * 992}] * 2
 
 
-json_leaf = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=10)
-)
-json_value = st.recursive(
-    json_leaf,
-    lambda kids: (
-        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4)
-    ),
-    max_leaves=12,
-)
 json_object = st.dictionaries(st.text(max_size=8), json_value, max_size=5)
 content_types = st.one_of(
     st.sampled_from(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body, parse_events
 from runtime.events import Event, new_event_ids
 from runtime.logic import LogicConfig, compile_logic
+from tests.strategies import json_value
 
 pytestmark = pytest.mark.unit
 
@@ -230,20 +231,6 @@ def test_in_range_numbers_that_look_big_are_accepted_as_sent() -> None:
 
 # --------------------------------------------------------------------------- same as the reference
 
-json_leaf = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8)
-)
-json_value = st.recursive(
-    json_leaf,
-    lambda kids: (
-        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3)
-    ),
-    max_leaves=10,
-)
 ids = st.one_of(
     st.just(None),  # no id key at all (see below) or a null one
     st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=8),
