@@ -8,6 +8,7 @@ plane's per-call costs.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +97,37 @@ def new_event_ids(n: int) -> list[str]:
         j = 16 * i
         append(ms_prefix + seq_hex[slot & 0xFFF] + hexed[j : j + 4] + "-" + hexed[j + 4 : j + 16])
     return out
+
+
+# Skipping a value checks less than decoding it: bad UTF-8 inside a string and numbers
+# out of range (a float past 1.8e308, an integer of over 4,300 digits) pass a skip but
+# fail a decode. So a body is skipped (not decoded) only if it is valid UTF-8 and has no
+# number that could be out of range: no exponent of 3 or more digits and no run of 200
+# digits (a float of fewer integer digits and a 2-digit exponent stays below 1e299).
+# Text that merely looks like it (an id "e2e-100", a UUID "550e8400-...") is common, so a
+# body the byte scan flags is looked at again for a number TOKEN of that shape: one that
+# starts after `[`, `:`, `,` or whitespace, as every JSON number does; a string's letters
+# or dashes before it rule it out. Anything flagged by both must be decoded.
+_SHAPES = bytearray(b"x" * 256)
+_SHAPES[ord("0") : ord("9") + 1] = b"0" * 10
+_SHAPES[ord("e")] = _SHAPES[ord("E")] = ord("e")
+_NUMBER_SHAPES = bytes(_SHAPES)
+_BIG_EXPONENT = b"0e000"
+_LONG_DIGITS = b"0" * 200
+_RISKY_NUMBER = re.compile(rb"(?:^|[\[:,\s])-?(?:\d+(?:\.\d*)?[eE][+-]?\d{3}|\d{200})")
+
+
+def skippable_json(body: bytes) -> bool:
+    """True if skipping `body`'s values accepts exactly what decoding them would."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    shapes = body.translate(_NUMBER_SHAPES, b"+-")
+    if _BIG_EXPONENT not in shapes and _LONG_DIGITS not in shapes:
+        return True
+    return _RISKY_NUMBER.search(body) is None
 
 
 def json_kind(value: Any) -> str:

@@ -617,6 +617,13 @@ async def test_oversized_bodies_are_413(stack: Stack) -> None:
     await assert_exactly_once(stack)
 
 
+async def test_gateway_body_with_bad_utf8_is_400(stack: Stack) -> None:
+    """msgspec raises UnicodeDecodeError (not DecodeError) for bad UTF-8 in a string."""
+    body = b'{"url": "http://127.0.0.1:9/hook", "stream": "meetup", "secret": "\xff"}'
+    answer = await raw_request(stack.gateway_port, _post("/v1/webhooks", body))
+    assert answer.status == 400 and "not JSON" in answer.json()["error"], answer
+
+
 async def test_declared_oversized_body_is_413_before_it_arrives(stack: Stack) -> None:
     declared = _post("/v1/streams/meetup/events", b"{").replace(
         b"Content-Length: 1", b"Content-Length: %d" % (64 << 20)

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from runtime.events import skippable_json
 from runtime.query import Filter
 
 __all__ = [
@@ -32,6 +33,9 @@ KV_PREFIX = "KV_"
 KV_OP_HEADER = "KV-Operation"
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
+_check = msgspec.json.Decoder(msgspec.Raw).decode
+# msgspec raises UnicodeDecodeError, not DecodeError, for bad UTF-8 inside a string
+_NOT_JSON = (msgspec.DecodeError, UnicodeDecodeError)
 _MISS: Any = object()
 T = TypeVar("T")
 # frame shapes kept per message: a ring of 8,192 messages stays bounded however many
@@ -63,14 +67,29 @@ class StreamMessage:
                 raw = self.raw.strip()
                 if raw and b"\n" not in raw and b"\r" not in raw:
                     self._json = raw  # valid, one line: reuse the producer's bytes
-            except msgspec.DecodeError:
+            except _NOT_JSON:
                 self._data = self.raw.decode("utf-8", "replace")
         return self._data
 
     @property
     def json(self) -> bytes:
-        """The payload as one line of JSON."""
+        """The payload as one line of JSON.
+
+        A payload that is one line of valid JSON is served as stored without being decoded:
+        a subscriber with no filter never pays for the objects (msgspec checks the syntax
+        while skipping; `skippable_json` says when that skip is as strict as a decode).
+        """
         if self._json is None:
+            if self._data is ...:
+                raw = self.raw.strip()
+                if raw and b"\n" not in raw and b"\r" not in raw and skippable_json(raw):
+                    try:
+                        _check(raw)
+                    except _NOT_JSON:
+                        pass  # not JSON: served as its text, below
+                    else:
+                        self._json = raw
+                        return raw
             data = self.data
             if self._json is None:
                 self._json = _json.encode(data)
@@ -121,7 +140,7 @@ def kv_message(seq: int, subject: str, raw: bytes, headers: dict[str, str] | Non
     if op == "put":
         try:
             value = _decode.decode(raw)
-        except msgspec.DecodeError:
+        except _NOT_JSON:
             value = raw.decode("utf-8", "replace")
     return StreamMessage(seq, subject, raw, {"key": key, "op": op, "value": value, "revision": seq})
 

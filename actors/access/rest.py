@@ -268,7 +268,7 @@ class RestRoutes:
             plane.access.authenticate(token)
             try:
                 body = msgspec.json.decode(await request.read())
-            except msgspec.DecodeError as err:
+            except (msgspec.DecodeError, UnicodeDecodeError) as err:  # bad UTF-8: the latter
                 raise Problem(400, f"body is not JSON: {err}") from None
             if not isinstance(body, dict):
                 raise Problem(400, "body must be a JSON object {url, stream, filter?, secret?}")

@@ -418,7 +418,7 @@ class Webhooks:
                         continue
                     try:
                         self._adopt(msgspec.json.decode(entry.value, type=Registration))
-                    except msgspec.DecodeError:
+                    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                         log.warning("webhook registration %s unreadable; ignored", entry.key)
             except asyncio.CancelledError:
                 raise

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from runtime.events import Event, json_kind, new_event_ids
+from runtime.events import Event, json_kind, new_event_ids, skippable_json
 
 __all__ = [
     "BadInput",
@@ -285,35 +285,9 @@ _decode_head = msgspec.json.Decoder(_Head).decode
 _UNSET = msgspec.UNSET
 _DECODE_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
 
-# Skipping a value checks less than decoding it: bad UTF-8 inside a string and numbers
-# out of range (a float past 1.8e308, an integer of over 4,300 digits) pass a skip but
-# fail a decode. So the fast path takes a body only if it is valid UTF-8 and has no
-# number that could be out of range: no exponent of 3 or more digits and no run of 200
-# digits (a float of fewer integer digits and a 2-digit exponent stays below 1e299).
-# Text that merely looks like it (an id "e2e-100", a UUID "550e8400-...") is common, so a
-# body the byte scan flags is looked at again for a number TOKEN of that shape: one that
-# starts after `[`, `:`, `,` or whitespace, as every JSON number does; a string's letters
-# or dashes before it rule it out. Anything flagged by both takes the dict-based path.
-_SHAPES = bytearray(b"x" * 256)
-_SHAPES[ord("0") : ord("9") + 1] = b"0" * 10
-_SHAPES[ord("e")] = _SHAPES[ord("E")] = ord("e")
-_NUMBER_SHAPES = bytes(_SHAPES)
-_BIG_EXPONENT = b"0e000"
-_LONG_DIGITS = b"0" * 200
-_RISKY_NUMBER = re.compile(rb"(?:^|[\[:,\s])-?(?:\d+(?:\.\d*)?[eE][+-]?\d{3}|\d{200})")
-
-
-def _skippable(body: bytes) -> bool:
-    """True if skipping `body`'s values accepts exactly what decoding them would."""
-    if not body.isascii():
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-    shapes = body.translate(_NUMBER_SHAPES, b"+-")
-    if _BIG_EXPONENT not in shapes and _LONG_DIGITS not in shapes:
-        return True
-    return _RISKY_NUMBER.search(body) is None
+# Skipping a value checks less than decoding it; `skippable_json` (runtime/events.py) says
+# when a skip accepts exactly what a decode would. Anything else takes the dict-based path.
+_skippable = skippable_json
 
 
 def _raw_events(kind: Literal["json", "ndjson"], body: bytes) -> list[bytes]:
