@@ -336,6 +336,9 @@ async def test_two_consumers_share_the_buffer_exactly_once(nc: Client) -> None:
         return handle
 
     consumers = [BufferConsumer(nc, stream, handler(k), batch=50) for k in got]
+    # both bound before any frame is written (seen on a loaded machine: one consumer bound
+    # so late that the other had handled every frame by then)
+    await asyncio.gather(*(c.start() for c in consumers))
     stop = asyncio.Event()
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
     writer = BufferWriter(nc, stream, source_id="c", max_batch=100)
