@@ -282,6 +282,17 @@ class _Batch:
         self.outstanding = 0
         self.done: asyncio.Future[None] | None = None
 
+    def outcomes(self) -> tuple[list[Published], list[Failed]]:
+        """(published, failed), each in input order, once every slot is resolved."""
+        published: list[Published] = []
+        failed: list[Failed] = []
+        for r in self.results:
+            if type(r) is Published:
+                published.append(r)
+            else:
+                failed.append(r)  # type: ignore[arg-type]
+        return published, failed
+
 
 class _Lane:
     """One stream's queue of (call, index) waiting for a batch, and its batches in flight."""
@@ -504,14 +515,7 @@ class JetStreamPublisher:
         if batch.outstanding:
             batch.done = loop.create_future()
             await batch.done
-        published: list[Published] = []
-        failed: list[Failed] = []
-        for r in batch.results:
-            if type(r) is Published:
-                published.append(r)
-            else:
-                failed.append(r)  # type: ignore[arg-type]
-        return published, failed
+        return batch.outcomes()
 
     async def publish_with_retry(
         self,
@@ -600,14 +604,7 @@ class JetStreamPublisher:
             await self._publish_each(events, alone, call.results)
         if call.done is not None:
             await call.done
-        published: list[Published] = []
-        failed: list[Failed] = []
-        for r in call.results:
-            if type(r) is Published:
-                published.append(r)
-            else:
-                failed.append(r)  # type: ignore[arg-type]
-        return published, failed
+        return call.outcomes()
 
     def atomic_allowed(self, stream: str) -> bool:
         """False while `stream` is remembered as refusing atomic batches."""
