@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import time
 import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -657,6 +658,9 @@ async def test_twenty_clients_fail_over_to_another_replica_without_gap_or_repeat
         last_seen: list[int] = field(default_factory=list)  # at each disconnect
         closes: list[Any] = field(default_factory=list)
 
+    def caught_up(c: Client) -> bool:
+        return finished.is_set() and bool(c.seqs) and c.seqs[-1] == published[-1]
+
     async def run_client(c: Client) -> None:
         url = f"{gateways.a.url}/v1/ws"
         first = True
@@ -671,7 +675,16 @@ async def test_twenty_clients_fail_over_to_another_replica_without_gap_or_repeat
             try:
                 async with aiohttp.ClientSession(headers=H) as s, s.ws_connect(url) as ws:
                     await ws.send_str(_json.encode(msg).decode())
-                    async for m in ws:
+                    deadline = time.monotonic() + 240  # bounded; the test's own waits end first
+                    while time.monotonic() < deadline:
+                        try:
+                            m = await ws.receive(timeout=0.5)
+                        except TimeoutError:
+                            # the last event can arrive before the producer has its acks
+                            # (and sets `finished`): look again while no frame comes
+                            if caught_up(c):
+                                return
+                            continue
                         if m.type != aiohttp.WSMsgType.TEXT:
                             break
                         frame = msgspec.json.decode(m.data)
@@ -681,7 +694,7 @@ async def test_twenty_clients_fail_over_to_another_replica_without_gap_or_repeat
                         if c.cursor:
                             ack = {"op": "ack", "id": c.sid, "seq": frame["seq"]}
                             await ws.send_str(_json.encode(ack).decode())
-                        if finished.is_set() and c.seqs[-1] == published[-1]:
+                        if caught_up(c):
                             return
                         if len(c.seqs) >= 100 and all(len(x.seqs) >= 100 for x in clients):
                             kill_now.set()
