@@ -103,17 +103,25 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
     await client.close()
 
 
-@pytest.fixture
-async def stream(nc: Client, nats_server: NatsServer, cfg: Config) -> str:
-    """A fresh, empty stream `t` (sequences start at 1, dedup state empty)."""
+async def fresh_stream(
+    nc: Client, nats_server: NatsServer, cfg: Config, also_delete: tuple[str, ...] = ()
+) -> str:
+    """Stream `t` fresh and empty (sequences start at 1, dedup state empty), made by
+    ensure_streams as tierflow makes it; the server restarted if a test left it down."""
     if not nats_server.running:  # a previous test left it down
         nats_server.start()
     await await_until(lambda: nc.is_connected, 20, what="client reconnected")
     js = nc.jetstream()
-    with contextlib.suppress(NotFoundError):
-        await js.delete_stream(STREAM)
+    for name in (STREAM, *also_delete):
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(name)
     assert STREAM in await ensure_streams(nc, cfg)  # with the system streams
     return STREAM
+
+
+@pytest.fixture
+async def stream(nc: Client, nats_server: NatsServer, cfg: Config) -> str:
+    return await fresh_stream(nc, nats_server, cfg)
 
 
 # ---- pure parts ---------------------------------------------------------------------------

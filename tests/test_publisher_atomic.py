@@ -5,16 +5,13 @@ killed mid-batch."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError
 
-from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
+from runtime.config import Config
+from runtime.nats import NatsServer
 from runtime.publisher import (
     MAX_ATOMIC_BATCH,
     Failed,
@@ -24,9 +21,11 @@ from runtime.publisher import (
     batch_headers,
     batch_limit_from,
 )
-from runtime.services import ensure_streams
 from runtime.waiting import await_until
-from tests.test_publisher import by_id, events, stream_ids
+from tests.test_publisher import by_id, cfg, events, fresh_stream, nc, stream_ids
+
+# cfg and nc are test_publisher's module fixtures, imported so pytest finds them here
+__all__ = ["cfg", "nc"]
 
 pytestmark = pytest.mark.timeout(120)
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -37,36 +36,13 @@ PLAIN = "plain"  # a stream created without allow_atomic (an operator's own)
 PLAIN_SUBJECT = "plain.x"
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    state = tmp_path_factory.mktemp("atomic-state")
-    return load(
-        environ={},
-        overrides={"state_dir": str(state), "streams": {STREAM: {"subjects": [SUBJECT]}}},
-    )
-
-
-@pytest.fixture(scope="module")
-async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(nats_server.url, name="test-atomic")
-    yield client
-    await client.close()
-
-
 @pytest.fixture
 async def stream(nc: Client, nats_server: NatsServer, cfg: Config) -> str:
-    """A fresh, empty stream `t` created by ensure_streams (so with allow_atomic)."""
-    if not nats_server.running:  # a previous test left it down
-        nats_server.start()
-    await await_until(lambda: nc.is_connected, 20, what="client reconnected")
-    js = nc.jetstream()
-    for name in (STREAM, PLAIN):
-        with contextlib.suppress(NotFoundError):
-            await js.delete_stream(name)
-    assert STREAM in await ensure_streams(nc, cfg)
-    info = await js.stream_info(STREAM)
+    """A fresh, empty stream `t` made by ensure_streams (so with allow_atomic), and no `plain`."""
+    name = await fresh_stream(nc, nats_server, cfg, also_delete=(PLAIN,))
+    info = await nc.jetstream().stream_info(name)
     assert info.config.allow_atomic is True
-    return STREAM
+    return name
 
 
 def assert_seqs_match(ok: list[Published], stored: list[tuple[int, str]]) -> None:
