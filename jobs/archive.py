@@ -1,0 +1,174 @@
+"""Long-term storage (book ch. 6): each stream copied from JetStream to Parquet, exactly once.
+
+The book writes to long-term storage *indirectly*, from the message queue, so the analysis
+tier is never tied to the store's speed. Here that is one Spark streaming query per
+archived stream: the ``jetstream`` source into Spark's own file sink, Parquet partitioned
+by the event's date (or hour) under ``<root>/stream=<name>/``. Spark's file sink keeps a
+log of the files each committed batch wrote (``_spark_metadata`` in that directory) and
+its checkpoint the offsets; a batch replayed after a crash writes new files under the same
+batch id and the log lists only one attempt, so a reader that goes through the log
+(`read_archive`) sees every event exactly once. A plain directory listing of the same path
+would also see a killed attempt's partial files: always read an archive through
+`read_archive` (or Spark's `spark.read.parquet(<root>/stream=<name>)`, which uses the log).
+
+Each stream has its own directory (and so its own log) because two file sinks cannot share
+one. The root may be any filesystem URI Spark's Hadoop layer accepts (``s3a://``,
+``hdfs://``); a local directory by default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from runtime.nats import NatsEndpoint
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+__all__ = [
+    "ARCHIVE_COLUMNS",
+    "ArchivePosition",
+    "ArchiveSettings",
+    "archive_dir",
+    "archive_frame",
+    "archive_position",
+    "archive_query_name",
+    "read_archive",
+    "start_archive",
+]
+
+# what an archived event keeps: the source's columns (raw only for a malformed event)
+ARCHIVE_COLUMNS = ("seq", "subject", "ts", "msg_id", "data", "valid", "error", "raw")
+Partitioning = Literal["day", "hour"]
+
+
+@dataclass(frozen=True)
+class ArchiveSettings:
+    """One stream's `[streams.X.archive]`: where, how its files are partitioned, and how
+    often a batch of files is written (the archive's lag is about one interval)."""
+
+    path: str
+    partitioning: Partitioning = "day"
+    flush_s: float = 5.0
+    max_events_per_file: int = 1_000_000
+
+
+@dataclass(frozen=True)
+class ArchivePosition:
+    """How far a stream's archive has got, from its checkpoint: `next_seq` is the first
+    sequence not archived yet; `skipped` counts sequences that aged out of the stream
+    before the archive read them (lost to the archive: reported, never hidden)."""
+
+    batch_id: int
+    next_seq: int
+    skipped: int
+
+
+def archive_query_name(stream: str) -> str:
+    return f"archive-{stream}"
+
+
+def archive_dir(root: str | Path, stream: str) -> str:
+    """The stream's directory under the archive root (a path or a Hadoop URI)."""
+    return f"{str(root).rstrip('/')}/stream={stream}"
+
+
+def archive_frame(source: DataFrame, partitioning: Partitioning = "day") -> DataFrame:
+    """The source's rows as archived: every column, plus the partition columns (UTC)."""
+    from pyspark.sql import functions as F
+
+    df = source.select(*ARCHIVE_COLUMNS).withColumn("date", F.to_date("ts"))
+    if partitioning == "hour":
+        df = df.withColumn("hour", F.hour("ts"))
+    return df
+
+
+def _partition_columns(partitioning: Partitioning) -> list[str]:
+    return ["date", "hour"] if partitioning == "hour" else ["date"]
+
+
+def start_archive(
+    spark: SparkSession,
+    stream: str,
+    nats: NatsEndpoint,
+    settings: ArchiveSettings,
+    checkpoint_root: str | Path,
+    *,
+    trigger: dict[str, Any] | None = None,
+) -> StreamingQuery:
+    """Start the stream's archive query (named `archive_query_name`), resuming from its
+    checkpoint at ``<checkpoint_root>/archive-<stream>``.
+
+    Aged-out sequences are skipped and counted, not fatal: the archive keeps going with
+    what the stream still holds, and `archive_position` reports the gap.
+    """
+    name = archive_query_name(stream)
+    source = (
+        spark.readStream.format("jetstream")
+        .options(**nats.to_options())
+        .option("stream", stream)
+        .option("onAgedOut", "skip")
+        .load()
+    )
+    when = trigger if trigger is not None else {"processingTime": f"{settings.flush_s} seconds"}
+    return (
+        archive_frame(source, settings.partitioning)
+        .writeStream.queryName(name)
+        .format("parquet")
+        .partitionBy(*_partition_columns(settings.partitioning))
+        .option("path", archive_dir(settings.path, stream))
+        .option("checkpointLocation", str(Path(checkpoint_root) / name))
+        .option("maxRecordsPerFile", str(settings.max_events_per_file))
+        .trigger(**when)
+        .start()
+    )
+
+
+def read_archive(spark: SparkSession, root: str | Path, stream: str) -> DataFrame:
+    """Every archived event of `stream`, each once (through the file sink's log), with the
+    partition columns; an empty frame of the archive's schema when nothing is archived."""
+    path = archive_dir(root, stream)
+    local = _local_path(path)
+    if local is not None and not (local / "_spark_metadata").is_dir():
+        return spark.createDataFrame([], _empty_schema())
+    return spark.read.option("ignoreMissingFiles", "true").parquet(path)
+
+
+def _local_path(path: str) -> Path | None:
+    """The local directory `path` names (a plain path or a file: URI); None for a remote
+    filesystem, where Spark itself says whether anything is there."""
+    if "://" not in path:
+        return Path(path)
+    if path.startswith("file://"):
+        return Path(path.removeprefix("file://"))
+    return None
+
+
+def _empty_schema() -> str:
+    from jobs.jetstream_options import SCHEMA_DDL
+
+    return f"{SCHEMA_DDL}, date DATE"
+
+
+def archive_position(checkpoint_root: str | Path, stream: str) -> ArchivePosition | None:
+    """The archive's committed position from its checkpoint (``commits/<id>`` is written
+    after the sink committed the batch; ``offsets/<id>`` holds its end offset); None before
+    the first committed batch."""
+    root = Path(checkpoint_root) / archive_query_name(stream)
+    try:
+        ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
+    except FileNotFoundError:
+        return None
+    if not ids:
+        return None
+    batch = max(ids)
+    try:
+        lines = (root / "offsets" / str(batch)).read_text(encoding="utf-8").splitlines()
+        offset = json.loads(lines[2])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+    return ArchivePosition(batch, int(offset["seq"]), int(offset.get("skipped", 0)))
