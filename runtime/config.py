@@ -165,6 +165,25 @@ class SourceConfig(_Strict):
     k: Annotated[int, msgspec.Meta(ge=0, le=4)] = 1
 
 
+class ArchiveConfig(_Strict):
+    """`[streams.X.archive]` (book ch. 6, long-term storage): the stream copied to Parquet
+    by a Spark query the analysis driver runs, exactly once (jobs/archive.py).
+
+    `path` is a directory or any Hadoop filesystem URI Spark accepts (``s3a://..``);
+    empty: ``<state_dir>/archive``. `flush_s` is how often a batch of files is written,
+    about the archive's lag. `retention_days` drops archived date partitions older than
+    that (0 keeps them). With an archive the stream never ages out what the archive has
+    not copied yet: its `max_age_s` and `max_bytes` are enforced by purging archived
+    events only (jobs/retention.py), and a full stream refuses new events, which wait,
+    acknowledged, in the message logger, until the archive catches up.
+    """
+
+    path: str = ""
+    partitioning: Literal["day", "hour"] = "day"
+    flush_s: PositiveF = 5.0
+    retention_days: NonNeg = 0
+
+
 class StreamConfig(_Strict):
     """A JetStream stream the runtime creates or updates at start-up."""
 
@@ -175,6 +194,7 @@ class StreamConfig(_Strict):
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
+    archive: ArchiveConfig | None = None
 
 
 class LoggingConfig(_Strict):
@@ -332,6 +352,13 @@ class Config(_Strict):
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir).expanduser().resolve()
+
+    def archive_root(self, stream: str) -> str:
+        """Where `stream`'s archive goes: its `archive.path`, else ``<state_dir>/archive``."""
+        archive = self.streams[stream].archive
+        return (archive.path if archive and archive.path else "") or str(
+            self.state_path / "archive"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

@@ -81,19 +81,24 @@ async def connect_nats(
 
 async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
     """Create or update the configured JetStream streams (file storage, dedup window)."""
-    from nats.js.api import StorageType, StreamConfig
+    from nats.js.api import DiscardPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
 
     js = nc.jetstream()
     made = []
     for name, s in cfg.streams.items():
+        archived = s.archive is not None
         sc = StreamConfig(
             name=name,
             subjects=s.subjects,
             storage=StorageType.FILE,
             num_replicas=max(s.replicas, cfg.nats.stream_replicas),
-            max_age=s.max_age_s or None,
+            # an archived stream never ages out what the archive lacks: its limits are kept
+            # by purging archived events (jobs/retention.py), and when full it refuses new
+            # events (they wait, acknowledged, in the message logger) rather than drop old
+            max_age=None if archived else (s.max_age_s or None),
             max_bytes=s.max_bytes,
+            discard=DiscardPolicy.NEW if archived else DiscardPolicy.OLD,
             duplicate_window=s.duplicate_window_s,
             allow_atomic=True,  # the bridge publishes each logged group as one atomic batch
         )
