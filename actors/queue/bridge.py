@@ -279,8 +279,14 @@ class BrokerBridge(SupervisedActor):
     ) -> tuple[list[Published], list[Failed]]:
         """Publish each stream's share of `events` as atomic batches (the publisher falls
         back to per-event publishes where a batch is refused); events whose subject no
-        stream answers for go out one by one, to be reported as the server answers."""
-        assert self._pub is not None
+        stream answers for go out one by one, to be reported as the server answers.
+
+        The shares go out concurrently: a group spanning streams waits for the slowest
+        stream's commit, not for the sum of them. Each share keeps its events in input
+        order (one publisher call per stream, and the publisher keeps a stream's order);
+        exactly-once rests on the ids, not on which share goes first."""
+        pub = self._pub
+        assert pub is not None
         by_stream: dict[str | None, list[Outgoing]] = {}
         streams: dict[str, str | None] = {}  # subject -> stream, for this call
         for e in events:
@@ -288,13 +294,20 @@ class BrokerBridge(SupervisedActor):
                 stream, _ = await self._target(e.subject)  # cached across calls too
                 streams[e.subject] = stream if self.atomic else None  # None: event by event
             by_stream.setdefault(streams[e.subject], []).append(Outgoing(e.id, e.subject, e.data))
+
+        async def share(
+            stream: str | None, items: list[Outgoing]
+        ) -> tuple[list[Published], list[Failed]]:
+            if stream is None:  # not atomic, or no stream answers: acks per event
+                return await pub.publish_batch(items)
+            return await pub.publish_atomic(items, stream=stream)
+
+        if len(by_stream) == 1:  # the usual case: no task to make
+            ((stream, items),) = by_stream.items()
+            return await share(stream, items)
         published: list[Published] = []
         failed: list[Failed] = []
-        for stream, items in by_stream.items():
-            if stream is None:  # not atomic, or no stream answers: acks per event
-                ok, bad = await self._pub.publish_batch(items)
-            else:
-                ok, bad = await self._pub.publish_atomic(items, stream=stream)
+        for ok, bad in await asyncio.gather(*(share(s, i) for s, i in by_stream.items())):
             published += ok
             failed += bad
         return published, failed
