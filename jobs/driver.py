@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
@@ -101,6 +102,13 @@ def progress_summary(progress: Any) -> dict[str, Any]:
         "watermark": (p.get("eventTime") or {}).get("watermark"),
         "at": p.get("timestamp"),
     }
+
+
+def _epoch_s(timestamp: str | None) -> float:
+    """A progress record's ISO timestamp (``2026-11-24T06:07:11.123Z``) as epoch seconds."""
+    if not timestamp:
+        return 0.0
+    return dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def backoff_s(failures: int) -> float:
@@ -254,9 +262,12 @@ class AnalysisDriver(SupervisedActor):
     def _start_spark(self) -> SparkSession:
         # pyspark loads here, in the actor: the CLI imports this module for its names only
         from jobs.jetstream import register
+        from jobs.spark_session import analysis_conf
         from jobs.windows import LateEventCounter
 
-        spark_cfg = msgspec.structs.replace(self.cfg.spark, master=self.master)
+        spark_cfg = msgspec.structs.replace(
+            self.cfg.spark, master=self.master, conf=analysis_conf(self.cfg.spark.conf)
+        )
         cfg = msgspec.structs.replace(self.cfg, spark=spark_cfg)
         spark = spark_session(cfg, app_name=f"tierflow-{self.name}")
         register(spark)
@@ -393,6 +404,31 @@ class AnalysisDriver(SupervisedActor):
             "queries": queries,
             "dead_letters": self._deadletter_totals() if self.state != "stopped" else {},
         }
+
+    def progress(self, since: float = 0.0) -> dict[str, list[dict[str, Any]]]:
+        """Per query, its recent batches (Spark keeps the last 100) that started at or after
+        `since` (epoch s): batch id, input rows and where the batch's time went
+        (``durationMs``: latestOffset, queryPlanning, walCommit, addBatch, commitOffsets...)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for name, q in list(self._w.queries.items()):
+            sq = q.query
+            if sq is None:
+                continue
+            rows = []
+            with contextlib.suppress(Exception):
+                for p in sq.recentProgress:
+                    d = json.loads(p.json) if hasattr(p, "json") else dict(p)
+                    if _epoch_s(d.get("timestamp")) < since:
+                        continue
+                    rows.append(
+                        {
+                            "batch_id": d.get("batchId"),
+                            "input_rows": d.get("numInputRows"),
+                            "durations": d.get("durationMs") or {},
+                        }
+                    )
+            out[name] = rows
+        return out
 
     def jobs(self) -> dict[str, dict[str, Any]]:
         """The wanted jobs' specs, by name."""

@@ -10,14 +10,16 @@ sends its malformed events to ``deadletter.<stream>``. The query's checkpoint li
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.plans import build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
+from jobs.spark_session import POOL_PROPERTY, query_pool
 from jobs.specs import JobSpec, check_spec, deadletter_query_name
 from jobs.topn import BatchRows
 from runtime.nats import NatsEndpoint
@@ -76,6 +78,19 @@ def read_stream(
     return reader.load()
 
 
+@contextlib.contextmanager
+def in_pool(spark: SparkSession, name: str) -> Iterator[None]:
+    """Queries started inside run their jobs in query `name`'s scheduler pool (a Spark
+    thread-local property the query's thread inherits from the starting thread)."""
+    sc = spark.sparkContext
+    before = sc.getLocalProperty(POOL_PROPERTY)
+    sc.setLocalProperty(POOL_PROPERTY, query_pool(name))
+    try:
+        yield
+    finally:
+        sc.setLocalProperty(POOL_PROPERTY, before)  # type: ignore[arg-type]  # None unsets
+
+
 def _trigger(spec_trigger_s: float, trigger: Mapping[str, Any] | None) -> dict[str, Any]:
     if trigger is not None:
         return dict(trigger)
@@ -108,14 +123,15 @@ def start_job(
     checkpoint = Path(checkpoint_root) / spec.name
     sink = ResultSink.for_query(nats, spec.name)
     writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
-    return (
-        plan.df.writeStream.queryName(spec.name)
-        .outputMode(plan.output_mode)
-        .foreachBatch(writer)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(**_trigger(spec.trigger_s, trigger))
-        .start()
-    )
+    with in_pool(spark, spec.name):
+        return (
+            plan.df.writeStream.queryName(spec.name)
+            .outputMode(plan.output_mode)
+            .foreachBatch(writer)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(**_trigger(spec.trigger_s, trigger))
+            .start()
+        )
 
 
 def start_deadletters(
@@ -137,11 +153,12 @@ def start_deadletters(
     name = deadletter_query_name(stream)
     trigger_s = max(trigger_s, DEADLETTER_TRIGGER_S)
     writer = DeadLetterBatch(ResultSink.for_query(nats, name), stream, on_batch)
-    return (
-        read_stream(spark, nats, stream)
-        .writeStream.queryName(name)
-        .foreachBatch(writer)
-        .option("checkpointLocation", str(Path(checkpoint_root) / name))
-        .trigger(**_trigger(trigger_s, trigger))
-        .start()
-    )
+    with in_pool(spark, name):
+        return (
+            read_stream(spark, nats, stream)
+            .writeStream.queryName(name)
+            .foreachBatch(writer)
+            .option("checkpointLocation", str(Path(checkpoint_root) / name))
+            .trigger(**_trigger(trigger_s, trigger))
+            .start()
+        )

@@ -223,6 +223,14 @@ def test_policy_helpers() -> None:
 
 
 @pytest.mark.unit
+def test_progress_timestamps_read_as_epoch_seconds() -> None:
+    from jobs.driver import _epoch_s
+
+    assert _epoch_s("2026-11-24T06:07:11.500Z") == 1795500431.5
+    assert _epoch_s(None) == 0.0 and _epoch_s("") == 0.0
+
+
+@pytest.mark.unit
 def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
     cfg = load(environ={})
     assert [s.name for s in resolve_jobs(cfg, "meetup")] == list(QUERIES)

@@ -40,6 +40,12 @@ TOP_N = 10
 BOOK_CAPACITY = 100_000
 WINDOW_CAPACITY = 1024
 WINDOW_MS, SLIDE_MS, MINUTE_MS = 300_000, 10_000, 60_000
+# Six queries (with dead letters) share local[2] with every other tier, and each micro-batch
+# has a fixed cost of a few hundred ms: the top-N, the dashboard's live panel, runs often;
+# the others (windows sliding every 10 s, per-minute counts, totals) every few seconds,
+# which leaves the cores to the top-N (measured: docs/benchmarks.md, `make demo`'s shape).
+TOPN_TRIGGER_S = 0.5
+PANEL_TRIGGER_S = 5.0
 QUERIES = (
     "meetup_topn",
     "meetup_topn_window",
@@ -52,21 +58,28 @@ QUERIES = (
 def meetup_jobs(
     stream: str = STREAM,
     *,
-    trigger_s: float = 1.0,
+    trigger_s: float | None = None,
+    topn_trigger_s: float = TOPN_TRIGGER_S,
+    panel_trigger_s: float = PANEL_TRIGGER_S,
     watermark: str = "1 minute",
     capacity: int = BOOK_CAPACITY,
     max_events_per_trigger: int = 0,
 ) -> list[JobSpec]:
-    """The five Meetup queries of docs/contracts.md over `stream`."""
+    """The five Meetup queries of docs/contracts.md over `stream`.
+
+    `meetup_topn` (the live panel) runs a micro-batch every `topn_trigger_s`, the other four
+    every `panel_trigger_s`; `trigger_s` sets one trigger for all five.
+    """
+    if trigger_s is not None:
+        topn_trigger_s = panel_trigger_s = trigger_s
     common: dict[str, Any] = {
         "stream": stream,
-        "trigger_s": trigger_s,
+        "trigger_s": panel_trigger_s,
         "max_events_per_trigger": max_events_per_trigger,
     }
+    live = {**common, "trigger_s": topn_trigger_s}
     return [
-        JobSpec(
-            name="meetup_topn", kind="topn", field=TOPICS, n=TOP_N, capacity=capacity, **common
-        ),
+        JobSpec(name="meetup_topn", kind="topn", field=TOPICS, n=TOP_N, capacity=capacity, **live),
         JobSpec(
             name="meetup_topn_window",
             kind="topn",

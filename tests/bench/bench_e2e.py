@@ -95,7 +95,7 @@ async def phase(
         i: len(events[i * BATCH : (i + 1) * BATCH])
         for i in range((len(events) + BATCH - 1) // BATCH)
     }
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     report = await drive(
         p.tier.url,
         "meetup",
@@ -137,6 +137,7 @@ async def phase(
         "topn": summary(top_ms),
         "raw": summary(raw_ms),
         "updates": len(frames),
+        "batches": await asyncio.get_running_loop().run_in_executor(None, p.batch_profile, wall0),
     }
 
 
@@ -179,6 +180,18 @@ async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return rows, profiles
 
 
+def print_batches(label: str, batches: dict[str, dict[str, Any]]) -> None:
+    """Where each query's micro-batches spent their time (medians of Spark's durationMs)."""
+    for name, b in sorted(batches.items()):
+        parts = ", ".join(
+            f"{k} {v:,.0f}" for k, v in b.items() if k not in ("batches", "input_rows_p50") and v
+        )
+        print(
+            f"  {label} {name}: {b['batches']} batches, {b['input_rows_p50'] or 0:,.0f} rows; "
+            f"ms p50: {parts}"
+        )
+
+
 def pids_of(p: Pipeline) -> dict[str, int]:
     group = p.tier.logger_groups[0]
     return {
@@ -211,6 +224,8 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
             f"{w['p99_ms'] / t['p99_ms']:>13.2f}"
         )
     print("shown/s: events over the time until the top-N counted them all")
+    for r in rows:
+        print_batches(f"{r['rate']:,.0f}/s", r["batches"])
     if profiles:
         print_profile(f"e2e at {RATES[len(RATES) // 2]:,} events/s, {PROFILE_S:g} s", profiles)
     write_report(
@@ -250,4 +265,5 @@ def test_demo_dashboard_lag(bench_ray: Any, tmp_path: Path) -> None:
         f"top-N p50 {t['p50_ms']:,.0f} ms, p99 {t['p99_ms']:,.0f} ms; raw p50 "
         f"{w['p50_ms']:,.0f} ms, p99 {w['p99_ms']:,.0f} ms"
     )
+    print_batches("demo", row["batches"])
     write_report("demo", {"jobs": 5, **row})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,10 +37,47 @@ class Pipeline:
 
         return ray.get_actor(name, namespace=self.cfg.ray.namespace)
 
+    def batch_profile(self, since: float) -> dict[str, dict[str, Any]]:
+        """Per query, where its micro-batches with input since `since` (epoch s) spent their
+        time: batches, median input rows, and the median of each of Spark's ``durationMs``
+        parts (ms)."""
+        import ray
+
+        progress = ray.get(self.driver.progress.remote(since), timeout=60)
+        return {name: durations_summary(rows) for name, rows in progress.items()}
+
     def pid(self, handle: Any) -> int:
         import ray
 
         return int(ray.get(handle.heartbeat.remote(), timeout=30)["pid"])
+
+
+def demo_jobs() -> list[Any]:
+    """The five Meetup queries as `make demo` runs them; TIERFLOW_BENCH_DEMO_TRIGGERS
+    ("<top-N s>,<other panels s>") sets other triggers (to compare A/B)."""
+    from cluster.demo.meetup import meetup_jobs
+
+    given = os.environ.get("TIERFLOW_BENCH_DEMO_TRIGGERS", "")
+    if not given:
+        return meetup_jobs()
+    topn, panels = (float(t) for t in given.split(","))
+    return meetup_jobs(topn_trigger_s=topn, panel_trigger_s=panels)
+
+
+def durations_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over a query's batches that read input (see `Pipeline.batch_profile`)."""
+    busy = [r for r in rows if r.get("input_rows")]
+    keys = sorted({k for r in busy for k in r["durations"]})
+    return {
+        "batches": len(busy),
+        "input_rows_p50": median([r["input_rows"] for r in busy]),
+        **{k: median([r["durations"].get(k, 0) for r in busy]) for k in keys},
+    }
+
+
+def median(values: list[float]) -> float | None:
+    data = sorted(values)
+    return data[len(data) // 2] if data else None
 
 
 @contextlib.contextmanager
@@ -59,13 +98,15 @@ def pipeline(
     from cluster.deploy.gateway import start_gateways, stop_gateways
     from runtime.services import ensure_streams
 
+    # TIERFLOW_BENCH_SPARK_CONF: extra Spark settings as JSON (to compare settings A/B)
+    spark_conf = json.loads(os.environ.get("TIERFLOW_BENCH_SPARK_CONF") or "{}")
     cfg = load(
         environ={},
         overrides={
             "state_dir": str(state / "state"),
             "ray": {"namespace": namespace},
             "roles": {"collector": {"port": 0}, "gateway": {"port": 0}},
-            "spark": {"master": "local[2]"},
+            "spark": {"master": "local[2]", "conf": spark_conf},
             **(overrides or {}),
         },
     )
@@ -85,7 +126,7 @@ def pipeline(
             ends = ray.get(
                 ray.get_actor(gateways[0], namespace=namespace).endpoints.remote(), timeout=30
             )
-            jobs = meetup_jobs() if all_jobs else meetup_jobs(trigger_s=trigger_s)[:1]
+            jobs = demo_jobs() if all_jobs else meetup_jobs(trigger_s=trigger_s)[:1]
             driver = start_driver(cfg, server.url, jobs=jobs)
             status = wait_running(driver, 180)
             assert status.get("state") == "running", status

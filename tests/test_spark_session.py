@@ -1,0 +1,72 @@
+"""jobs/spark_session.py and the scheduler pools of jobs/running.py: the analysis driver's
+latency settings sit under the config's own, and a query's jobs run in its own pool."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.demo.meetup import PANEL_TRIGGER_S, TOPN_TRIGGER_S, meetup_jobs
+from jobs.running import in_pool
+from jobs.spark_session import LATENCY_DEFAULTS, POOL_PROPERTY, analysis_conf, query_pool
+from runtime.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.unit
+def test_the_config_wins_over_the_latency_defaults() -> None:
+    conf = analysis_conf({"spark.scheduler.mode": "FIFO", "spark.sql.shuffle.partitions": 4})
+    assert conf["spark.scheduler.mode"] == "FIFO"
+    assert conf["spark.sql.shuffle.partitions"] == 4
+    fs = "spark.hadoop.fs.file.impl"
+    assert conf[fs] == LATENCY_DEFAULTS[fs] == "org.apache.hadoop.fs.RawLocalFileSystem"
+    assert analysis_conf({}) == LATENCY_DEFAULTS
+
+
+@pytest.mark.unit
+def test_demo_top_n_runs_often_and_the_other_panels_less() -> None:
+    jobs = {s.name: s.trigger_s for s in meetup_jobs()}
+    assert jobs.pop("meetup_topn") == TOPN_TRIGGER_S
+    assert set(jobs.values()) == {PANEL_TRIGGER_S}
+    assert TOPN_TRIGGER_S < PANEL_TRIGGER_S
+    assert {s.trigger_s for s in meetup_jobs(trigger_s=0.25)} == {0.25}
+    assert [s.trigger_s for s in meetup_jobs(topn_trigger_s=2, panel_trigger_s=3)][:2] == [2, 3]
+
+
+def test_a_query_started_in_a_pool_runs_its_batches_there(spark: Any, tmp_path: Path) -> None:
+    """The foreachBatch of a query started inside `in_pool` sees the query's pool (so its
+    jobs are scheduled there), and the starting thread's own pool is back afterwards."""
+    sc = spark.sparkContext
+    seen: list[str | None] = []
+    lock = threading.Lock()
+
+    def record(df: Any, batch_id: int) -> None:
+        df.count()  # a job, submitted from this batch's thread
+        with lock:
+            seen.append(df.sparkSession.sparkContext.getLocalProperty(POOL_PROPERTY))
+
+    sc.setLocalProperty(POOL_PROPERTY, "caller")
+    try:
+        with in_pool(spark, "q1"):
+            query = (
+                spark.readStream.format("rate")
+                .option("rowsPerSecond", 10)
+                .load()
+                .writeStream.foreachBatch(record)
+                .option("checkpointLocation", str(tmp_path / "ckpt"))
+                .trigger(processingTime="200 milliseconds")
+                .start()
+            )
+        assert sc.getLocalProperty(POOL_PROPERTY) == "caller"
+        try:
+            wait_until(lambda: len(seen) >= 2, timeout=120, what="two micro-batches")
+        finally:
+            query.stop()
+    finally:
+        sc.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
+    with lock:
+        assert set(seen) == {query_pool("q1")}, seen
