@@ -19,7 +19,7 @@ sqlglot does the parsing; what is hand-written here is the policy, which no libr
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import sqlglot
@@ -64,6 +64,18 @@ class CheckedQuery:
 
     sql: str
     tables: frozenset[str]
+
+    def renamed(self, views: Mapping[str, str]) -> str:
+        """The query with each table it reads replaced by the view `views` names for it
+        (CTEs keep their names), e.g. per-query temp views that cannot collide."""
+        root = sqlglot.parse_one(self.sql, read="spark")
+        ctes = {cte.alias_or_name.lower() for cte in root.find_all(exp.CTE)}
+        lower = {k.lower(): v for k, v in views.items()}
+        for node in list(root.find_all(exp.Table)):
+            name = node.name.lower()
+            if name not in ctes and name in lower:
+                node.set("this", exp.to_identifier(lower[name], quoted=True))
+        return root.sql(dialect="spark", comments=False)
 
 
 def check_select(sql: str, known: Collection[str]) -> CheckedQuery:

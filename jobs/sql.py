@@ -1,0 +1,199 @@
+"""Ad-hoc SQL over the streams and results (book ch. 8): one table per stream, whole history.
+
+A stream's table is its archive (jobs/archive.py) up to the archive's committed position,
+plus the live tail still only in JetStream from there on, read by the ``jetstream`` source
+in batch mode: every event once, whether it is archived yet or not. Without an archive the
+table is what the stream retains. `results` is a stream like the others.
+
+Columns are the events' JSON fields, by a Spark DDL schema declared in config
+(`[streams.X] schema`) or inferred from a sample of the newest events, plus the event's
+envelope: ``_seq``, ``_subject``, ``_ts`` and ``_id``. Malformed events are left out
+(they are in ``deadletter``).
+
+Queries pass `runtime.sql_check.check_select` first; only the tables a query names are
+built. Each query reads its tables through temp views of its own and runs under its own Spark
+job tag, cancelled when it overruns its timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jobs.archive import archive_position, read_archive
+from runtime.nats import NatsEndpoint
+from runtime.sql_check import CheckedQuery, SqlRefused, check_select
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "ENVELOPE",
+    "SAMPLE_EVENTS",
+    "SqlResult",
+    "SqlTimeout",
+    "StreamTable",
+    "run_sql",
+    "stream_events",
+    "table_frame",
+]
+
+SAMPLE_EVENTS = 1_000
+CANCEL_EVERY_S = 0.5
+CANCEL_TRIES = 240  # two minutes of cancelling after the timeout, then give up
+ENVELOPE = {"_seq": "seq", "_subject": "subject", "_ts": "ts", "_id": "msg_id"}
+
+
+class SqlTimeout(TimeoutError):
+    """The query ran past its timeout and was cancelled."""
+
+
+@dataclass(frozen=True)
+class StreamTable:
+    """Where a stream's table comes from: its archive root (None: not archived) and the
+    checkpoint root the archive's position is read from; `schema` a Spark DDL ('' infers)."""
+
+    stream: str
+    archive_root: str | None = None
+    checkpoint_root: str | Path | None = None
+    schema: str = ""
+
+
+@dataclass
+class SqlResult:
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+    truncated: bool
+    tables: list[str] = field(default_factory=list)
+
+
+def stream_events(spark: SparkSession, nats: NatsEndpoint, table: StreamTable) -> DataFrame:
+    """Every retained or archived event of the stream, each once (the source's columns)."""
+    tail = (
+        spark.read.format("jetstream").options(**nats.to_options()).option("stream", table.stream)
+    )
+    tail = tail.option("onAgedOut", "skip")
+    if table.archive_root is None or table.checkpoint_root is None:
+        return tail.load()
+    position = archive_position(table.checkpoint_root, table.stream)
+    if position is None:
+        return tail.load()
+    # a batch the archive commits meanwhile is in both: the archive side stops at the
+    # position read here and the tail starts there
+    archived = read_archive(spark, table.archive_root, table.stream)
+    archived = archived.where(archived.seq < position.next_seq).select(*_source_columns())
+    live = tail.option("startingOffset", str(position.next_seq)).load()
+    return archived.unionByName(live)
+
+
+def _source_columns() -> list[str]:
+    from jobs.archive import ARCHIVE_COLUMNS
+
+    return list(ARCHIVE_COLUMNS)
+
+
+def table_frame(events: DataFrame, schema: str = "", sample: int = SAMPLE_EVENTS) -> DataFrame:
+    """The events as a table: envelope columns, then the JSON fields by `schema` or by a
+    schema inferred from up to `sample` of the newest valid events."""
+    from pyspark.sql import functions as F
+
+    valid = events.where(F.col("valid"))
+    if not schema:
+        schema = _infer_schema(valid, sample)
+    envelope = [F.col(src).alias(name) for name, src in ENVELOPE.items()]
+    if not schema:  # nothing to infer from: the envelope and the raw JSON text
+        return valid.select(*envelope, F.col("data"))
+    parsed = valid.select(*envelope, F.from_json("data", schema).alias("_e"))
+    fields = [c for c in parsed.select("_e.*").columns if c not in ENVELOPE]
+    return parsed.select(*ENVELOPE, *(F.col("_e").getField(c).alias(c) for c in fields))
+
+
+def _infer_schema(valid: DataFrame, sample: int) -> str:
+    spark = valid.sparkSession
+    rows = valid.orderBy(valid.seq.desc()).select("data").limit(sample).collect()
+    texts = [r.data for r in rows if r.data]
+    if not texts:
+        return ""
+    inferred = spark.read.json(spark.sparkContext.parallelize(texts, 1)).schema
+    objects = [f for f in inferred.fields if f.name != "_corrupt_record"]
+    if not objects:
+        return ""
+    return ", ".join(f"`{f.name.replace('`', '``')}` {f.dataType.simpleString()}" for f in objects)
+
+
+def run_sql(
+    spark: SparkSession,
+    nats: NatsEndpoint,
+    sql: str,
+    tables: Mapping[str, StreamTable],
+    *,
+    limit: int = 1_000,
+    timeout_s: float = 60.0,
+    allowed: Callable[[str], bool] = lambda stream: True,
+) -> SqlResult:
+    """Check `sql` (SqlRefused), build the tables it names, run it with a row limit and a
+    timeout (SqlTimeout). `allowed(stream)` is the caller's authorisation: a query naming a
+    stream it refuses is refused before anything is read."""
+    checked: CheckedQuery = check_select(sql, tables)
+    for name in sorted(checked.tables):
+        if not allowed(name):
+            raise SqlRefused(f"not allowed to read stream {name!r}")
+    ctx = spark.sparkContext
+    tag = f"tierflow_sql_{uuid.uuid4().hex[:12]}"
+    views = {name: f"{tag}_{i}" for i, name in enumerate(sorted(checked.tables))}
+    timed_out, finished = threading.Event(), threading.Event()
+
+    def cancel() -> None:
+        """Cancel the query's jobs, again and again: a query runs several jobs one after
+        another (broadcasts first), and between two of them there is nothing to cancel."""
+        timed_out.set()
+        for _ in range(CANCEL_TRIES):
+            ctx.cancelJobsWithTag(tag)
+            if finished.wait(CANCEL_EVERY_S):
+                return
+
+    timer = threading.Timer(timeout_s, cancel)
+    timer.daemon = True
+    ctx.addJobTag(tag)  # this thread's jobs, schema sampling included, until removed
+    ctx.setInterruptOnCancel(True)
+    timer.start()
+    try:
+        for name, view in views.items():  # temp views of this query only
+            spec = tables[name]
+            table_frame(stream_events(spark, nats, spec), spec.schema).createTempView(view)
+        df = spark.sql(checked.renamed(views))
+        rows = df.limit(limit + 1).collect()
+    except Exception as err:
+        if timed_out.is_set():
+            raise SqlTimeout(f"the query ran past its timeout of {timeout_s:g} s") from None
+        raise _clear(err, views) from None
+    finally:
+        finished.set()
+        timer.cancel()
+        ctx.removeJobTag(tag)
+        for view in views.values():
+            spark.catalog.dropTempView(view)
+    return SqlResult(
+        columns=list(df.columns),
+        rows=[tuple(r) for r in rows[:limit]],
+        truncated=len(rows) > limit,
+        tables=sorted(checked.tables),
+    )
+
+
+def _clear(err: Exception, views: Mapping[str, str]) -> Exception:
+    """Spark's analysis errors (unknown column, type mismatch) as SqlRefused, naming the
+    streams rather than this query's views: the user's query is wrong, not the system;
+    anything else unchanged."""
+    from pyspark.errors import AnalysisException, ParseException
+
+    if not isinstance(err, ParseException | AnalysisException):
+        return err
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for name, view in views.items():
+        text = text.replace(view, name)
+    return SqlRefused(text[:500])
