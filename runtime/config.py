@@ -195,6 +195,9 @@ class StreamConfig(_Strict):
     logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
     archive: ArchiveConfig | None = None
+    # the events' JSON fields as a Spark DDL (`city STRING, n INT`) for `tierflow sql`;
+    # empty: inferred from a sample of the newest events
+    schema: str = ""
 
 
 class LoggingConfig(_Strict):
