@@ -12,11 +12,12 @@ import contextlib
 import uuid
 from typing import Any
 
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
 
-__all__ = ["JetStreamReader", "jetstream_opener", "stored_message"]
+__all__ = ["JetStreamReader", "delivery_position", "jetstream_opener", "stored_message"]
 
 
 class JetStreamReader:
@@ -78,9 +79,11 @@ class JetStreamReader:
             return []
         out: list[StreamMessage] = []
         for m in msgs:
-            meta = m.metadata
-            seq = meta.sequence.stream
-            self.num_pending = meta.num_pending
+            position = delivery_position(m.reply)
+            if position is None:  # a reply shape not known here: nats-py's parse decides
+                meta = m.metadata
+                position = meta.sequence.stream, meta.num_pending
+            seq, self.num_pending = position
             if self.kv:
                 out.append(kv_message(seq, m.subject, m.data, m.headers))
             else:
@@ -94,6 +97,26 @@ class JetStreamReader:
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self.js.delete_consumer(self.stream, self.name)
+
+
+def delivery_position(reply: str | None) -> tuple[int, int] | None:
+    """(stream sequence, messages still pending) of a JetStream delivery, read from its
+    reply subject as nats-py's `Msg.metadata` reads it (the v1 and v2 `$JS.ACK` shapes),
+    without the datetime and dataclasses that parse builds for every message (a tenth of
+    a feed's read CPU); None for anything else."""
+    if not reply:
+        return None
+    t = reply.split(".")
+    if len(t) < 9 or t[0] != "$JS" or t[1] != "ACK":
+        return None
+    try:
+        if len(t) == 9:
+            return int(t[5]), int(t[8])
+        if len(t) >= 11:
+            return int(t[Msg.Ack.StreamSeq]), int(t[Msg.Ack.NumPending])
+    except ValueError:  # not numbers where they belong: not a delivery
+        pass
+    return None
 
 
 def jetstream_opener(js: Any, stream: str, **options: Any) -> OpenReader:
