@@ -46,6 +46,13 @@ def clear_state(cfg: Config) -> None:
     state_file(cfg).unlink(missing_ok=True)
 
 
+def nats_url(cfg: Config) -> str:
+    """``nats.url``, or the URL of the running tierflow's embedded server ('' if neither)."""
+    if cfg.nats.url:
+        return cfg.nats.url
+    return str(((read_state(cfg) or {}).get("nats") or {}).get("url") or "")
+
+
 def descendants(pid: int) -> list[int]:
     """Pids of every live descendant of `pid` (empty when it is gone)."""
     try:

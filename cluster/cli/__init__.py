@@ -6,6 +6,7 @@
 - `stores`: ``logger inspect|settle``, ``checkpoint repair``: the actors' LevelDB stores.
 - `jobs`: ``jobs list|start|stop``: analysis jobs in the Spark driver actor.
 - `chaos`: ``chaos list|run``: the fault-injection suite.
+- `history`: ``sql``, ``archive status``: the streams' archive and ad-hoc SQL.
 
 `common` holds what they share. Tables go through `cluster.tables`: 80 columns by
 default, every column with ``--wide``, the rows with ``--json``. Commands that need Ray
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import typer
 
-from cluster.cli import chaos, jobs, lifecycle, machine, status, stores
+from cluster.cli import chaos, history, jobs, lifecycle, machine, status, stores
 
 app = typer.Typer(
     help="tierflow: a streaming data pipeline runtime on Ray, NATS and Spark.", no_args_is_help=True
@@ -29,12 +30,14 @@ app.command()(status.scale)
 app.command()(machine.certs)
 app.command()(machine.replay)
 app.command()(lifecycle.demo)
+app.command()(history.sql)
 app.add_typer(machine.config_app, name="config")
 app.add_typer(machine.nats_app, name="nats")
 app.add_typer(stores.checkpoint_app, name="checkpoint")
 app.add_typer(stores.logger_app, name="logger")
 app.add_typer(jobs.jobs_app, name="jobs")
 app.add_typer(chaos.app, name="chaos")
+app.add_typer(history.archive_app, name="archive")
 
 
 def main() -> None:
