@@ -201,17 +201,49 @@ class Namespace:
     def __repr__(self) -> str:
         return f"Namespace({self.name!r}, {self.store!r})"
 
+    def _closed(self) -> CheckpointError:
+        return CheckpointError(f"checkpoint store {self.store.path} is closed")
+
+    # get/put/delete are on the log's hot path (a lookup per appended entry): a plain
+    # try/except maps native errors as `_Guard` does, without a context manager per call
     def get(self, key: bytes, default: bytes | None = None) -> bytes | None:
-        with self.store._guard():
+        if self.store.closed:
+            raise self._closed()
+        try:
             return self._pdb.get(key, default)
+        except (plyvel.Error, RuntimeError) as exc:
+            raise _translate(exc, self.store.path) from exc
+
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        """`get` of each key, in order (None where absent); not a snapshot: for one owner
+        whose own writes are the only ones."""
+        if self.store.closed:
+            raise self._closed()
+        get = self._pdb.get
+        try:
+            return [get(k) for k in keys]
+        except (plyvel.Error, RuntimeError) as exc:
+            raise _translate(exc, self.store.path) from exc
+
+    def key(self, key: bytes) -> bytes:
+        """The key as stored (with this namespace's prefix), for `Batch.apply`."""
+        return self.prefix + key
 
     def put(self, key: bytes, value: bytes, *, sync: bool | None = None) -> None:
-        with self.store._guard():
+        if self.store.closed:
+            raise self._closed()
+        try:
             self._pdb.put(key, value, sync=self.store._sync(sync))
+        except (plyvel.Error, RuntimeError) as exc:
+            raise _translate(exc, self.store.path) from exc
 
     def delete(self, key: bytes, *, sync: bool | None = None) -> None:
-        with self.store._guard():
+        if self.store.closed:
+            raise self._closed()
+        try:
             self._pdb.delete(key, sync=self.store._sync(sync))
+        except (plyvel.Error, RuntimeError) as exc:
+            raise _translate(exc, self.store.path) from exc
 
     def _iter(
         self, start: bytes | None, stop: bytes | None, prefix: bytes | None, **kw: Any
@@ -319,6 +351,16 @@ class Batch:
 
     def delete(self, ns: Namespace | str, key: bytes) -> None:
         self._wb.delete(self._key(ns, key))
+
+    def apply(self, ops: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Many writes at once: (stored key, value) puts, (stored key, None) deletes, in
+        order. Stored keys come from `Namespace.key`, so namespaces stay apart."""
+        put, delete = self._wb.put, self._wb.delete
+        for key, value in ops:
+            if value is None:
+                delete(key)
+            else:
+                put(key, value)
 
 
 _SEQ = struct.Struct(">Q")  # big-endian so byte order is numeric order

@@ -204,6 +204,7 @@ def test_use_after_close_raises(tmp_path: pathlib.Path) -> None:
     assert s.closed
     for op in (
         lambda: ns.get(b"a"),
+        lambda: ns.get_many([b"a"]),
         lambda: ns.put(b"a", b"x"),
         lambda: ns.delete(b"a"),
         lambda: list(ns.scan()),
@@ -219,6 +220,18 @@ def test_use_after_close_raises(tmp_path: pathlib.Path) -> None:
             op()
     with pytest.raises(CheckpointError), s.write_batch() as b:
         b.put(ns, b"a", b"x")
+
+
+@pytest.mark.unit
+def test_get_many_and_batch_apply_keep_namespaces_apart(store: CheckpointStore) -> None:
+    a, ab = store.namespace("a"), store.namespace("a.b")
+    with store.write_batch() as b:
+        b.apply([(a.key(b"k"), b"1"), (ab.key(b"k"), b"2"), (a.key(b"gone"), b"x")])
+        b.apply([(a.key(b"gone"), None)])  # in order: put, then delete
+    assert a.get_many([b"k", b"gone", b"nope", b"k"]) == [b"1", None, None, b"1"]
+    assert ab.get_many([b"k"]) == [b"2"]
+    assert a.get_many([]) == []
+    assert list(a.scan()) == [(b"k", b"1")]
 
 
 @pytest.mark.unit

@@ -195,6 +195,22 @@ def test_counters_survive_reopen_and_match_a_scan(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_failed_entry_is_held_after_a_reopen_and_a_full_forget(tmp_path: Path) -> None:
+    # appends read the failed store only while the counters say it holds something: the
+    # counters must come back from disk with the entries they count
+    s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
+    s.append([ev(1), ev(2)])
+    s.fail([(ev(1), "x")], 0, delay)
+    s.close()
+    s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
+    assert s.append([ev(1), ev(3)]) == 1
+    assert s.where(("s", "e1")) == "failed"
+    assert s.forget([("s", "e1"), ("s", "e1")]) == 1  # a repeat inside the call is one
+    assert s.append([ev(1)]) == 1  # forgotten: logged again
+    assert consistent(s)["transient"] == 3
+    s.close()
+
+
 # ----------------------------------------------------------------------------- tokens
 
 

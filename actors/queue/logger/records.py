@@ -91,7 +91,7 @@ _token_dec = msgspec.msgpack.Decoder(TokenState)
 
 
 def _be(n: int) -> bytes:
-    return _BE64.pack(min(max(n, 0), _MAX64))
+    return _BE64.pack(n if 0 <= n <= _MAX64 else min(max(n, 0), _MAX64))
 
 
 LogKey = tuple[str, str]  # (stream, event id): what the log, forget and fail address
@@ -117,9 +117,11 @@ def _split_key(k: bytes) -> LogKey:
 def _log_key(key: LogKey) -> bytes:
     """Storage key of a caller's (stream, id); a bare id is refused (it would address the
     same id in every stream)."""
-    if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(p, str) for p in key)):
-        raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
-    return _key(key[0], key[1])
+    if isinstance(key, tuple) and len(key) == 2:
+        stream, id_ = key
+        if isinstance(stream, str) and isinstance(id_, str):
+            return stream.encode() + b"\x00" + id_.encode()
+    raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
 
 
 def _seq(value: Any) -> tuple[str, int] | None:

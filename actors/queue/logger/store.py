@@ -81,6 +81,7 @@ class LogStore:
         if max_events < 1 or max_bytes < 1 or max_done_tokens < 0:
             raise ValueError("max_events and max_bytes must be >= 1, max_done_tokens >= 0")
         self.path = pathlib.Path(path)
+        self._fault_path = self.path.with_name(self.path.name + FAULT_SUFFIX)
         self.max_events = max_events
         self.max_bytes = max_bytes
         self.max_done_tokens = max_done_tokens
@@ -94,6 +95,7 @@ class LogStore:
             name: store.namespace(name)
             for name in (*EXPORTED, NS_META, NS_BY_TIME, NS_BY_RETRY, NS_DONE)
         }
+        self._prefix = {name: ns.key(b"") for name, ns in self._ns.items()}
         if self._ns[NS_META].get(KEYS_KEY) != KEYS_VERSION:
             self._migrate_keys()
         raw = self._ns[NS_META].get(COUNTS_KEY)
@@ -149,7 +151,7 @@ class LogStore:
         while an injected fault file exists; the writer then crashes and restarts as for a
         real IO error, and the replica answers an error, never an acknowledgement."""
         try:
-            kind = self.path.with_name(self.path.name + FAULT_SUFFIX).read_text()
+            kind = self._fault_path.read_text()
         except FileNotFoundError:
             return
         detail = "No space left on device" if "full" in kind else "Input/output error"
@@ -165,11 +167,7 @@ class LogStore:
             return
         self._check_fault()
         with self._store.write_batch() as b:
-            for is_put, ns, key, value in tx.ops:
-                if is_put:
-                    b.put(self._ns[ns], key, value)
-                else:
-                    b.delete(self._ns[ns], key)
+            b.apply(tx.ops)
             b.put(self._ns[NS_META], COUNTS_KEY, _enc.encode(tx.c))
         self._c = tx.c  # only once the batch is on disk
 
@@ -178,25 +176,21 @@ class LogStore:
     def append(self, events: Sequence[Event]) -> int:
         """Log events as transient; returns how many were new. Ids already in the log (or
         repeated in the batch) are skipped. LogFull refuses the whole batch."""
-        fresh: dict[bytes, tuple[Event, bytes]] = {}
-        t_ns, f_ns = self._ns[NS_TRANSIENT], self._ns[NS_FAILED]
-        for ev in events:
-            k = _key(ev.stream, ev.id)
-            if k in fresh:
-                continue
-            if t_ns.get(k) is not None or f_ns.get(k) is not None:
-                continue
-            fresh[k] = (ev, encode_event(ev))
-        if not fresh:
-            return 0
-        n, nbytes = len(fresh), sum(len(raw) for _, raw in fresh.values())
-        c = self._c
-        if c.transient + c.failed + n > self.max_events or c.bytes + nbytes > self.max_bytes:
-            raise LogFull(c.transient + c.failed, c.bytes, self.max_events, self.max_bytes)
+        by_key: dict[bytes, Event] = {}
+        for ev in events:  # the first of an id repeated in the batch
+            by_key.setdefault(_key(ev.stream, ev.id), ev)
         with self._txn() as tx:
+            tx.prefetch(list(by_key))  # one read per key (two while `failed` holds any)
+            fresh = [(k, ev, encode_event(ev)) for k, ev in by_key.items() if tx.lookup(k) is None]
+            if not fresh:
+                return 0
+            n, nbytes = len(fresh), sum(len(raw) for _, _, raw in fresh)
+            c = self._c
+            if c.transient + c.failed + n > self.max_events or c.bytes + nbytes > self.max_bytes:
+                raise LogFull(c.transient + c.failed, c.bytes, self.max_events, self.max_bytes)
             by_token: dict[str, list[str]] = {}
-            for ev, raw in fresh.values():
-                tx.add_transient(ev, raw)
+            for k, ev, raw in fresh:
+                tx.add_transient(ev, raw, k)
                 if ev.token:
                     by_token.setdefault(ev.token, []).append(ev.id)
             for token, ids in by_token.items():
@@ -214,8 +208,10 @@ class LogStore:
         seqs = seqs or {}
         n = 0
         with self._txn() as tx:
-            for key in dict.fromkeys(keys):
-                ev = tx.drop_entry(_log_key(key))
+            unique = {key: _log_key(key) for key in keys}
+            tx.prefetch(list(unique.values()))
+            for key, k in unique.items():
+                ev = tx.drop_entry(k)
                 if ev is None:
                     continue
                 n += 1

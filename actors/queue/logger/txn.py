@@ -41,15 +41,19 @@ class _Txn:
     def __init__(self, store: LogStore) -> None:
         self.s = store
         self.c = copy.copy(store._c)
-        self.ops: list[tuple[bool, str, bytes, bytes]] = []  # (is_put, ns, key, value)
+        # (stored key, value) puts and (stored key, None) deletes, for `Batch.apply`
+        self.ops: list[tuple[bytes, bytes | None]] = []
+        self._prefix = store._prefix
+        self._t_prefix = store._prefix[NS_TRANSIENT]
+        self._time_prefix = store._prefix[NS_BY_TIME]
         self._entries: dict[bytes, tuple[str, Any] | None] = {}  # by storage key
         self._tokens: dict[str, TokenState | None] = {}
 
     def put(self, ns: str, key: bytes, value: bytes = b"") -> None:
-        self.ops.append((True, ns, key, value))
+        self.ops.append((self._prefix[ns] + key, value))
 
     def delete(self, ns: str, key: bytes) -> None:
-        self.ops.append((False, ns, key, b""))
+        self.ops.append((self._prefix[ns] + key, None))
 
     # entries -------------------------------------------------------------------
 
@@ -57,26 +61,49 @@ class _Txn:
         """("t", raw) | ("f", FailedEntry) | None for storage key `k`, as of this call's
         changes so far."""
         if k not in self._entries:
-            raw = self.s._ns[NS_TRANSIENT].get(k)
-            if raw is not None:
-                self._entries[k] = ("t", raw)
-            else:
-                fraw = self.s._ns[NS_FAILED].get(k)
-                self._entries[k] = None if fraw is None else ("f", _failed_dec.decode(fraw))
+            self.prefetch((k,))
         return self._entries[k]
 
-    def add_transient(self, ev: Event, raw: bytes) -> None:
-        k = _key(ev.stream, ev.id)
-        self.put(NS_TRANSIENT, k, raw)
-        self.put(NS_BY_TIME, _be(ev.received_ms) + k)
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Read what the store holds under `keys` (those this call has not touched yet).
+
+        The `failed` namespace is read only when the store's counters say it holds
+        something: they are written in the same synced batch as the entries they count
+        (and recounted by a scan when a store has none), so `failed == 0` means empty.
+        """
+        entries = self._entries
+        todo = [k for k in dict.fromkeys(keys) if k not in entries]
+        if not todo:
+            return
+        missing = []
+        for k, raw in zip(todo, self.s._ns[NS_TRANSIENT].get_many(todo), strict=True):
+            if raw is not None:
+                entries[k] = ("t", raw)
+            else:
+                entries[k] = None
+                missing.append(k)
+        if missing and self.s._c.failed:
+            for k, fraw in zip(missing, self.s._ns[NS_FAILED].get_many(missing), strict=True):
+                if fraw is not None:
+                    entries[k] = ("f", _failed_dec.decode(fraw))
+
+    def add_transient(self, ev: Event, raw: bytes, k: bytes | None = None) -> None:
+        """Log `ev` (encoded as `raw`) under its storage key `k` (computed if not given)."""
+        if k is None:
+            k = _key(ev.stream, ev.id)
+        ops = self.ops
+        ops.append((self._t_prefix + k, raw))
+        ops.append((self._time_prefix + _be(ev.received_ms) + k, b""))
         self.c.transient += 1
         self.c.bytes += len(raw)
         self._entries[k] = ("t", raw)
 
-    def drop_transient(self, ev: Event, raw: bytes) -> None:
-        k = _key(ev.stream, ev.id)
-        self.delete(NS_TRANSIENT, k)
-        self.delete(NS_BY_TIME, _be(ev.received_ms) + k)
+    def drop_transient(self, ev: Event, raw: bytes, k: bytes | None = None) -> None:
+        if k is None:
+            k = _key(ev.stream, ev.id)
+        ops = self.ops
+        ops.append((self._t_prefix + k, None))
+        ops.append((self._time_prefix + _be(ev.received_ms) + k, None))
         self.c.transient -= 1
         self.c.bytes -= len(raw)
         self._entries[k] = None
@@ -103,7 +130,7 @@ class _Txn:
         kind, val = cur
         if kind == "t":
             ev = decode_event(val)
-            self.drop_transient(ev, val)
+            self.drop_transient(ev, val, k)
             return ev
         self.drop_failed(k, val)
         return val.event
