@@ -15,7 +15,7 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, ReadMinRows
 from pyspark.sql.types import StructType
 
-from runtime.nats import NatsEndpoint
+from runtime.nats_endpoint import NatsEndpoint
 
 log = logging.getLogger(__name__)
 
