@@ -7,10 +7,11 @@ query re-reads exactly its uncommitted range; end-to-end exactly-once also needs
 idempotent sink (jobs/sink.py). The same source reads in batch mode (``spark.read``) over
 whatever the stream retains.
 
-Partitions are sequence ranges, each read on an executor through its own connection and
-pull consumer (jobs/jetstream_read.py); the options, the schema and the offset policy, all
-decided without I/O, are jobs/jetstream_options.py. Every event becomes a row; a malformed
-one has ``valid`` false, ``error`` saying why and ``raw`` its bytes.
+Partitions are sequence ranges, each read on an executor through its own pull consumer on
+a connection its Python worker keeps across tasks (jobs/jetstream_read.py); the options, the
+schema and the offset policy, all decided without I/O, are jobs/jetstream_options.py.
+Every event becomes a row; a malformed one has ``valid`` false, ``error`` saying why and
+``raw`` its bytes.
 
 Options (names are case-insensitive):
 

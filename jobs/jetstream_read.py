@@ -1,11 +1,17 @@
 """Reading a jetstream source's sequence range from NATS (on a Spark executor), and the
 driver's connection for the stream's bounds.
 
-Each partition is read through its own connection and an ephemeral in-memory pull consumer
-(ack none, from the start sequence, with the subject filter), a few thousand messages per
-round trip with the next pull in flight while Spark consumes the previous one, and handed to
-Spark as Arrow record batches. Spark's code is sync and nats-py is async: the client runs
-on a `runtime.loop_thread.LoopThread` of its own, which keeps answering pings between calls.
+Each partition is read through an ephemeral in-memory pull consumer of its own (ack none,
+from the start sequence, with the subject filter), a few thousand messages per round trip
+with the next pull in flight while Spark consumes the previous one, and handed to Spark as
+Arrow record batches. Spark's code is sync and nats-py is async: the client runs on a
+`runtime.loop_thread.LoopThread`, which keeps answering pings between calls.
+
+Spark reuses its Python workers across tasks and micro-batches, so the loop thread and one
+connection per endpoint are kept per process (`_SharedClient`) instead of being opened and
+closed per partition: a connection found closed or not connected is closed and replaced
+before a read starts, and the endpoint (URL, credentials, TLS files) is the cache key, so
+each set of options still connects as itself.
 
 Every event becomes a row; a payload that is not UTF-8 (or, with ``validate=json``, not
 JSON) is a malformed event: ``valid`` is false, ``error`` says why, ``raw`` keeps the bytes,
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,9 +40,9 @@ from jobs.jetstream_options import (
     SeqRange,
     SourceError,
     SourceOptions,
-    schema,
 )
 from runtime.loop_thread import LoopThread
+from runtime.nats_endpoint import NatsEndpoint
 from runtime.publisher import MSG_ID_HEADER
 
 if TYPE_CHECKING:
@@ -46,6 +54,9 @@ log = logging.getLogger(__name__)
 
 STATUS_HEADER = "Status"
 CONSUMER_INACTIVE_S = 60.0
+# a shared connection rides out a short outage mid-read (0.25 s apart), then closes; an
+# idle one whose server is gone stops trying instead of retrying for the worker's life
+SHARED_RECONNECTS = 20
 
 T = TypeVar("T")
 
@@ -99,6 +110,113 @@ async def stream_bounds(nc: Client, stream: str, timeout: float = DEFAULT_TIMEOU
     except NotFoundError as err:
         raise SourceError(f"jetstream source: stream {stream!r} does not exist") from err
     return Bounds(first=int(info.state.first_seq or 0), last=int(info.state.last_seq or 0))
+
+
+# --------------------------------------------------------------------------- per process
+
+
+class _SharedClient:
+    """One connection to an endpoint, shared by the reads of this process one after another.
+
+    Deliveries go straight to the fetcher whose consumer inbox they are for (`register`);
+    what no fetcher claims goes through nats-py as usual."""
+
+    def __init__(self, endpoint: NatsEndpoint) -> None:
+        self.endpoint = endpoint
+        self.nc: Client | None = None
+        self._takers: dict[int, Take] = {}
+
+    async def client(self) -> Client:
+        """The live connection, after replacing one that is closed or not connected."""
+        nc = self.nc
+        if nc is not None and nc.is_connected:
+            return nc
+        self.nc = None
+        if nc is not None:
+            log.info("jetstream source: replacing a NATS connection that is not connected")
+            await _close_quietly(nc)
+        self._takers.clear()
+        nc = await self.endpoint.connect(
+            name=f"jetstream-read-{os.getpid()}",
+            max_reconnect_attempts=SHARED_RECONNECTS,
+            error_cb=_quiet_error,
+        )
+        take_deliveries(nc, self._take)
+        self.nc = nc
+        return nc
+
+    def register(self, sid: int, take: Take) -> None:
+        self._takers[sid] = take
+
+    def unregister(self, sid: int) -> None:
+        self._takers.pop(sid, None)
+
+    def _take(
+        self, sid: int, subject: bytes, reply: bytes, headers: bytes | None, data: bytes
+    ) -> bool:
+        take = self._takers.get(sid)
+        return take is not None and take(sid, subject, reply, headers, data)
+
+    async def close(self) -> None:
+        nc, self.nc = self.nc, None
+        self._takers.clear()
+        if nc is not None:
+            await _close_quietly(nc)
+
+
+async def _quiet_error(err: Exception) -> None:
+    """An idle shared connection losing its server is not news: the next read replaces it."""
+    log.debug("jetstream source: NATS: %r", err)
+
+
+async def _close_quietly(nc: Client) -> None:
+    try:
+        await asyncio.wait_for(nc.close(), 5.0)
+    except Exception as err:  # closing is best effort
+        log.debug("jetstream source: close: %r", err)
+
+
+class _Process:
+    """This process's loop thread and shared clients, started on first use (and again in
+    a forked child, which inherits neither the thread nor the sockets' ownership)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = LoopThread("jetstream-read")
+        self.loop.start()
+        self.clients: dict[NatsEndpoint, _SharedClient] = {}
+
+    def client(self, endpoint: NatsEndpoint) -> _SharedClient:
+        shared = self.clients.get(endpoint)
+        if shared is None:
+            shared = self.clients[endpoint] = _SharedClient(endpoint)
+        return shared
+
+
+_PROCESS: _Process | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def _process() -> _Process:
+    global _PROCESS
+    with _PROCESS_LOCK:
+        if _PROCESS is None or _PROCESS.pid != os.getpid():
+            _PROCESS = _Process()
+        return _PROCESS
+
+
+def close_shared_clients() -> None:
+    """Close this process's shared connections (they are reopened on the next read)."""
+    with _PROCESS_LOCK:
+        proc = _PROCESS
+        if proc is None or proc.pid != os.getpid():
+            return
+        clients, proc.clients = list(proc.clients.values()), {}
+    for shared in clients:
+        try:
+            _run(proc.loop, shared.close(), 10.0)
+        except SourceError as err:
+            log.debug("jetstream source: close: %r", err)
 
 
 # --------------------------------------------------------------------------- reading a range
@@ -157,9 +275,17 @@ class _RangeFetcher:
     of the read.
     """
 
-    def __init__(self, opts: SourceOptions, part: SeqRange, restarts: int = 3) -> None:
+    def __init__(
+        self,
+        opts: SourceOptions,
+        part: SeqRange,
+        restarts: int = 3,
+        shared: _SharedClient | None = None,
+    ) -> None:
         self._opts, self._part = opts, part
         self._restarts_left = restarts
+        self._shared = shared or _SharedClient(opts.nats)
+        self._owns_client = shared is None
         self._nc: Client | None = None
         self._sub: Any = None
         self._sid: int | None = None
@@ -174,8 +300,7 @@ class _RangeFetcher:
 
     async def open(self) -> None:
         opts, part = self._opts, self._part
-        self._nc = nc = await opts.nats.connect(name=f"jetstream-read-{opts.stream}")
-        take_deliveries(nc, self._take)
+        self._nc = nc = await self._shared.client()
         bounds = await stream_bounds(nc, opts.stream, opts.timeout)
         if bounds.first > part.start:
             if opts.on_aged_out != "skip":
@@ -222,10 +347,13 @@ class _RangeFetcher:
 
         self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=unused)
         self._sid = self._sub._id
+        self._shared.register(self._sid, self._take)
         await self._pull()
 
     async def _drop_consumer(self) -> None:
         sub, name, self._sub, self._consumer = self._sub, self._consumer, None, None
+        if self._sid is not None:
+            self._shared.unregister(self._sid)
         self._sid = None
         try:
             if sub is not None:
@@ -321,10 +449,12 @@ class _RangeFetcher:
         return chunk
 
     async def close(self) -> None:
+        """Drop the consumer; the connection stays open for the process's next read
+        (closed only when this fetcher made its own)."""
         await self._drop_consumer()
-        nc, self._nc = self._nc, None
-        if nc is not None:
-            await nc.close()
+        self._nc = None
+        if self._owns_client:
+            await self._shared.close()
 
 
 # --------------------------------------------------------------------------- off the wire
@@ -416,10 +546,29 @@ class _WireParser(Parser):
 # --------------------------------------------------------------------------- to Arrow
 
 
-def _arrow_schema() -> pa.Schema:
-    from pyspark.sql.pandas.types import to_arrow_schema
+_ARROW_SCHEMA: pa.Schema | None = None
 
-    return to_arrow_schema(schema(), timezone="UTC")
+
+def _arrow_schema() -> pa.Schema:
+    """SCHEMA_DDL in Arrow, as Spark's `to_arrow_schema(schema(), timezone="UTC")` gives it,
+    built with pyarrow alone (pyspark.sql.pandas.types imports pandas into the worker)."""
+    global _ARROW_SCHEMA
+    if _ARROW_SCHEMA is None:
+        import pyarrow as pa
+
+        _ARROW_SCHEMA = pa.schema(
+            [
+                pa.field("seq", pa.int64()),
+                pa.field("subject", pa.string()),
+                pa.field("ts", pa.timestamp("us", tz="UTC")),
+                pa.field("msg_id", pa.string()),
+                pa.field("data", pa.string()),
+                pa.field("valid", pa.bool_()),
+                pa.field("error", pa.string()),
+                pa.field("raw", pa.binary()),
+            ]
+        )
+    return _ARROW_SCHEMA
 
 
 _RAW = msgspec.json.Decoder(msgspec.Raw)
@@ -560,9 +709,9 @@ def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
     if not isinstance(part, SeqRange) or part.end <= part.start:
         return
     arrow_schema = _arrow_schema()
-    lt = LoopThread("jetstream-read")
-    lt.start()
-    fetcher = _RangeFetcher(opts, part)
+    proc = _process()
+    lt = proc.loop
+    fetcher = _RangeFetcher(opts, part, shared=proc.client(opts.nats))
     call_timeout = opts.timeout * 3
     try:
         _run(lt, fetcher.open(), call_timeout)
@@ -578,13 +727,13 @@ def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
             _run(lt, fetcher.close(), call_timeout)
         except Exception as err:
             log.debug("jetstream source: close: %r", err)
-        lt.stop(5.0)
 
 
 __all__ = [
     "Chunk",
     "StreamControl",
     "check_payload",
+    "close_shared_clients",
     "take_deliveries",
     "chunk_to_batch",
     "payload_columns",
