@@ -246,6 +246,8 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
     names = {
         "jetstream": "top-N, jetstream",
         "files": "top-N, files",
+        "jetstream_default": "top-N, jetstream, the job's own scheduling",
+        "files_default": "top-N, files, the job's own scheduling",
         "jetstream_source": "read only, jetstream",
         "files_source": "read only, files",
     }
@@ -253,7 +255,11 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
     for src, name in names.items():
         if src not in d:
             continue
-        base = d["files_source"] if src.endswith("_source") else files
+        base = files
+        if src.endswith("_source"):
+            base = d["files_source"]
+        elif src.endswith("_default"):
+            base = d["files_default"]
         rows.append(
             [
                 name,
@@ -277,6 +283,9 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
     if b:
         out += [
             "",
+            "The job's own scheduling: its trigger (0.5 s) and no `maxEventsPerTrigger`, so "
+            "one micro-batch takes the whole backlog (issue 13's one topn job); as in every "
+            "row, the time includes the query's start.",
             f"Read only: the same micro-batches into Spark's `noop` sink. Batch read of the "
             f"whole stream (`count`, {b['partitions']} partitions): {b['events_per_s']:,.0f} "
             "events/s.",
@@ -410,12 +419,14 @@ def goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
             ">= 0.8",
             js / files >= 0.8,
         )
+        own = a.get("jetstream_default", a["jetstream"])  # the job's own scheduling
+        one, in_batches = own["events_per_s"], own["processing_events_per_s"]
         add(
             "analysis events/s, one topn job from jetstream",
-            js,
-            f"{js:,.0f}",
+            one,
+            f"{one:,.0f} ({in_batches:,.0f} in its batches)",
             ">= 20,000",
-            js >= 20_000,
+            one >= 20_000,
         )
     for rate, goal_ms in ((1000, 1500), (5000, 3000)):
         row = _rate_row(reports, rate)
