@@ -13,12 +13,11 @@ import contextlib
 import datetime as dt
 from typing import TYPE_CHECKING, Any
 
-from jobs.archive import archive_position
+from jobs.archive import archive_position, queries_root
 from jobs.sql import SqlResult, StreamTable, run_sql
 from runtime import runstate
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
-from runtime.services import spark_checkpoint_dir
 from runtime.sql_check import check_select
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ def endpoint(cfg: Config, role: str, name: str) -> NatsEndpoint:
 
 def sql_tables(cfg: Config) -> dict[str, StreamTable]:
     """One table per configured stream: its archive (if it has one) plus its live tail."""
-    ckpt = str(spark_checkpoint_dir(cfg))
+    ckpt = str(queries_root(cfg))
     return {
         name: StreamTable(
             stream=name,
@@ -86,7 +85,7 @@ def archive_rows(
     lag in events and seconds (`states[name]`: first/last sequence and the time of the
     first event not archived yet, as `archive_status` reads them)."""
     now = now or dt.datetime.now(dt.UTC)
-    ckpt = spark_checkpoint_dir(cfg)
+    ckpt = queries_root(cfg)
     rows = []
     for name, s in cfg.streams.items():
         if s.archive is None:
@@ -116,7 +115,7 @@ async def _stream_states(nc: Client, cfg: Config) -> dict[str, Any]:
     from nats.js.errors import NotFoundError
 
     js = nc.jetstream()
-    ckpt = spark_checkpoint_dir(cfg)
+    ckpt = queries_root(cfg)
     out: dict[str, Any] = {}
     for name, s in cfg.streams.items():
         if s.archive is None:

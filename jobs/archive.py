@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from runtime.config import Config
 from runtime.nats import NatsEndpoint
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "archive_frame",
     "archive_position",
     "archive_query_name",
+    "queries_root",
     "read_archive",
     "start_archive",
 ]
@@ -66,6 +68,15 @@ class ArchivePosition:
     batch_id: int
     next_seq: int
     skipped: int
+
+
+def queries_root(cfg: Config, state_dir: str | Path | None = None) -> Path:
+    """Where the analysis driver keeps its queries' checkpoints (an archive's among them):
+    `spark.checkpoint_dir`, else ``<state_dir>/spark``; readers of an archive's position
+    (`tierflow archive status`, `tierflow sql`) look there too."""
+    if cfg.spark.checkpoint_dir:
+        return Path(cfg.spark.checkpoint_dir)
+    return Path(state_dir if state_dir is not None else cfg.state_path) / "spark"
 
 
 def archive_query_name(stream: str) -> str:

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from jobs.archive import ArchiveSettings, start_archive
+from jobs.archive import ArchiveSettings, queries_root, start_archive
 from jobs.jetstream import register
 from runtime.config import Config, load
 from runtime.nats import NatsEndpoint
-from runtime.services import ensure_streams, spark_checkpoint_dir
+from runtime.services import ensure_streams
 from tests.support import NatsFactory, with_nats
 from tests.test_jetstream_source import publish
 
@@ -55,7 +55,7 @@ def setup(
         "trips",
         NatsEndpoint(server.url),
         ArchiveSettings(path=cfg.archive_root("trips")),
-        spark_checkpoint_dir(cfg),
+        queries_root(cfg),
         trigger={"availableNow": True},
     )
     q.awaitTermination(240)
