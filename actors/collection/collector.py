@@ -166,6 +166,7 @@ class Collector(SupervisedActor):
         max_event_bytes: int = 1 << 20,
         commit: GroupCommitPolicy | None = None,
         max_bridge_calls: int = 4,
+        max_handoff_calls: int = 2,
         max_call_events: int = 4000,
         max_handoff_events: int = 50_000,
         start_timeout_s: float = 30.0,
@@ -213,6 +214,9 @@ class Collector(SupervisedActor):
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
         )
         self._max_bridge_calls = max_bridge_calls
+        # of those, background hand-offs: fewer calls at once make each one bigger (the
+        # bridge publishes a call's events as atomic batches, cheaper per event when big)
+        self._max_handoff_calls = max(1, min(max_handoff_calls, max_bridge_calls))
         # hand-offs waiting for a bridge call go together, up to this many events a call
         self.max_call_events = max_call_events
         self._handoffs: deque[list[Event]] = deque()
@@ -636,7 +640,7 @@ class Collector(SupervisedActor):
         in memory the batch is left to the log: the bridge's replayer publishes it once
         it is stale, so memory stays bounded while nothing is lost.
 
-        Group commit: up to `max_bridge_calls` senders; each, once it holds a bridge slot,
+        Group commit: up to `max_handoff_calls` senders; each, once it holds a bridge slot,
         takes every batch waiting (oldest first, up to `max_call_events`) into one call, so
         a backlog makes calls bigger rather than longer queues of small ones."""
         if not events:
@@ -646,7 +650,7 @@ class Collector(SupervisedActor):
             return
         self._handoff_events += len(events)
         self._handoffs.append(events)
-        if self._handoff_senders < self._max_bridge_calls:
+        if self._handoff_senders < self._max_handoff_calls:
             self._handoff_senders += 1
             self._spawn(self._send_handoffs())
 
