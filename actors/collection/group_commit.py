@@ -110,6 +110,15 @@ class GroupCommitter(Generic[R]):
       can never be accepted, so keep the per-request limit at or below it.
     - A cancelled submitter does not withdraw its events: they may still be flushed.
 
+    Ordering with `max_in_flight` > 1: flushes may finish out of order, so a later batch
+    can be answered (and handed to a bridge) before an earlier one. Kept: a submission's
+    events are contiguous and in order in one flush, and a submission made after another
+    was answered is flushed after it. Nothing downstream relies on more: the log keys
+    entries by (stream, id) and appends are idempotent; the bridge's calls already run
+    concurrently and exactly-once rests on each event's Nats-Msg-Id; the replayer picks
+    entries by age (`received_ms`), not by log order. The collector keeps 1: two in flight
+    made flushes smaller and slower on the 2-core bench machine (issue 13, measured).
+
     Example::
 
         committer = GroupCommitter(logger_group.append, GroupCommitPolicy(500, 4 << 20, 2))
