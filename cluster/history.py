@@ -14,7 +14,7 @@ import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 from jobs.archive import archive_position, queries_root
-from jobs.sql import SqlResult, StreamTable, run_sql
+from jobs.sql import SqlResult, StreamTable, run_sql, tables_for
 from runtime import runstate
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
@@ -39,17 +39,8 @@ def endpoint(cfg: Config, role: str, name: str) -> NatsEndpoint:
 
 
 def sql_tables(cfg: Config) -> dict[str, StreamTable]:
-    """One table per configured stream: its archive (if it has one) plus its live tail."""
-    ckpt = str(queries_root(cfg))
-    return {
-        name: StreamTable(
-            stream=name,
-            archive_root=cfg.archive_root(name) if s.archive is not None else None,
-            checkpoint_root=ckpt if s.archive is not None else None,
-            schema=s.schema,
-        )
-        for name, s in cfg.streams.items()
-    }
+    """One table per configured stream, archives read where the driver keeps them."""
+    return tables_for(cfg, queries_root(cfg))
 
 
 def query(

@@ -18,11 +18,11 @@ one. The root may be any filesystem URI Spark's Hadoop layer accepts (``s3a://``
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from jobs.checkpoints import committed
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
 
@@ -166,20 +166,10 @@ def _empty_schema() -> str:
 
 
 def archive_position(checkpoint_root: str | Path, stream: str) -> ArchivePosition | None:
-    """The archive's committed position from its checkpoint (``commits/<id>`` is written
-    after the sink committed the batch; ``offsets/<id>`` holds its end offset); None before
-    the first committed batch."""
-    root = Path(checkpoint_root) / archive_query_name(stream)
-    try:
-        ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
-    except FileNotFoundError:
+    """The archive's committed position from its checkpoint; None before the first
+    committed batch."""
+    done = committed(Path(checkpoint_root) / archive_query_name(stream))
+    if done is None or done[1] is None:
         return None
-    if not ids:
-        return None
-    batch = max(ids)
-    try:
-        lines = (root / "offsets" / str(batch)).read_text(encoding="utf-8").splitlines()
-        offset = json.loads(lines[2])
-    except (FileNotFoundError, IndexError, ValueError):
-        return None
+    batch, offset = done
     return ArchivePosition(batch, int(offset["seq"]), int(offset.get("skipped", 0)))

@@ -36,14 +36,26 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from jobs.archive import (
+    ArchiveSettings,
+    archive_position,
+    archive_query_name,
+    queries_root,
+    start_archive,
+)
+from jobs.checkpoints import committed
 from jobs.errors import JobError
+from jobs.retention import Purge, enforce
 from jobs.running import start_deadletters, start_job
 from jobs.sink import BatchReport
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
+from jobs.sql import SqlTimeout, json_result, run_sql, tables_for
 from runtime.config import Config, validate
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
+from runtime.roles import ANALYSIS_DRIVER
 from runtime.services import spark_session
+from runtime.sql_check import SqlRefused
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -53,11 +65,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DRIVER_NAME = "tierflow-analysis"
+DRIVER_NAME = ANALYSIS_DRIVER
 MAX_CONCURRENCY = 8
 DEFAULT_MASTER = "local[2]"
 RECONCILE_S = 1.0
 BACKOFF_MAX_S = 30.0
+RETENTION_S = 10.0  # how often archived streams are trimmed (jobs/retention.py)
 
 
 class JobsError(RuntimeError):
@@ -65,26 +78,6 @@ class JobsError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] | None] | None:
-    """(batch id, first source's end offset) of a query's last committed batch, from its
-    checkpoint (Spark writes ``commits/<id>`` after the sink finished the batch); None when
-    no batch was committed yet."""
-    root = Path(checkpoint)
-    try:
-        ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
-    except FileNotFoundError:
-        return None
-    if not ids:
-        return None
-    batch = max(ids)
-    try:
-        lines = (root / "offsets" / str(batch)).read_text().splitlines()
-    except FileNotFoundError:
-        return batch, None
-    offset = json.loads(lines[2]) if len(lines) > 2 and lines[2] not in ("", "-") else None
-    return batch, offset if isinstance(offset, dict) else None
 
 
 def progress_summary(progress: Any) -> dict[str, Any]:
@@ -193,11 +186,9 @@ class AnalysisDriver(SupervisedActor):
         if not self.nats.url:
             raise JobsError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
         self.master = master or default_master(self.cfg)
-        self.checkpoint_root = (
-            Path(self.cfg.spark.checkpoint_dir)
-            if self.cfg.spark.checkpoint_dir
-            else Path(state_dir) / "spark"
-        )
+        self.checkpoint_root = queries_root(self.cfg, state_dir)
+        self.purges: dict[str, Purge] = {}
+        self._next_retention = 0.0
         self.spark: SparkSession | None = None
         self.late: Any = None
         self.state = "starting"
@@ -289,8 +280,16 @@ class AnalysisDriver(SupervisedActor):
                 name, stream, "deadletter", lambda s=stream, t=trigger_s: self._start_dl(s, t)
             )
         keep = set(wanted) | {deadletter_query_name(s) for s in streams}
+        for stream, s in self.cfg.streams.items():
+            if s.archive is not None:
+                name = archive_query_name(stream)
+                keep.add(name)
+                self._ensure(name, stream, "archive", lambda st=stream: self._start_archive(st))
         for name in [n for n in self._w.queries if n not in keep]:
             self._stop_query(name)
+        if time.monotonic() >= self._next_retention:
+            self._next_retention = time.monotonic() + RETENTION_S
+            self._retention()
 
     def _ensure(self, name: str, stream: str, kind: str, start: Any) -> None:
         q = self._w.queries.get(name)
@@ -345,6 +344,51 @@ class AnalysisDriver(SupervisedActor):
             on_batch=on_batch,
             trigger_s=trigger_s,
         )
+
+    def _start_archive(self, stream: str) -> StreamingQuery:
+        archive = self.cfg.streams[stream].archive
+        assert self.spark is not None and archive is not None
+        settings = ArchiveSettings(
+            path=self.cfg.archive_root(stream),
+            partitioning=archive.partitioning,
+            flush_s=archive.flush_s,
+        )
+        return start_archive(self.spark, stream, self.nats, settings, self.checkpoint_root)
+
+    def _retention(self) -> None:
+        """Trim each archived stream to its limits, never past what is archived; a stream
+        full because its archive lags is logged loudly (every pass until it is not)."""
+        limited = {
+            name: s
+            for name, s in self.cfg.streams.items()
+            if s.archive is not None and (s.max_age_s > 0 or s.max_bytes > 0)
+        }
+        if not limited:
+            return
+
+        async def trim() -> None:
+            nc = await self.nats.connect(name="analysis-retention")
+            try:
+                js = nc.jetstream()
+                for name, s in limited.items():
+                    pos = archive_position(self.checkpoint_root, name)
+                    done = await enforce(
+                        js,
+                        name,
+                        pos.next_seq if pos else 1,
+                        max_age_s=s.max_age_s,
+                        max_bytes=s.max_bytes,
+                    )
+                    self.purges[name] = done
+                    if done.warning:
+                        log.warning("analysis driver: %s", done.warning)
+            finally:
+                await nc.close()
+
+        try:
+            asyncio.run(trim())
+        except Exception as err:  # NATS may be restarting: the next pass tries again
+            log.warning("analysis driver: retention: %r", err)
 
     def _stop_query(self, name: str) -> None:
         q = self._w.queries.pop(name, None)
@@ -428,6 +472,56 @@ class AnalysisDriver(SupervisedActor):
                         }
                     )
             out[name] = rows
+        return out
+
+    def sql(
+        self,
+        sql: str,
+        limit: int = 1000,
+        timeout_s: float = 30.0,
+        allowed: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Run one ad-hoc query (jobs/sql.py) in this driver's Spark, for the gateway's
+        `/v1/sql`: ``{"status": 200, "columns", "rows", "truncated", "tables"}``, or
+        ``{"status": 400|503|504|500, "error"}``. `allowed`: the streams the caller may
+        read (None: all)."""
+        if self.spark is None or self.state != "running":
+            return {"status": 503, "error": f"the analysis driver's Spark is {self.state}"}
+        allow = set(allowed) if allowed is not None else None
+        try:
+            result = run_sql(
+                self.spark,
+                self.nats,
+                sql,
+                tables_for(self.cfg, self.checkpoint_root),
+                limit=limit,
+                timeout_s=timeout_s,
+                allowed=lambda stream: allow is None or stream in allow,
+            )
+        except SqlRefused as err:
+            return {"status": 400, "error": str(err)}
+        except SqlTimeout as err:
+            return {"status": 504, "error": str(err)}
+        except Exception as err:
+            log.exception("analysis driver: sql")
+            return {"status": 500, "error": f"the query failed: {err}"[:1000]}
+        return {"status": 200, **json_result(result)}
+
+    def archives(self) -> dict[str, dict[str, Any]]:
+        """Per archived stream: the archive's committed position and the last trim."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, s in self.cfg.streams.items():
+            if s.archive is None:
+                continue
+            pos = archive_position(self.checkpoint_root, name)
+            purge = self.purges.get(name)
+            out[name] = {
+                "path": self.cfg.archive_root(name),
+                "next_seq": pos.next_seq if pos else 1,
+                "skipped": pos.skipped if pos else 0,
+                "purged_below": purge.below if purge else None,
+                "warning": purge.warning if purge else None,
+            }
         return out
 
     def jobs(self) -> dict[str, dict[str, Any]]:

@@ -17,6 +17,8 @@ job tag, cancelled when it overruns its timeout.
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.archive import archive_position, read_archive
+from runtime.config import Config
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import CheckedQuery, SqlRefused, check_select
 
@@ -39,7 +42,9 @@ __all__ = [
     "StreamTable",
     "run_sql",
     "stream_events",
+    "json_result",
     "table_frame",
+    "tables_for",
 ]
 
 SAMPLE_EVENTS = 1_000
@@ -69,6 +74,47 @@ class SqlResult:
     rows: list[tuple[Any, ...]]
     truncated: bool
     tables: list[str] = field(default_factory=list)
+
+
+def tables_for(cfg: Config, checkpoint_root: str | Path) -> dict[str, StreamTable]:
+    """One table per configured stream (`results` included): its archive, if it has one,
+    whose position is read under `checkpoint_root` (`jobs.archive.queries_root`)."""
+    return {
+        name: StreamTable(
+            stream=name,
+            archive_root=cfg.archive_root(name) if s.archive is not None else None,
+            checkpoint_root=str(checkpoint_root) if s.archive is not None else None,
+            schema=s.schema,
+        )
+        for name, s in cfg.streams.items()
+    }
+
+
+def plain(value: Any) -> Any:
+    """A cell as JSON takes it (Spark gives datetimes, decimals, rows, bytes)."""
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    if hasattr(value, "asDict"):
+        return {k: plain(v) for k, v in value.asDict(recursive=True).items()}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def json_result(result: SqlResult) -> dict[str, Any]:
+    """The result as plain JSON data: columns, rows as lists, truncated, tables."""
+    return {
+        "columns": result.columns,
+        "rows": [[plain(v) for v in row] for row in result.rows],
+        "truncated": result.truncated,
+        "tables": result.tables,
+    }
 
 
 def stream_events(spark: SparkSession, nats: NatsEndpoint, table: StreamTable) -> DataFrame:

@@ -20,6 +20,9 @@ from typing import get_args
 from runtime.config import NatsRole, RolesConfig
 
 SCALABLE_ROLES: tuple[str, ...] = tuple(RolesConfig.__struct_fields__)
+# the analysis driver's Ray actor name (in the config's namespace): the gateway finds it by
+# this name to run `/v1/sql`, the operating layer to manage jobs
+ANALYSIS_DRIVER = "tierflow-analysis"
 NATS_ROLES: tuple[str, ...] = get_args(NatsRole)
 
-__all__ = ["NATS_ROLES", "SCALABLE_ROLES"]
+__all__ = ["ANALYSIS_DRIVER", "NATS_ROLES", "SCALABLE_ROLES"]

@@ -47,11 +47,13 @@ from actors.access.dashboard_server import dashboard_routes
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, refusal, reply
 from actors.access.rest import RestRoutes
+from actors.access.sql import SqlRoutes
 from actors.access.sse import SseRoutes
 from actors.access.websocket import WebSocketRoutes
 from runtime.config import Config, GatewayOptions, validate
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
+from runtime.roles import ANALYSIS_DRIVER
 from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class Gateway(SupervisedActor):
         ws = WebSocketRoutes(self.plane)
         sse = SseRoutes(self.plane)
         rest = RestRoutes(self.plane)
+        sql = SqlRoutes(self.plane, self._run_sql)
         return [
             ("GET", "/healthz", self.healthz),
             ("GET", "/v1/ws", ws.ws),
@@ -146,6 +149,7 @@ class Gateway(SupervisedActor):
             ("GET", "/v1/webhooks/{id}", rest.webhook_get),
             ("DELETE", "/v1/webhooks/{id}", rest.webhook_delete),
             ("GET", "/v1/stats", self.http_stats),
+            ("POST", "/v1/sql", sql.sql),
         ]
 
     async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
@@ -177,6 +181,23 @@ class Gateway(SupervisedActor):
             await self.plane.close_clients()
             await runner.cleanup()
             await self.plane.stop()
+
+    async def _run_sql(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`/v1/sql`'s query, run by the analysis driver (the gateway holds no Spark): one
+        control-plane call per query, never per event."""
+        import ray
+
+        try:
+            driver = await asyncio.to_thread(
+                ray.get_actor, ANALYSIS_DRIVER, namespace=self.cfg.ray.namespace
+            )
+        except ValueError:
+            return {"status": 503, "error": "no analysis driver runs: start tierflow or a job"}
+        timeout = float(request.get("timeout_s", 30.0)) + 30.0
+        try:
+            return dict(await asyncio.wait_for(driver.sql.remote(**request), timeout))
+        except (TimeoutError, ray.exceptions.RayError) as err:
+            return {"status": 503, "error": f"the analysis driver did not answer: {err!r}"}
 
     # ------------------------------------------------------------------ HTTP basics
 

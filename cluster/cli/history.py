@@ -7,11 +7,9 @@ query that is refused or runs past ``--timeout`` exits 1 with the reason on stde
 from __future__ import annotations
 
 import csv
-import datetime as dt
-import decimal
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -31,23 +29,6 @@ ARCHIVE_COLUMNS = (
 )
 
 
-def _plain(value: Any) -> Any:
-    """A cell as JSON/CSV takes it (Spark gives datetimes, decimals, rows, bytes)."""
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    if hasattr(value, "asDict"):
-        return {k: _plain(v) for k, v in value.asDict(recursive=True).items()}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def sql(
     query: Annotated[str, typer.Argument(help="one SELECT over the streams (and `results`)")],
     config: ConfigOpt = None,
@@ -60,7 +41,7 @@ def sql(
     """Ad-hoc Spark SQL over every stream (archive plus live tail) and the results."""
     from cluster.history import NoNats
     from cluster.history import query as run
-    from jobs.sql import SqlTimeout
+    from jobs.sql import SqlTimeout, plain
     from runtime.sql_check import SqlRefused
 
     cfg = load_config(config)
@@ -69,7 +50,7 @@ def sql(
     except (SqlRefused, SqlTimeout, NoNats) as err:
         err_console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
-    rows = [dict(zip(result.columns, map(_plain, r), strict=True)) for r in result.rows]
+    rows = [dict(zip(result.columns, map(plain, r), strict=True)) for r in result.rows]
     if as_json:
         print(json.dumps(rows))
     elif as_csv:

@@ -49,8 +49,10 @@ def gateway_spec(
 ) -> ChildSpec:
     """The child spec of one gateway replica, softly pinned to `node`.
 
-    `options` default to the config's `[gateway.options]`; a mapping is checked here as
-    `load` checks the file (ConfigError names the key), not in the restarting actor."""
+    `options`, `named_filters` and `token_streams` default to the config's
+    (`[gateway.options]`, `gateway.filters`, `auth.consumer_streams`); an options mapping is
+    checked here as `load` checks the file (ConfigError names the key), not in the
+    restarting actor."""
     spec = ChildSpec(
         id=name,
         start=START,
@@ -60,8 +62,11 @@ def gateway_spec(
             "config": cfg.to_dict(),
             "nats_url": nats_url,
             "port": port,
-            "named_filters": dict(named_filters or {}),
-            "token_streams": dict(token_streams or {}),
+            # absent means the config's, as `tierflow up` passes them
+            "named_filters": dict(cfg.gateway.filters if named_filters is None else named_filters),
+            "token_streams": dict(
+                cfg.auth.consumer_streams if token_streams is None else token_streams
+            ),
             "options": _typed(options),
         },
         ray_options={"num_cpus": 0},

@@ -343,6 +343,62 @@ async function startCities(conn, ends, cities) {
   conn.subscribe("cities", "kv:results", deltas, from, (f) => cities.add(f.data.value), refused);
 }
 
+/** The SQL box: POST /v1/sql, then the rows as a table (or the gateway's reason). */
+export class SqlPanel {
+  constructor(ends) {
+    this.ends = ends;
+    $("sql-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.run($("sql-input").value.trim());
+    });
+  }
+
+  async run(sql) {
+    const status = $("sql-status");
+    status.textContent = "running…";
+    const headers = { "Content-Type": "application/json" };
+    if (this.ends.token) headers.Authorization = `Bearer ${this.ends.token}`;
+    let body;
+    try {
+      const resp = await fetch(this.ends.http + "/v1/sql", {
+        method: "POST",
+        headers,
+        body: JSON.stringify({ sql, limit: 200, timeout_s: 60 }),
+      });
+      body = await resp.json();
+      if (!resp.ok) {
+        status.textContent = `refused (${resp.status}): ${body.error}`;
+        return;
+      }
+    } catch (err) {
+      status.textContent = `failed: ${err}`;
+      return;
+    }
+    this.render(body);
+    const more = body.truncated ? " (more rows than shown)" : "";
+    status.textContent = `${body.rows.length} rows from ${body.tables.join(", ") || "no table"}${more}`;
+  }
+
+  render(body) {
+    const table = $("sql-result");
+    table.replaceChildren();
+    const head = table.createTHead().insertRow();
+    body.columns.forEach((c) => {
+      const th = document.createElement("th");
+      th.scope = "col";
+      th.textContent = c;
+      head.appendChild(th);
+    });
+    const rows = table.createTBody();
+    body.rows.forEach((r) => {
+      const tr = rows.insertRow();
+      r.forEach((v) => {
+        tr.insertCell().textContent = v !== null && typeof v === "object" ? JSON.stringify(v) : String(v);
+      });
+    });
+  }
+}
+
 function main() {
   const ends = endpoints();
   const conn = new Connection(ends.ws, showStatus);
@@ -353,6 +409,7 @@ function main() {
   startCities(conn, ends, cities);
   conn.subscribe("rate", "meetup", "SELECT rsvp_id", "new", () => rate.add(), refused);
   new FilterPanel(conn).apply($("filter-input").value.trim());
+  new SqlPanel(ends);
   setInterval(() => rate.render(), 1000);
   window.tierflow = { conn }; // for the curious (and for tests): read-only use, please
 }

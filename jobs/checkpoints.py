@@ -1,0 +1,37 @@
+"""What a streaming query's checkpoint says it has committed, read without Spark.
+
+Spark writes ``offsets/<id>`` (the batch's end offsets) before running a batch and
+``commits/<id>`` after its sink finished it, so the newest batch with both is the last
+whose output is durable. The driver's status and the archive's position read it here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["committed"]
+
+
+def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] | None] | None:
+    """(batch id, first source's end offset) of a query's last committed batch, from its
+    checkpoint; None when no batch was committed yet."""
+    root = Path(checkpoint)
+    try:
+        ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
+    except FileNotFoundError:
+        return None
+    if not ids:
+        return None
+    batch = max(ids)
+    try:
+        lines = (root / "offsets" / str(batch)).read_text().splitlines()
+    except FileNotFoundError:
+        return batch, None
+    try:
+        offset = json.loads(lines[2]) if len(lines) > 2 and lines[2] not in ("", "-") else None
+    except ValueError:
+        offset = None
+    return batch, offset if isinstance(offset, dict) else None
