@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -119,6 +120,41 @@ def with_nats(fn: Any, url: str) -> Any:
             await nc.close()
 
     return asyncio.run(main())
+
+
+class BackgroundLoad:
+    """A producer on its own thread, event loop and NATS connection, for tests that kill
+    something while load runs: `main(nc)` runs until `stopping`; `stop()` joins it and
+    re-raises what it failed with (a producer that fails silently proves nothing)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> Any:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), f"{type(self).__name__} did not stop"
+        assert self.error is None, f"{type(self).__name__} failed: {self.error!r}"
+
+    def _run(self) -> None:
+        try:
+            with_nats(self.main, self.url)
+        except BaseException as err:
+            self.error = err
+
+    async def main(self, nc: Any) -> None:
+        raise NotImplementedError
 
 
 async def under_load(

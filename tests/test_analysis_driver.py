@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +45,7 @@ from jobs.specs import deadletter_query_name
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import NatsFactory, with_nats
+from tests.support import BackgroundLoad, NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,7 +57,7 @@ DL = deadletter_query_name("meetup")
 # --------------------------------------------------------------------------- helpers
 
 
-class Publisher:
+class Publisher(BackgroundLoad):
     """Publishes RSVPs at a steady rate on its own loop; `sent` holds the acknowledged ones.
 
     A publish that is not acknowledged is retried with the same Nats-Msg-Id (JetStream
@@ -66,34 +65,18 @@ class Publisher:
     """
 
     def __init__(self, url: str, seed: int = 11) -> None:
-        self.url = url
+        super().__init__(url)
         self.gen = RsvpGenerator(seed=seed)
         self.sent: list[dict[str, Any]] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rsvp-publisher", daemon=True)
-
-    def start(self) -> Publisher:
-        self._thread.start()
-        return self
 
     def stop(self) -> list[dict[str, Any]]:
-        self._stop.set()
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "publisher did not stop"
-        assert self.error is None, f"publisher failed: {self.error!r}"
+        self.join()
         return self.sent
 
-    def _run(self) -> None:
-        try:
-            with_nats(self._main, self.url)
-        except BaseException as err:
-            self.error = err
-
-    async def _main(self, nc: Any) -> None:
+    async def main(self, nc: Any) -> None:
         js = nc.jetstream(timeout=10)
         per_tick = max(1, RATE_PER_S // 10)
-        while not self._stop.is_set():
+        while not self.stopping:
             batch = [self.gen.next() for _ in range(per_tick)]
             await asyncio.gather(*(self._publish(js, r) for r in batch))
             self.sent.extend(batch)

@@ -19,25 +19,16 @@ from jobs.archive import (
     read_archive,
     start_archive,
 )
-from jobs.jetstream import register
 from runtime.nats import NatsEndpoint
-from tests.support import NatsFactory, with_nats
-from tests.test_jetstream_source import add_stream, publish
+from tests.support import with_nats
+from tests.test_jetstream_source import add_stream, nats_url, publish, sp
+
+# nats_url and sp are test_jetstream_source's module fixtures, imported so pytest finds them
+__all__ = ["nats_url", "sp"]
 
 pytestmark = pytest.mark.timeout(300)
 
 STREAM = "arc"
-
-
-@pytest.fixture(scope="module")
-def nats_url(nats_factory: NatsFactory) -> str:
-    return nats_factory(sync_interval="2m").url
-
-
-@pytest.fixture(scope="module")
-def sp(spark: Any) -> Any:
-    register(spark)
-    return spark
 
 
 def payload(i: int) -> bytes:

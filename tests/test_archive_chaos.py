@@ -9,11 +9,11 @@ archive's Parquet on the local filesystem.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import signal
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +28,7 @@ from jobs.jetstream import register
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import NatsFactory, with_nats
+from tests.support import BackgroundLoad, NatsFactory, with_nats
 from tests.test_analysis_driver import java_children
 
 pytestmark = pytest.mark.timeout(900)
@@ -68,40 +68,23 @@ def driver(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[Any]:
         stop_driver(handle)
 
 
-class Load:
+class Load(BackgroundLoad):
     """Publishes 40 events every 0.1 s with ids; `acked` holds (id, payload) of every one
     JetStream acknowledged (a publish is retried with its id until acknowledged)."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        super().__init__(url)
         self.acked: list[tuple[str, bytes]] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> Load:
-        self._thread.start()
-        return self
 
     def stop(self) -> list[tuple[str, bytes]]:
-        self._stop.set()
-        self._thread.join(60)
-        assert not self._thread.is_alive() and self.error is None, self.error
+        self.join()
         return self.acked
 
-    def _run(self) -> None:
-        try:
-            with_nats(self._main, self.url)
-        except BaseException as err:
-            self.error = err
-
-    async def _main(self, nc: Any) -> None:
-        import asyncio
-
+    async def main(self, nc: Any) -> None:
         js = nc.jetstream(timeout=10)
         n = 0
         for _ in range(100_000):  # bounded: stopped long before
-            if self._stop.is_set():
+            if self.stopping:
                 return
             batch = []
             for _ in range(40):

@@ -11,28 +11,19 @@ from typing import Any
 import pytest
 
 from jobs.archive import ArchiveSettings, start_archive
-from jobs.jetstream import register
 from jobs.sql import SqlResult, SqlTimeout, StreamTable, run_sql
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import SqlRefused
-from tests.support import NatsFactory, with_nats
-from tests.test_jetstream_source import add_stream, publish
+from tests.support import with_nats
+from tests.test_jetstream_source import add_stream, nats_url, publish, sp
+
+# nats_url and sp are test_jetstream_source's module fixtures, imported so pytest finds them
+__all__ = ["nats_url", "sp"]
 
 pytestmark = pytest.mark.timeout(300)
 
 CLICKS = "my-clicks"  # a stranger's name, with a hyphen: quoted in SQL as `my-clicks`
 USERS = "users"
-
-
-@pytest.fixture(scope="module")
-def nats_url(nats_factory: NatsFactory) -> str:
-    return nats_factory(sync_interval="2m").url
-
-
-@pytest.fixture(scope="module")
-def sp(spark: Any) -> Any:
-    register(spark)
-    return spark
 
 
 def click(i: int) -> dict[str, Any]:
