@@ -8,7 +8,6 @@ plane's per-call costs.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -104,21 +103,23 @@ def new_event_ids(n: int) -> list[str]:
 # fail a decode. So a body is skipped (not decoded) only if it is valid UTF-8 and has no
 # number that could be out of range: no exponent of 3 or more digits and no run of 200
 # digits (a float of fewer integer digits and a 2-digit exponent stays below 1e299).
-# Text that merely looks like it (an id "e2e-100", a UUID "550e8400-...") is common, so a
-# body the byte scan flags is looked at again for a number TOKEN of that shape: one that
-# starts after `[`, `:`, `,` or whitespace, as every JSON number does; a string's letters
-# or dashes before it rule it out. Anything flagged by both must be decoded.
+# Text that merely looks like it (an id "e2e-50000", a UUID "550e8400-...") is common, so
+# a body the byte scan flags is decoded, values dropped: a decode that succeeds is the
+# proof (what decodes, a skip accepts too). Measured on RSVPs with ids like "e2e-50000":
+# ~6 us an event, where a regex looking for a number token of that shape took 31-45 us.
 _SHAPES = bytearray(b"x" * 256)
 _SHAPES[ord("0") : ord("9") + 1] = b"0" * 10
 _SHAPES[ord("e")] = _SHAPES[ord("E")] = ord("e")
 _NUMBER_SHAPES = bytes(_SHAPES)
 _BIG_EXPONENT = b"0e000"
 _LONG_DIGITS = b"0" * 200
-_RISKY_NUMBER = re.compile(rb"(?:^|[\[:,\s])-?(?:\d+(?:\.\d*)?[eE][+-]?\d{3}|\d{200})")
+_check = msgspec.json.Decoder().decode
+_NOT_DECODED = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 def skippable_json(body: bytes) -> bool:
-    """True if skipping `body`'s values accepts exactly what decoding them would."""
+    """True if skipping `body`'s values accepts exactly what decoding them would. `body` is
+    one JSON text or NDJSON (one per line)."""
     if not body.isascii():
         try:
             body.decode("utf-8")
@@ -127,7 +128,23 @@ def skippable_json(body: bytes) -> bool:
     shapes = body.translate(_NUMBER_SHAPES, b"+-")
     if _BIG_EXPONENT not in shapes and _LONG_DIGITS not in shapes:
         return True
-    return _RISKY_NUMBER.search(body) is None
+    return _decodes(body)
+
+
+def _decodes(body: bytes) -> bool:
+    """Every JSON text in `body` decodes: the whole of it, else each line (NDJSON)."""
+    try:
+        _check(body)
+        return True
+    except _NOT_DECODED:
+        pass
+    try:
+        for line in body.split(b"\n"):
+            if line.strip():
+                _check(line)
+    except _NOT_DECODED:
+        return False
+    return True
 
 
 def json_kind(value: Any) -> str:
