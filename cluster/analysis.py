@@ -41,10 +41,7 @@ def connect_ray(cfg: Config) -> None:
 
 def runtime_nats_url(cfg: Config) -> str:
     """``nats.url``, or the URL of the running tierflow's embedded server."""
-    if cfg.nats.url:
-        return cfg.nats.url
-
-    url = ((runstate.read_state(cfg) or {}).get("nats") or {}).get("url")
+    url = runstate.nats_url(cfg)
     if not url:
         raise JobsError("no NATS URL: set nats.url, or start tierflow with `tierflow up`")
     return url

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.archive import archive_position, read_archive
+from jobs.archive import ARCHIVE_COLUMNS, archive_position, read_archive
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import CheckedQuery, SqlRefused, check_select
@@ -131,15 +131,9 @@ def stream_events(spark: SparkSession, nats: NatsEndpoint, table: StreamTable) -
     # a batch the archive commits meanwhile is in both: the archive side stops at the
     # position read here and the tail starts there
     archived = read_archive(spark, table.archive_root, table.stream)
-    archived = archived.where(archived.seq < position.next_seq).select(*_source_columns())
+    archived = archived.where(archived.seq < position.next_seq).select(*ARCHIVE_COLUMNS)
     live = tail.option("startingOffset", str(position.next_seq)).load()
     return archived.unionByName(live)
-
-
-def _source_columns() -> list[str]:
-    from jobs.archive import ARCHIVE_COLUMNS
-
-    return list(ARCHIVE_COLUMNS)
 
 
 def table_frame(events: DataFrame, schema: str = "", sample: int = SAMPLE_EVENTS) -> DataFrame:
