@@ -139,6 +139,10 @@ class NatsServer:
     tls_verify: bool = False
     encryption_key: str | None = field(default=None, repr=False)
     encryption_cipher: str = "chachapoly"
+    # a JetStream domain (one per site: runtime/sites.py) and whole top-level config blocks
+    # appended verbatim (e.g. `leafnodes { ... }`)
+    js_domain: str | None = None
+    extra_conf: list[str] = field(default_factory=list)
     _proc: subprocess.Popen[bytes] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -223,6 +227,8 @@ class NatsServer:
         lines.append("jetstream {")
         lines.append(f"  store_dir: {_conf_str(str(self.store_dir.resolve()))}")
         lines.append(f"  sync_interval: {_conf_str(self.sync_interval)}")
+        if self.js_domain:
+            lines.append(f"  domain: {_conf_str(self.js_domain)}")
         if self.max_file_store is not None:
             lines.append(f"  max_file_store: {int(self.max_file_store)}")
         if self.encryption_key:
@@ -237,6 +243,7 @@ class NatsServer:
                 routes = ", ".join(_conf_str(r) for r in self.routes)
                 lines.append(f"  routes: [{routes}]")
             lines.append("}")
+        lines.extend(self.extra_conf)
         return "\n".join(lines) + "\n"
 
     # ---- monitoring --------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import Config
+from runtime.geo import ensure_copies, with_local_sources
 from runtime.nats import NatsEndpoint, NatsServer
 from runtime.nats_roles import server_users
 from runtime.tls import tls_files
@@ -102,11 +103,13 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
             duplicate_window=s.duplicate_window_s,
             allow_atomic=True,  # the bridge publishes each logged group as one atomic batch
         )
+        sc = await with_local_sources(nc, sc, s.replicate)  # geo: this site's copy
         try:
             await js.stream_info(name)
             await js.update_stream(sc)
         except NotFoundError:
             await js.add_stream(sc)
+        await ensure_copies(nc, sc, s.replicate)  # geo: the other sites' copies
         made.append(name)
     return made
 
