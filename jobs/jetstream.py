@@ -28,7 +28,9 @@ maxEventsPerTrigger  cap on the sequences one micro-batch spans (with a subject 
                      may hold fewer events than that)
 onAgedOut            ``fail`` (default): a start sequence below the stream's first sequence is
                      an error naming both; ``skip``: continue from the first sequence and add
-                     the gap to the offset's ``skipped`` count (and log it)
+                     the gap to the offset's ``skipped`` count (and log it). On a compacted
+                     stream with no other limit (`only_compaction`) gaps are superseded
+                     events, never aged out: sequences have gaps there by design
 validate             ``json`` (default), ``utf8``, or ``none``
 partitionSize        sequences per partition at most (default 20000)
 minPartitions        partitions a range is cut into at least, each of 1000 sequences or more,
@@ -107,7 +109,7 @@ class JetStreamBatchReader(DataSourceReader):
             control.close()
         start = starting_sequence(self.opts.starting, bounds)
         end = bounds.latest if self.opts.ending == "latest" else int(self.opts.ending)
-        if bounds.first > start and start < end:
+        if bounds.aged_out(start) and start < end:
             if self.opts.on_aged_out != "skip":
                 raise AgedOutError(self.opts.stream, start, bounds.first)
             log.warning(

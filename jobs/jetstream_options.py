@@ -173,10 +173,20 @@ def _offset_spec(options: Mapping[str, str], key: str, default: str) -> str:
 
 @dataclass(frozen=True)
 class Bounds:
-    """A stream's state: first sequence held and last sequence written (0, 0 when new)."""
+    """A stream's state: first sequence held and last sequence written (0, 0 when new).
+
+    `compacted`: the stream only ever lets a message go for a newer one of its subject
+    (`only_compaction`), so sequences missing below `first` were compacted, not lost: a
+    reader moves on to `first` and sees the latest event of every key, with nothing to
+    report as aged out."""
 
     first: int
     last: int
+    compacted: bool = False
+
+    def aged_out(self, start: int) -> bool:
+        """Whether sequences from `start` up to `first` were lost to the stream's limits."""
+        return self.first > start and not self.compacted
 
     @property
     def earliest(self) -> int:
@@ -186,6 +196,28 @@ class Bounds:
     def latest(self) -> int:
         """The next sequence the stream will write: an exclusive end."""
         return self.last + 1
+
+
+def only_compaction(
+    max_msgs_per_subject: int | None,
+    max_age: float | None,
+    max_msgs: int | None,
+    max_bytes: int | None,
+    discard: str | None,
+) -> bool:
+    """Whether a stream (by its JetStream limits) removes messages only by compaction: a
+    per-subject limit, and no limit that removes old messages (an age; a count or size
+    with discard old). A compacted stream with such a limit too may lose events to it, and
+    a start below its first sequence counts as aged out, as on any stream. Purges (an
+    archived stream's retention, jobs/retention.py) are not limits and are not seen here."""
+    if not max_msgs_per_subject or max_msgs_per_subject < 1:
+        return False
+    if max_age:
+        return False
+    count_or_size = (max_msgs is not None and max_msgs >= 0) or (
+        max_bytes is not None and max_bytes >= 0
+    )
+    return not count_or_size or str(discard or "old").lower() == "new"
 
 
 def starting_sequence(spec: str, bounds: Bounds) -> int:
@@ -214,12 +246,14 @@ def next_offset(
     """The end offset of the next micro-batch from `start` (pure policy, no I/O).
 
     A start below the stream's first sequence fails (AgedOutError) or, with ``skip``, moves
-    to the first sequence and adds the gap to ``skipped``. ``ReadMaxRows`` caps the sequence
-    span, ``target`` (Trigger.AvailableNow) caps the end; returning `start` means no new data.
+    to the first sequence and adds the gap to ``skipped``; not on a stream that removes
+    only by compaction (`Bounds.compacted`), whose gaps are superseded events.
+    ``ReadMaxRows`` caps the sequence span, ``target`` (Trigger.AvailableNow) caps the end;
+    returning `start` means no new data.
     """
     seq, skipped = int(start["seq"]), int(start.get("skipped", 0))
     base = seq
-    if bounds.first > seq:
+    if bounds.aged_out(seq):
         if on_aged_out != "skip":
             raise AgedOutError(stream, seq, bounds.first)
         skipped += bounds.first - seq
@@ -274,6 +308,7 @@ __all__ = [
     "SourceOptions",
     "make_offset",
     "next_offset",
+    "only_compaction",
     "schema",
     "split_range",
     "starting_sequence",

@@ -40,6 +40,7 @@ from jobs.jetstream_options import (
     SeqRange,
     SourceError,
     SourceOptions,
+    only_compaction,
 )
 from runtime.loop_thread import LoopThread
 from runtime.nats_endpoint import NatsEndpoint
@@ -109,7 +110,19 @@ async def stream_bounds(nc: Client, stream: str, timeout: float = DEFAULT_TIMEOU
         info = await nc.jetstream(timeout=timeout).stream_info(stream)
     except NotFoundError as err:
         raise SourceError(f"jetstream source: stream {stream!r} does not exist") from err
-    return Bounds(first=int(info.state.first_seq or 0), last=int(info.state.last_seq or 0))
+    c = info.config
+    compacted = only_compaction(
+        c.max_msgs_per_subject,
+        c.max_age,
+        c.max_msgs,
+        c.max_bytes,
+        getattr(c.discard, "value", c.discard),
+    )
+    return Bounds(
+        first=int(info.state.first_seq or 0),
+        last=int(info.state.last_seq or 0),
+        compacted=compacted,
+    )
 
 
 # --------------------------------------------------------------------------- per process
@@ -302,7 +315,7 @@ class _RangeFetcher:
         opts, part = self._opts, self._part
         self._nc = nc = await self._shared.client()
         bounds = await stream_bounds(nc, opts.stream, opts.timeout)
-        if bounds.first > part.start:
+        if bounds.aged_out(part.start):
             if opts.on_aged_out != "skip":
                 raise AgedOutError(opts.stream, part.start, bounds.first)
             self.skipped = min(bounds.first, part.end) - part.start

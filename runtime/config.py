@@ -24,6 +24,7 @@ import msgspec
 
 from runtime.autoscaling import AutoscalingConfig
 from runtime.autoscaling import validate as validate_autoscaling
+from runtime.compaction import CompactConfig
 from runtime.errors import ConfigError
 from runtime.geo_config import ReplicateConfig
 from runtime.logic import LogicConfig, compile_logic
@@ -196,6 +197,7 @@ class StreamConfig(_Strict):
     logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
     archive: ArchiveConfig | None = None
+    compact: CompactConfig | None = None  # the latest event per key (runtime/compaction.py)
     replicate: ReplicateConfig | None = None  # copies on other sites (runtime/geo.py)
     # the events' JSON fields as a Spark DDL (`city STRING, n INT`) for `tierflow sql`;
     # empty: inferred from a sample of the newest events

@@ -17,6 +17,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from runtime.compaction import stream_subjects
 from runtime.config import Config, NatsUser
 from runtime.lease import LEASE_BUCKET
 from runtime.roles import NATS_ROLES
@@ -97,7 +98,7 @@ def _perm(publish: list[str], subscribe: list[str], responses: bool = False) -> 
 
 def role_permissions(cfg: Config) -> dict[str, dict[str, Any]]:
     """nats.conf `permissions` per role, from the configured streams (pure)."""
-    subjects = [sub for s in cfg.streams.values() for sub in s.subjects]
+    subjects = [sub for n, s in cfg.streams.items() for sub in stream_subjects(s, n)]
     # the bridge publishes producers' events and dead letters, never analysis results
     bridged = [sub for sub in subjects if not sub.startswith(ANALYSIS_ONLY)]
     cursors = cfg.gateway.options.cursor_bucket or CURSOR_BUCKET

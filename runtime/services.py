@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.compaction import max_msgs_per_subject, stream_subjects
 from runtime.config import Config
 from runtime.geo import ensure_copies, with_local_sources
 from runtime.nats import NatsEndpoint, NatsServer
@@ -91,7 +92,7 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
         archived = s.archive is not None
         sc = StreamConfig(
             name=name,
-            subjects=s.subjects,
+            subjects=stream_subjects(s, name),  # compacted: one more token, the key
             storage=StorageType.FILE,
             num_replicas=max(s.replicas, cfg.nats.stream_replicas),
             # an archived stream never ages out what the archive lacks: its limits are kept
@@ -101,6 +102,7 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
             max_bytes=s.max_bytes,
             discard=DiscardPolicy.NEW if archived else DiscardPolicy.OLD,
             duplicate_window=s.duplicate_window_s,
+            max_msgs_per_subject=max_msgs_per_subject(s),
             allow_atomic=True,  # the bridge publishes each logged group as one atomic batch
         )
         sc = await with_local_sources(nc, sc, s.replicate)  # geo: this site's copy

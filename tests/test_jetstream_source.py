@@ -22,6 +22,7 @@ from jobs.jetstream_options import (
     SourceOptions,
     make_offset,
     next_offset,
+    only_compaction,
     split_range,
     starting_sequence,
 )
@@ -67,6 +68,23 @@ def test_next_offset_aged_out_fails_by_default_and_skip_counts_the_gap() -> None
         make_offset(5), Bounds(11, 10), stream="ev", on_aged_out="skip", limit=ReadAllAvailable()
     )
     assert end == {"seq": 11, "skipped": 6}
+
+
+@pytest.mark.unit
+def test_on_a_compacted_stream_a_gap_below_the_first_sequence_is_not_loss() -> None:
+    kw: dict[str, Any] = {"stream": "ev", "on_aged_out": "fail", "limit": ReadAllAvailable()}
+    compacted = Bounds(first=251, last=350, compacted=True)
+    assert not compacted.aged_out(51) and Bounds(251, 350).aged_out(51)
+    # read on from where the query was: the range's missing sequences were superseded
+    assert next_offset(make_offset(51, 3), compacted, **kw) == {"seq": 351, "skipped": 3}
+    # which streams remove only by compaction (JetStream limits as stream_info reports them)
+    assert only_compaction(1, 0, -1, -1, "old")
+    assert only_compaction(3, None, None, None, None)
+    assert only_compaction(1, 0, 1000, 1 << 20, "new")  # full: refuses new, drops nothing
+    assert not only_compaction(-1, 0, -1, -1, "old")  # not compacted
+    assert not only_compaction(1, 3600.0, -1, -1, "old")  # ages out too
+    assert not only_compaction(1, 0, 1000, -1, "old")  # a count limit drops the oldest
+    assert not only_compaction(1, 0, -1, 1 << 20, "old")  # a size limit too
 
 
 @pytest.mark.unit
@@ -346,6 +364,43 @@ def test_aged_out_start_fails_clearly_or_skips_and_counts(
     with pytest.raises(Exception, match="start sequence 10 has aged out"):
         reader(sp, nats_url, "small", startingOffset="10").count()
     assert reader(sp, nats_url, "small", startingOffset="10", onAgedOut="skip").count() == 100
+
+
+def test_a_compacted_stream_has_gaps_not_losses(sp: Any, nats_url: str, tmp_path: Path) -> None:
+    """Compaction removes superseded events, the first sequence included: a query whose
+    next sequence was compacted away reads on (no AgedOutError, nothing counted as
+    skipped) and sees the latest event of every key; the same gap on a compacted stream
+    that also has a count limit is still reported as aged out."""
+    add_stream(nats_url, "latest", ["raw.latest.*"], max_msgs_per_subject=1)
+    keyed = lambda keys: [(f"raw.latest.{k}", event(i, k), None) for i, k in keys]  # noqa: E731
+    with_nats(lambda nc: publish(nc, keyed([(0, "a"), (1, "b")])), nats_url)
+    ckpt = tmp_path / "ck"
+    seen: list[int] = []
+    q = stream_query(sp, nats_url, "latest", ckpt, seen)
+    assert q.awaitTermination(120) and q.exception() is None
+    assert sorted(seen) == [1, 2]
+    # a: seqs 1, 3, 6; b: 2, 4; c: 5. Retained 4, 5, 6: the query's next sequence (3) and
+    # the first two are gone, superseded
+    more = [(2, "a"), (3, "b"), (4, "c"), (5, "a")]
+    with_nats(lambda nc: publish(nc, keyed(more)), nats_url)
+    info = with_nats(lambda nc: nc.jetstream().stream_info("latest"), nats_url)
+    assert (info.state.first_seq, info.state.last_seq, info.state.messages) == (4, 6, 3)
+
+    seen.clear()
+    q = stream_query(sp, nats_url, "latest", ckpt, seen)
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert sorted(seen) == [4, 5, 6]
+    assert skipped_total(q.lastProgress) == 0
+    rows = reader(sp, nats_url, "latest", startingOffset="1").collect()
+    assert sorted((r.seq, json.loads(r.data)["k"]) for r in rows) == [(4, "b"), (5, "c"), (6, "a")]
+
+    # compacted and capped at 2 messages: the third key pushes the first out, a real loss
+    add_stream(nats_url, "capped", ["raw.capped.*"], max_msgs_per_subject=1, max_msgs=2)
+    capped = [(f"raw.capped.{k}", event(i, k), None) for i, k in enumerate("xyz")]
+    with_nats(lambda nc: publish(nc, capped), nats_url)
+    with pytest.raises(Exception, match="start sequence 1 has aged out"):
+        reader(sp, nats_url, "capped", startingOffset="1").count()
 
 
 def test_malformed_events_are_flagged_with_their_bytes(sp: Any, nats_url: str) -> None:

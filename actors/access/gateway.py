@@ -43,6 +43,7 @@ import nats.errors
 from aiohttp import web
 
 from actors.access.auth import request_token
+from actors.access.compacted import CompactedRoutes
 from actors.access.dashboard_server import dashboard_routes
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, refusal, reply
@@ -134,6 +135,7 @@ class Gateway(SupervisedActor):
         sse = SseRoutes(self.plane)
         rest = RestRoutes(self.plane)
         sql = SqlRoutes(self.plane, self._run_sql)
+        compacted = CompactedRoutes(self.plane, rest.latest)
         return [
             ("GET", "/healthz", self.healthz),
             ("GET", "/v1/ws", ws.ws),
@@ -142,7 +144,8 @@ class Gateway(SupervisedActor):
             ("GET", "/v1/poll/{stream}", rest.poll),
             ("GET", "/v1/streams", rest.list_streams),
             ("GET", "/v1/streams/{stream}", rest.since),
-            ("GET", "/v1/streams/{stream}/latest", rest.latest),
+            ("GET", "/v1/streams/{stream}/latest", compacted.latest),  # rest.latest w/o key
+            ("GET", "/v1/streams/{stream}/keys", compacted.keys),
             ("GET", "/v1/kv/{bucket}", rest.kv_snapshot),
             ("POST", "/v1/webhooks", rest.webhook_register),
             ("GET", "/v1/webhooks", rest.webhook_list),

@@ -56,9 +56,10 @@ from actors.collection.group_commit import (
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
+from runtime.compaction import CompactingLogic, stream_logic
 from runtime.config import Config, system_streams, validate
 from runtime.events import Event, encode_batch
-from runtime.logic import StreamLogic, compile_logic
+from runtime.logic import StreamLogic
 from runtime.loop_thread import LoopThread
 from runtime.publisher import MSG_ID_HEADER, header_bytes
 from runtime.ray_supervisor import SupervisedActor
@@ -189,8 +190,8 @@ class Collector(SupervisedActor):
         self.max_events, self.max_event_bytes = max_events, max_event_bytes
         self.tokens = frozenset(self.cfg.auth.producer_tokens)  # empty: auth off
         self.off = self._untokened_paths_off()
-        self.logic: dict[str, StreamLogic] = {
-            s: compile_logic(s, sc.logic, sc.subjects[0]) for s, sc in self.cfg.streams.items()
+        self.logic: dict[str, StreamLogic | CompactingLogic] = {
+            s: stream_logic(s, sc) for s, sc in self.cfg.streams.items()
         }
         self.counters: dict[str, int] = {
             "requests": 0,

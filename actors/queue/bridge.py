@@ -53,9 +53,10 @@ import msgspec
 from actors.queue.forgetter import Forgetter
 from actors.queue.logger import LoggerGroup, key_of
 from runtime.clock import now_ms
+from runtime.compaction import CompactingLogic, stream_logic, target_subject
 from runtime.config import Config, atomic_batches_enabled, validate
 from runtime.events import Event, decode_batch
-from runtime.logic import LogicResult, StreamLogic, compile_logic
+from runtime.logic import LogicResult, StreamLogic
 from runtime.loop_thread import LoopThread
 from runtime.publisher import (
     MSG_ID_HEADER,
@@ -81,6 +82,9 @@ _STREAM_CACHE_S = 30.0
 
 class BrokerBridge(SupervisedActor):
     """Ray actor: publishes logged batches to JetStream and completes them in the logger."""
+
+    # compacted streams (runtime/compaction.py): one stream lookup for all their keys
+    _compacted: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -125,10 +129,10 @@ class BrokerBridge(SupervisedActor):
         # Given at construction: Ray reruns __init__ with these on restart.
         self.loggers: dict[str, LoggerGroup] = {g.name: g for g in loggers}
         self._forgetters: dict[str, Forgetter] = {}  # made on the data plane's loop
-        self.logic: dict[str, StreamLogic] = {
-            name: compile_logic(name, s.logic, s.subjects[0])
-            for name, s in self.cfg.streams.items()
+        self.logic: dict[str, StreamLogic | CompactingLogic] = {
+            name: stream_logic(name, s) for name, s in self.cfg.streams.items()
         }
+        self._compacted = frozenset(n for n, s in self.cfg.streams.items() if s.compact)
         self.counters = {
             "batches": 0,
             "published": 0,
@@ -291,7 +295,8 @@ class BrokerBridge(SupervisedActor):
         streams: dict[str, str | None] = {}  # subject -> stream, for this call
         for e in events:
             if e.subject not in streams:
-                stream, _ = await self._target(e.subject)  # cached across calls too
+                # cached across calls too
+                stream, _ = await self._target(target_subject(e, self._compacted))
                 streams[e.subject] = stream if self.atomic else None  # None: event by event
             by_stream.setdefault(streams[e.subject], []).append(Outgoing(e.id, e.subject, e.data))
 
@@ -344,7 +349,7 @@ class BrokerBridge(SupervisedActor):
         targets: dict[str, tuple[str | None, float]] = {}
         for e in events:
             if e.subject not in targets:
-                targets[e.subject] = await self._target(e.subject)
+                targets[e.subject] = await self._target(target_subject(e, self._compacted))
             stream, window = targets[e.subject]
             if now - e.received_ms < blind_retry_horizon(window) * 1000:
                 send.append(e)

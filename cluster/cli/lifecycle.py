@@ -16,11 +16,13 @@ import typer
 
 from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from runtime import runstate
+from runtime.compaction import describe
 from runtime.config import Config
 
 
-def where(info: dict[str, Any]) -> None:
-    """Where each part of a started runtime answers (its `describe()` or run-state)."""
+def where(info: dict[str, Any], cfg: Config | None = None) -> None:
+    """Where each part of a started runtime answers (its `describe()` or run-state); with
+    the config, how each stream keeps its events (compacted by which key)."""
     nats = info.get("nats", {})
     console.print(
         f"  NATS      {nats.get('url')}" + (f"  (pid {nats['pid']})" if nats.get("pid") else "")
@@ -42,7 +44,12 @@ def where(info: dict[str, Any]) -> None:
             f"  dashboard {info['gateway']['url']}/   (gateway: /v1/ws, /v1/sse, /v1/poll)"
         )
     if info.get("streams"):
-        console.print(f"  streams   {', '.join(info['streams'])}")
+        console.print(f"  streams   {', '.join(_stream_label(n, cfg) for n in info['streams'])}")
+
+
+def _stream_label(name: str, cfg: Config | None) -> str:
+    how = describe(cfg.streams.get(name)) if cfg is not None else ""
+    return f"{name} ({how})" if how else name
 
 
 def up(
@@ -68,7 +75,7 @@ def up(
 
     def ready(rt: Any, _stop: asyncio.Event) -> None:
         console.print("[green]tierflow is up[/green] (Ctrl-C stops it)")
-        where(rt.describe())
+        where(rt.describe(), cfg)
 
     asyncio.run(serve_forever(cfg, on_ready=ready))
 
@@ -95,7 +102,7 @@ def _up_detached(cfg: Config, config: Path | None, timeout: float) -> None:
             state = runstate.read_state(cfg)
             if state and state.get("ready") and state["process"]["pid"] == proc.pid:
                 console.print(f"[green]tierflow is up[/green] (pid {proc.pid}, log {log_path})")
-                where(state)
+                where(state, cfg)
                 return
             if proc.poll() is not None:
                 break
@@ -144,7 +151,7 @@ def demo(
 
     def ready(rt: Any, stop: asyncio.Event) -> None:
         console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")
-        where(rt.describe())
+        where(rt.describe(), cfg)
         loop = asyncio.get_running_loop()
         if duration:
             loop.call_later(duration, stop.set)

@@ -1,0 +1,270 @@
+"""Per-key compaction, the pure parts (runtime/compaction.py): key tokens, subjects, the
+config table and the logic that derives each event's subject."""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.compaction import (
+    MAX_TOKEN,
+    CompactingLogic,
+    NoKey,
+    event_token,
+    key_token,
+    max_msgs_per_subject,
+    stream_logic,
+    stream_subjects,
+    target_subject,
+    token_key,
+    token_of,
+)
+from runtime.config import ConfigError, load
+from runtime.events import Event
+from runtime.nats_roles import role_permissions
+
+pytestmark = pytest.mark.unit
+
+# a NATS subject token: no dots, wildcards or whitespace, not empty
+SUBJECT_TOKEN = re.compile(r"^[^.*>\s]+$")
+
+scalar = (
+    st.booleans()
+    | st.integers(-(2**80), 2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=300)
+)
+
+
+def streams(**compact: object) -> dict[str, object]:
+    return {"planes": {"subjects": ["raw.planes"], "compact": compact}}
+
+
+def cfg_with(body: dict[str, object]) -> object:
+    return load(environ={}, overrides={"streams": body})
+
+
+def ev(data: object, i: int = 0, subject: str = "raw.planes", processed: bool = False) -> Event:
+    body = data if isinstance(data, bytes) else msgspec.json.encode(data)
+    return Event(f"id-{i}", "planes", subject, body, 1000 + i, processed)
+
+
+# ---- tokens ------------------------------------------------------------------------------
+
+
+def test_token_forms_are_readable_where_they_can_be() -> None:
+    assert key_token("N10156") == "N10156"
+    assert key_token("a_b-C9") == "a_b-C9"
+    assert key_token(42) == "=42"
+    assert key_token(-7) == "=-7"
+    assert key_token(42.0) == "=42"  # numbers key by value
+    assert key_token("42") == "42"  # a string stays a string: not the number 42's token
+    assert key_token("a.b") == "~ImEuYiI"
+    assert key_token(True) == "~dHJ1ZQ"
+    assert key_token(1.5) == "~MS41"
+    long = key_token("x" * 1000)
+    assert long.startswith("~~") and len(long) == 45
+
+
+@settings(max_examples=400, deadline=None)
+@given(scalar, scalar)
+def test_tokens_are_subject_safe_short_stable_and_one_per_key(a: object, b: object) -> None:
+    ta, tb = key_token(a), key_token(b)  # type: ignore[arg-type]
+    assert SUBJECT_TOKEN.match(ta) and len(ta) <= MAX_TOKEN
+    assert key_token(a) == ta  # type: ignore[arg-type]
+    same = _canon(a) == _canon(b)
+    assert (ta == tb) == same, (a, b, ta, tb)
+    known, back = token_key(ta)
+    if known:
+        assert _canon(back) == _canon(a)
+    else:
+        assert ta.startswith("~~")
+
+
+def _canon(v: object) -> object:
+    """The key identity the module doc promises: numbers by value, types kept apart."""
+    if isinstance(v, bool):
+        return ("b", v)
+    if isinstance(v, float) and v.is_integer():
+        return ("n", int(v))
+    if isinstance(v, int | float):
+        return ("n", v)
+    return ("s", v)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "with space",
+        "a*b",
+        "a>b",
+        "tab\tin",
+        "ünïcødé",
+        "日本",
+        "",
+        "~x",
+        "=1",
+        "~~",
+        "-",
+        "x" * 128,
+    ],
+)
+def test_strange_strings_round_trip(value: str) -> None:
+    token = key_token(value)
+    assert SUBJECT_TOKEN.match(token) and len(token) <= MAX_TOKEN
+    assert token_key(token) == (True, value)
+
+
+def test_size_limits_switch_to_the_hash_exactly_past_128() -> None:
+    assert key_token("x" * 128) == "x" * 128
+    assert key_token("x" * 129).startswith("~~")  # base64 of 131 bytes: 175 characters
+    spaced = "x " * 46  # JSON text of 94 bytes: "~" + 126 characters of base64 still fit
+    assert key_token(spaced).startswith("~") and token_key(key_token(spaced)) == (True, spaced)
+    assert key_token(spaced + "yy").startswith("~~")  # 96 bytes: 129 characters
+    assert key_token(10**126) == "=" + "1" + "0" * 126  # 128 characters
+    assert key_token(10**127).startswith("~~")  # 129: too long for any readable form
+
+
+def test_event_token_reasons() -> None:
+    path = ("plane", "tailnum")
+    assert event_token(b'{"plane":{"tailnum":"N1"}}', path) == "N1"
+    for body, why in [
+        (b'{"plane":{}}', "missing (or null) field plane.tailnum"),
+        (b'{"plane":{"tailnum":null}}', "missing (or null)"),
+        (b'{"plane":{"tailnum":{"a":1}}}', "is a JSON object, not a scalar"),
+        (b'{"plane":{"tailnum":[1]}}', "is a JSON array"),
+        (b"[1,2]", "is a JSON array, not an object"),
+        (b"{nope", "not JSON"),
+    ]:
+        with pytest.raises(NoKey, match=re.escape(why)):
+            event_token(body, path)
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def test_config_table_and_its_errors() -> None:
+    cfg = cfg_with(streams(key="tailnum"))
+    sc = cfg.streams["planes"]  # type: ignore[attr-defined]
+    assert sc.compact.key == "tailnum" and sc.compact.keep == 1
+    assert max_msgs_per_subject(sc) == 1
+    assert stream_subjects(sc, "planes") == ["raw.planes.*"]
+    assert max_msgs_per_subject(cfg.streams["results"]) == -1  # type: ignore[attr-defined]
+    assert cfg_with(streams(key="a.b", keep=3)).streams["planes"].compact.keep == 3  # type: ignore[attr-defined]
+    for bad, where in [
+        (streams(key="a..b"), "streams.planes.compact"),
+        (streams(key=""), "streams.planes.compact"),
+        (streams(key="k", keep=0), "streams.planes.compact.keep"),
+        (streams(key="k", nope=1), "streams.planes.compact"),
+        (streams(keep=2), "streams.planes.compact"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(where)):
+            cfg_with(bad)
+
+
+def test_a_subject_ending_in_gt_is_refused() -> None:
+    cfg = cfg_with({"wide": {"subjects": ["raw.wide.>"], "compact": {"key": "k"}}})
+    sc = cfg.streams["wide"]  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"streams\.wide\.compact: subject 'raw\.wide\.>'"):
+        stream_subjects(sc, "wide")
+    with pytest.raises(ConfigError, match="ends in '>'"):
+        stream_logic("wide", sc)
+
+
+def test_the_bridge_may_publish_every_key_subject() -> None:
+    cfg = load(
+        environ={},
+        overrides={"streams": streams(key="tailnum"), "nats": {"role_users": True}},
+    )
+    allowed = role_permissions(cfg)["bridge"]["publish"]["allow"]  # type: ignore[arg-type]
+    assert "raw.planes.*" in allowed and "raw.planes" not in allowed
+
+
+# ---- logic -------------------------------------------------------------------------------
+
+
+def logic_for(**extra: object) -> CompactingLogic:
+    cfg = cfg_with({"planes": {"subjects": ["raw.planes"], "compact": {"key": "tailnum"}, **extra}})
+    logic = stream_logic("planes", cfg.streams["planes"])  # type: ignore[attr-defined]
+    assert isinstance(logic, CompactingLogic)
+    return logic
+
+
+def test_logic_derives_the_subject_and_dead_letters_what_has_no_key() -> None:
+    logic = logic_for()
+    events = [
+        ev({"tailnum": "N1", "v": 1}, 0),
+        ev({"v": 2}, 1),
+        ev({"tailnum": "N 2", "v": 3}, 2),
+        ev({"tailnum": ["x"]}, 3),
+        ev(b"not json", 4),
+    ]
+    result = logic.apply(events)
+    assert [(e.id, e.subject, e.processed) for e in result.kept] == [
+        ("id-0", "raw.planes.N1", True),
+        ("id-2", f"raw.planes.{key_token('N 2')}", True),
+    ]
+    reasons = {e.id: r for e, r in result.invalid}
+    assert reasons["id-1"] == "compaction key: missing (or null) field tailnum"
+    assert "not a scalar" in reasons["id-3"] and "not JSON" in reasons["id-4"]
+    # invalid events go back as received (raw), so the bridge settles them as dead letters
+    assert all(not e.processed and e.subject == "raw.planes" for e, _ in result.invalid)
+    assert not result.dropped
+
+
+def test_replay_is_deterministic_and_processed_events_pass_unchanged() -> None:
+    logic = logic_for()
+    e = ev({"tailnum": "N1"}, 7)
+    first = logic.apply([e]).kept[0]
+    again = pickle.loads(pickle.dumps(logic)).apply([e]).kept[0]  # a restarted bridge
+    assert first == again
+    # the bridge sees the collector's processed event: it must not get a second token
+    assert logic.apply([first]).kept == [first]
+    # processed on the bare subject (logged before compaction was configured): derived now
+    bare = ev({"tailnum": "N1"}, 7, processed=True)
+    assert logic.apply([bare]).kept[0].subject == "raw.planes.N1"
+
+
+def test_logic_runs_first_and_its_route_keeps_the_key_last() -> None:
+    logic = logic_for(
+        logic={"filter": "v > 0", "enrich": ["received_at"], "route": "raw.planes"},
+    )
+    result = logic.apply([ev({"tailnum": "N1", "v": 1}, 0), ev({"tailnum": "N1", "v": 0}, 1)])
+    assert [e.subject for e in result.kept] == ["raw.planes.N1"]
+    assert msgspec.json.decode(result.kept[0].data)["received_at"] == 1000
+    assert [e.id for e in result.dropped] == ["id-1"]
+
+
+def test_target_subject_is_one_placeholder_per_compacted_stream() -> None:
+    compacted = frozenset({"planes"})
+    a = ev({"tailnum": "A"}, 0, subject="raw.planes.A")
+    b = ev({"tailnum": "B"}, 1, subject="raw.planes.B")
+    assert target_subject(a, compacted) == target_subject(b, compacted) == "raw.planes._"
+    other = Event("x", "meetup", "raw.meetup", b"{}", 0)
+    assert target_subject(other, compacted) == "raw.meetup"
+    assert token_of("raw.planes.~ImEuYiI") == "~ImEuYiI"
+
+
+def test_listings_say_a_stream_is_compacted() -> None:
+    from cluster.cli.lifecycle import _stream_label
+
+    cfg = cfg_with(
+        {
+            "planes": {"compact": {"key": "tailnum"}},
+            "fleet": {"compact": {"key": "plane.tail", "keep": 2}},
+            "plain": {},
+        }
+    )
+    labels = [_stream_label(n, cfg) for n in ("planes", "fleet", "plain", "gone")]  # type: ignore[arg-type]
+    assert labels == [
+        "planes (compacted by tailnum)",
+        "fleet (compacted by plane.tail, keep 2)",
+        "plain",
+        "gone",
+    ]
+    assert _stream_label("planes", None) == "planes"

