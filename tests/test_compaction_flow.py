@@ -64,6 +64,12 @@ def tier(
         # the same keys in a second stream; a nested path and keep = 2
         "fleet": {"subjects": ["air.fleet"], "compact": {"key": "plane.tail", "keep": 2}},
         "plain": {"subjects": ["air.plain"]},
+        # routed by a field: a key is kept once per routed subject
+        "routed": {
+            "subjects": ["air.routed.*"],
+            "logic": {"route": "air.routed.{origin}"},
+            "compact": {"key": "tailnum"},
+        },
     }
     cfg = tier_config(
         tmp_path_factory.mktemp("state"),
@@ -270,6 +276,34 @@ def test_gateway_latest_and_keys(
     asyncio.run(go())
 
 
+def test_the_gateways_reader_sees_only_what_is_retained(
+    nats_server: NatsServer, loaded: dict[str, Any]
+) -> None:
+    """The access tier's JetStream reader (a feed's or a history read's consumer) from the
+    first sequence gets one event per key: what a `from: "all"` starts from."""
+    from actors.access.reader import JetStreamReader
+
+    async def go() -> list[Any]:
+        nc = await connect(nats_server.url)
+        reader = await JetStreamReader(nc.jetstream(), "planes", 1).open()
+        got: list[Any] = []
+        try:
+            for _ in range(100):
+                events = await reader.fetch(1000, 1.0)
+                got += events
+                if not events or reader.num_pending == 0:
+                    break
+        finally:
+            await reader.close()
+            await nc.close()
+        return got
+
+    got = asyncio.run(go())
+    want = {m.metadata.sequence.stream: m.data for m in loaded["msgs"]}
+    assert {e.seq: e.raw for e in got if e.seq in want} == want
+    assert len({e.subject for e in got}) == len(got)  # one per key (live tails included)
+
+
 def test_subscription_from_all_replays_latest_per_key_then_the_live_tail(
     tier: tuple[CollectionTier, str], loaded: dict[str, Any], flights: pd.DataFrame
 ) -> None:
@@ -360,5 +394,25 @@ def test_keys_repeat_across_streams_and_strange_keys(
             assert "plane.tail is a JSON object, not a scalar" in m.headers["Tf-Error"]
         finally:
             await nc.close()
+
+    asyncio.run(go())
+
+
+def test_a_routed_compacted_stream_keeps_a_key_per_route(tier: tuple[CollectionTier, str]) -> None:
+    t, gw = tier
+    events = [
+        {"id": "r-0", "origin": "EWR", "tailnum": "N1"},
+        {"id": "r-1", "origin": "JFK", "tailnum": "N1"},
+        {"id": "r-2", "origin": "EWR", "tailnum": "N1"},
+        {"id": "r-3", "origin": "LGA", "tailnum": "N2"},
+    ]
+
+    async def go() -> None:
+        await send(t.url, "routed", events, batch=1)
+        status, body = await get(gw, "/v1/streams/routed/latest?key=N1", H)
+        assert status == 200 and body["data"]["id"] == "r-2", body
+        assert body["subject"] == "air.routed.EWR.N1"
+        status, page = await get(gw, "/v1/streams/routed/keys", H)
+        assert [(k["key"], k["count"]) for k in page["keys"]] == [("N1", 2), ("N2", 1)]
 
     asyncio.run(go())
