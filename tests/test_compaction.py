@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,7 +25,7 @@ from runtime.compaction import (
     token_key,
     token_of,
 )
-from runtime.config import ConfigError, load
+from runtime.config import ConfigError, dumps_toml, load
 from runtime.events import Event
 from runtime.nats_roles import role_permissions
 
@@ -165,6 +166,16 @@ def test_config_table_and_its_errors() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(where)):
             cfg_with(bad)
+
+
+def test_the_table_survives_config_show_and_the_environment(tmp_path: Path) -> None:
+    cfg = cfg_with(streams(key="plane.tail", keep=2))
+    path = tmp_path / "tierflow.toml"
+    path.write_text(dumps_toml(cfg))  # type: ignore[arg-type]
+    assert "[streams.planes.compact]" in path.read_text()
+    assert load(path, environ={}) == cfg
+    env = {"TIERFLOW_STREAMS__PLANES__COMPACT__KEEP": "5"}
+    assert load(path, environ=env).streams["planes"].compact.keep == 5  # type: ignore[union-attr]
 
 
 def test_a_subject_ending_in_gt_is_refused() -> None:
