@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TOKEN",
+    "check_update",
     "CompactConfig",
     "CompactingLogic",
     "NoKey",
@@ -195,6 +196,19 @@ def describe(sc: StreamConfig | None) -> str:
         return ""
     keep = f", keep {sc.compact.keep}" if sc.compact.keep != 1 else ""
     return f"compacted by {sc.compact.key}{keep}"
+
+
+def check_update(name: str, sc: StreamConfig, per_subject: int | None, messages: int) -> None:
+    """Refuse to turn compaction on for a stream that already holds events: JetStream
+    would trim the events stored without a key down to the last one (checked on
+    nats-server 2.15.1), silently. ConfigError saying what to do instead."""
+    if sc.compact is None or (per_subject or 0) > 0 or not messages:
+        return
+    raise ConfigError(
+        f"streams.{name}.compact: stream {name!r} holds {messages} events stored without a "
+        "key; turning compaction on would keep only the last of them. Compact a new stream "
+        "(another name), or purge this one first"
+    )
 
 
 def max_msgs_per_subject(sc: StreamConfig) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.compaction import max_msgs_per_subject, stream_subjects
+from runtime.compaction import check_update, max_msgs_per_subject, stream_subjects
 from runtime.config import Config
 from runtime.geo import ensure_copies, with_local_sources
 from runtime.nats import NatsEndpoint, NatsServer
@@ -107,7 +107,8 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
         )
         sc = await with_local_sources(nc, sc, s.replicate)  # geo: this site's copy
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
+            check_update(name, s, info.config.max_msgs_per_subject, info.state.messages)
             await js.update_stream(sc)
         except NotFoundError:
             await js.add_stream(sc)

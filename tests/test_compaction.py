@@ -16,6 +16,7 @@ from runtime.compaction import (
     MAX_TOKEN,
     CompactingLogic,
     NoKey,
+    check_update,
     event_token,
     key_token,
     max_msgs_per_subject,
@@ -176,6 +177,16 @@ def test_the_table_survives_config_show_and_the_environment(tmp_path: Path) -> N
     assert load(path, environ={}) == cfg
     env = {"TIERFLOW_STREAMS__PLANES__COMPACT__KEEP": "5"}
     assert load(path, environ=env).streams["planes"].compact.keep == 5  # type: ignore[union-attr]
+
+
+def test_compaction_is_not_turned_on_over_stored_events() -> None:
+    sc = cfg_with(streams(key="tailnum")).streams["planes"]  # type: ignore[attr-defined]
+    check_update("planes", sc, -1, 0)  # empty: fine
+    check_update("planes", sc, 1, 500)  # already compacted: fine (keep may change)
+    with pytest.raises(ConfigError, match=r"streams\.planes\.compact: .* holds 500 events"):
+        check_update("planes", sc, -1, 500)
+    plain = cfg_with({"plain": {}}).streams["plain"]  # type: ignore[attr-defined]
+    check_update("plain", plain, -1, 500)  # not compacted: nothing to check
 
 
 def test_a_subject_ending_in_gt_is_refused() -> None:

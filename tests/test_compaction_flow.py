@@ -25,8 +25,10 @@ import pytest
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.loadgen import drive
 from cluster.pipeline import CollectionTier, start_collection_tier
-from runtime.compaction import key_token
+from runtime.compaction import CompactConfig, key_token
+from runtime.config import ConfigError
 from runtime.nats import NatsServer, connect, free_port
+from runtime.services import ensure_streams
 from runtime.waiting import await_until
 from tests.support import tier_config
 
@@ -416,3 +418,28 @@ def test_a_routed_compacted_stream_keeps_a_key_per_route(tier: tuple[CollectionT
         assert [(k["key"], k["count"]) for k in page["keys"]] == [("N1", 2), ("N2", 1)]
 
     asyncio.run(go())
+
+
+def test_turning_compaction_on_over_stored_events_is_refused(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer
+) -> None:
+    """JetStream would trim what `plain` holds to its last event: start-up refuses."""
+    t, _ = tier
+    streams = dict(t.cfg.streams)
+    streams["plain"] = msgspec.structs.replace(
+        streams["plain"], compact=msgspec.convert({"key": "k"}, CompactConfig)
+    )
+    cfg = msgspec.structs.replace(t.cfg, streams=streams)
+
+    async def go() -> Any:
+        await send(t.url, "plain", [{"id": f"p-{i}", "k": "same"} for i in range(3)])
+        nc = await connect(nats_server.url)
+        try:
+            with pytest.raises(ConfigError, match="holds 3 events stored without a key"):
+                await ensure_streams(nc, cfg)
+            return await nc.jetstream().stream_info("plain")
+        finally:
+            await nc.close()
+
+    info = asyncio.run(go())
+    assert info.state.messages == 3 and info.config.subjects == ["air.plain"]
