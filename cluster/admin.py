@@ -80,6 +80,18 @@ class StatusMetrics:
             ["query"],
             registry=self.registry,
         )
+        self.replication_lag = Gauge(
+            "tierflow_replication_lag_events",
+            "Events a stream's copy on `site` has not yet sourced from `origin` (docs/geo.md)",
+            ["stream", "site", "origin"],
+            registry=self.registry,
+        )
+        self.replication_up = Gauge(
+            "tierflow_replication_copy_up",
+            "1 when a stream's copy on `site` answers",
+            ["stream", "site"],
+            registry=self.registry,
+        )
 
     def update(self, status: dict[str, Any]) -> None:
         self.up.set(1)
@@ -95,6 +107,10 @@ class StatusMetrics:
         for q in (status.get("analysis") or {}).get("queries", []):
             if q.get("lag") is not None:
                 self.query_lag.labels(q["name"]).set(q["lag"])
+        for r in status.get("replication") or []:
+            self.replication_up.labels(r["stream"], r["site"]).set(1 if r.get("up") else 0)
+            if r.get("lag") is not None:
+                self.replication_lag.labels(r["stream"], r["site"], r["from"]).set(r["lag"])
         self.uptime.set(status.get("uptime_s", 0))
         for name, svc in status.get("services", {}).items():
             self.service_healthy.labels(name).set(1 if svc.get("healthy") else 0)

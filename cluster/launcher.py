@@ -35,6 +35,7 @@ from jobs.specs import decode_spec
 from runtime import runstate
 from runtime.autoscaling import Controller, Sample
 from runtime.config import Config, SourceConfig
+from runtime.geo import replication_lag
 from runtime.roles import SCALABLE_ROLES
 from runtime.services import Services, connect_nats, ensure_streams
 from runtime.supervision import Intensity
@@ -302,6 +303,8 @@ class Runtime:
             }
         if self.driver is not None:
             out["analysis"] = await self._analysis_status()
+        if self.nc is not None and any(s.replicate for s in self.cfg.streams.values()):
+            out["replication"] = await replication_lag(self.nc, self.cfg)  # bounded: 2 s
         return out
 
     async def _roles_status(self) -> dict[str, Any]:

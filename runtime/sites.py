@@ -41,7 +41,7 @@ def leaf_block(listen: str, remotes: list[str], deny: Sequence[str] = ()) -> lis
     interest like any other, and a site's stream would also capture the other site's
     publishes directly (twice stored, origin lost); with it the link carries only
     JetStream's own traffic ($JS.<domain>.API, source consumers' deliveries, replies)."""
-    lines = ["leafnodes {", f"  listen: {_conf_str(listen)}", "  reconnect: 1"]
+    lines = ["leafnodes {", f"  listen: {_conf_str(listen)}", '  reconnect: "1s"']
     if remotes:
         urls = ", ".join(_conf_str(f"nats-leaf://{r}") for r in remotes)
         denied = ", ".join(_conf_str(d) for d in deny)

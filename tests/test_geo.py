@@ -6,6 +6,8 @@ Real nats-servers (two sites of three nodes each); no Ray or Spark.
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from runtime.geo import (
     stream_copy_info,
 )
 from runtime.geo_config import ReplicateConfig
-from runtime.nats import connect
+from runtime.nats import connect, nats_server_binary
 from runtime.services import ensure_streams
 from runtime.sites import NatsSites, leaf_block, site_names
 from runtime.waiting import await_until
@@ -144,6 +146,14 @@ async def test_sites_are_separate_domains_joined_by_leaf_links(sites: NatsSites)
         assert (await nc.jetstream(domain="site-a").account_info()).domain == "site-a"
     finally:
         await nc.close()
+    for server in a.servers + b.servers:  # the strict check: warnings fail it too
+        check = subprocess.run(
+            [nats_server_binary(), "-t", "-c", str(server.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
     state = msgspec.json.decode(sites.write_state().read_bytes())
     assert [s["name"] for s in state["sites"]] == ["site-a", "site-b"]
     assert all(len(s["pids"]) == 3 for s in state["sites"])
@@ -228,3 +238,104 @@ async def test_site_loss_short_form_loses_and_duplicates_nothing(tmp_path: Path)
         assert c.ok, (c.site, c.lost[:5], c.duplicated[:5], c.hash_mismatch[:5], c.unknown[:5])
     assert rep.failover_ack_s is not None  # A's producer was acknowledged by B after the kill
     assert rep.ok
+
+
+# --------------------------------------------------------------------------- status, metrics
+
+
+@pytest.mark.unit
+def test_status_and_metrics_show_replication_lag_per_stream_and_site() -> None:
+    from cluster.admin import StatusMetrics
+    from cluster.cli.status import status_tables
+
+    rows = [
+        {"stream": STREAM, "site": "site-b", "from": "site-a", "lag": 12, "active_s": 0.2,
+         "error": None, "up": True, "messages": 5},
+        {"stream": STREAM, "site": "site-a", "from": "-", "lag": None, "up": False},
+    ]  # fmt: skip
+    snap = {"services": {}, "children": [], "replication": rows}
+    tables = status_tables(snap, wide=True, width=200)
+    geo = [t for t in tables if t.title == "geo"]
+    assert len(geo) == 1 and geo[0].row_count == 2
+    metrics = StatusMetrics()
+    metrics.update(snap)
+    text = metrics.render().decode()
+    assert (
+        'tierflow_replication_lag_events{origin="site-a",site="site-b",stream="orders"} 12.0'
+        in text
+    )
+    assert 'tierflow_replication_copy_up{site="site-a",stream="orders"} 0.0' in text
+    assert 'tierflow_replication_copy_up{site="site-b",stream="orders"} 1.0' in text
+
+
+@pytest.mark.unit
+def test_promotion_refuses_a_site_without_an_answering_copy(tmp_path: Path) -> None:
+    from cluster.failover import plan_promotion, site_url
+
+    cfg = _cfg(tmp_path, ["site-b"])
+    state = {"sites": [{"name": "site-b", "urls": ["nats://h:1", "nats://h:2"]}]}
+    assert site_url(state, "site-b") == "nats://h:1,nats://h:2" and site_url(state, "x") == ""
+    down = [{"stream": STREAM, "site": "site-b", "from": "-", "lag": None, "up": False}]
+    assert not plan_promotion(cfg, "site-b", "nats://h:1", down).ok
+    assert not plan_promotion(cfg, "site-c", "nats://h:1", []).ok  # nothing replicated there
+    a_lost = [
+        {"stream": STREAM, "site": "site-b", "from": "site-a", "lag": 4, "up": True},
+        {"stream": STREAM, "site": "site-a", "from": "-", "lag": None, "up": False},
+    ]
+    plan = plan_promotion(cfg, "site-b", "nats://h:1", a_lost)
+    assert plan.ok and plan.streams == [STREAM]
+    assert any("site-a is not reachable" in n and "lag last seen: 4" in n for n in plan.notes)
+
+
+# --------------------------------------------------------------------------- failover (last:
+# it kills site A of the module's sites)
+
+
+async def test_site_promote_after_site_a_is_lost_then_a_catches_up(
+    sites: NatsSites, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    a, b = sites.site("site-a"), sites.site("site-b")
+    cfg_file = tmp_path / "tierflow.toml"
+    cfg_file.write_text(
+        f'state_dir = "{tmp_path}"\n[streams.{STREAM}]\nsubjects = ["{SUBJECT}"]\n'
+        f'replicas = 3\n[streams.{STREAM}.replicate]\nto = ["site-b"]\n'
+    )
+    sites_file = sites.write_state(tmp_path / "sites.json")
+    cfg = _cfg(tmp_path, ["site-b"])
+    nca = await connect(a.url)
+    await ensure_streams(nca, cfg)
+    await nca.jetstream().publish(SUBJECT, b"before", headers={"Nats-Msg-Id": "f-before"})
+    await nca.close()
+    sites.kill_site("site-a")
+
+    args = ["site", "promote", "site-b", "-c", str(cfg_file), "--sites-file", str(sites_file)]
+    res = await asyncio.to_thread(CliRunner().invoke, app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = msgspec.json.decode(res.output.strip().splitlines()[-1])
+    assert out["ok"] and out["streams"] == [STREAM] and out["url"] == b.url
+    assert any("site-a is not reachable" in n for n in out["notes"])
+    assert msgspec.json.decode(sites_file.read_bytes())["active"] == "site-b"
+
+    ncb = await connect(b.url)
+    try:
+        ack = await ncb.jetstream().publish(SUBJECT, b"during", headers={"Nats-Msg-Id": "f-dur"})
+        assert ack.stream == STREAM and not ack.duplicate  # B acknowledges with A down
+        await asyncio.to_thread(sites.start_site, "site-a")
+
+        async def both_have_both() -> bool:
+            for site in (a, b):
+                if not {"f-before", "f-dur"} <= {i for i, _ in await read_copy(site.url, STREAM)}:
+                    return False
+            return True
+
+        # A gets B's write; B gets A's last write if A died before it was copied
+        await await_until(both_have_both, 30, 0.2, "both copies caught up", swallow=True)
+        for site in (a, b):
+            ids = Counter(i for i, _ in await read_copy(site.url, STREAM))
+            assert ids["f-before"] == ids["f-dur"] == 1 and set(ids.values()) == {1}
+    finally:
+        await ncb.close()

@@ -42,6 +42,7 @@ from runtime.services import ensure_streams
 from runtime.sites import NatsSites
 
 log = logging.getLogger(__name__)
+SITE_LOSS = "site-loss"  # the scenario's name for `tierflow chaos run --scenario`
 STREAM, SUBJECT = "geo", "raw.geo"
 PUBLISH_TIMEOUT_S = 1.0
 BOTH_SITES_EVERY = 50
@@ -101,6 +102,7 @@ class SiteLossReport:
     kill_to_first_ack_s: float | None = None  # first ack on B of an event published after
     failover_ack_s: float | None = None  # first ack A's producer got from B after the kill
     missing_on_b_during_outage: int = 0
+    resent: int = 0  # publishes not acknowledged by A, sent again (same id) to B
     catch_up_s: float | None = None  # A restarted -> both copies hold every acked event
     checks: list[CopyCheck] = field(default_factory=list)
     error: str = ""
@@ -185,11 +187,18 @@ class _Producer:
             todo = [e for e, ok in zip(todo, oks, strict=True) if not ok]
             if not todo:
                 return
+            self.out["resent"] = self.out.get("resent", 0) + len(todo)
             if self.fallback and not self.on_fallback:
                 await self._fail_over()
                 if "failover_at" not in self.out:
                     self.out["failover_at"] = time.monotonic()
         raise RuntimeError(f"{self.name}: {len(todo)} events never acknowledged")
+
+
+async def _kill_soon(sites: NatsSites, rep: SiteLossReport, after_s: float = 0.002) -> None:
+    await asyncio.sleep(after_s)
+    rep.killed_pids = await asyncio.to_thread(sites.kill_site, "site-a")
+    log.info("site-a killed (pids %s)", rep.killed_pids)
 
 
 async def _close_quietly(nc: Any) -> None:
@@ -274,17 +283,18 @@ async def run_site_loss(
         per_batch_s = 2 * WINDOW / rate
         start = time.monotonic()
         for k in range(0, max(len(ids_a), len(ids_b)), WINDOW):
-            if killed_at is None and k >= kill_after:
-                rep.killed_pids = sites.kill_site("site-a")
-                killed_at = time.monotonic()
-                log.info("site-a killed (pids %s)", rep.killed_pids)
             ba = [(i, payload(i, seed)) for i in ids_a[k : k + WINDOW]]
             bb = [(i, payload(i, seed)) for i in ids_b[k : k + WINDOW]]
             bb += [(i, payload(i, seed)) for i, _ in ba if i in both]
-            await asyncio.gather(prod_a.send(ba), prod_b.send(bb))
+            sends = [prod_a.send(ba), prod_b.send(bb)]
+            if killed_at is None and k >= kill_after:
+                killed_at = time.monotonic()  # the kill lands while this batch is in flight
+                sends.append(_kill_soon(sites, rep))
+            await asyncio.gather(*sends)
             pause = start + (k // WINDOW + 1) * per_batch_s - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)
+        rep.resent = shared.get("resent", 0)
         acked = {**prod_a.acked, **prod_b.acked}
         rep.acked = len(acked)
         acked_hash = {i: sent[i] for i in acked}
@@ -326,4 +336,21 @@ def summary(rep: SiteLossReport) -> str:
     return msgspec.json.encode(rep.to_dict()).decode()
 
 
-__all__ = ["CopyCheck", "SiteLossReport", "judge", "read_copy", "run_site_loss"]
+def write_report(rep: SiteLossReport, directory: str | Path = "reports") -> Path:
+    """<directory>/chaos_site_loss.json: the report with its verdict."""
+    path = Path(directory) / "chaos_site_loss.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rep.to_dict(), indent=2))
+    return path
+
+
+__all__ = [
+    "SITE_LOSS",
+    "CopyCheck",
+    "SiteLossReport",
+    "judge",
+    "read_copy",
+    "run_site_loss",
+    "summary",
+    "write_report",
+]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import typer
 
-from cluster.cli import chaos, history, jobs, lifecycle, machine, status, stores
+from cluster.cli import chaos, history, jobs, lifecycle, machine, sites, status, stores
 
 app = typer.Typer(
     help="tierflow: a streaming data pipeline runtime on Ray, NATS and Spark.", no_args_is_help=True
@@ -38,6 +38,7 @@ app.add_typer(stores.logger_app, name="logger")
 app.add_typer(jobs.jobs_app, name="jobs")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(history.archive_app, name="archive")
+app.add_typer(sites.app, name="site")
 
 
 def main() -> None:

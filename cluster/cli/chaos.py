@@ -50,7 +50,9 @@ def list_(
 
 @app.command()
 def run(
-    scenario: Annotated[str, typer.Option("--scenario", "-s", help="a name, or all")] = "all",
+    scenario: Annotated[
+        str, typer.Option("--scenario", "-s", help="a name, all, or site-loss (docs/geo.md)")
+    ] = "all",
     events: Annotated[int, typer.Option(help="events with known ids per scenario")] = 2000,
     rate: Annotated[float, typer.Option(help="events per second (slowed to fit faults)")] = 500.0,
     seed: Annotated[int, typer.Option(help="the schedule is a function of scenario+seed")] = 1,
@@ -67,6 +69,9 @@ def run(
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("cluster.chaos").setLevel(logging.INFO)
+    if scenario == "site-loss":  # two NATS sites, no Ray pipeline: cluster/chaos/site_loss.py
+        _site_loss(events, rate, report_dir, workdir)
+        return
     try:
         chosen = scenarios.resolve(scenario)
     except KeyError as err:
@@ -78,4 +83,15 @@ def run(
     path = report.write(reports, report_dir)
     console.print(f"report: {path} (table: {path.with_suffix('.txt')})")
     if not all(r.ok for r in reports):
+        raise typer.Exit(1)
+
+
+def _site_loss(events: int, rate: float, report_dir: Path, workdir: Path | None) -> None:
+    """The `site-loss` scenario (docs/geo.md): exit 1 unless its verdict holds."""
+    from cluster.chaos.site_loss import run_site_loss, summary, write_report
+
+    rep = asyncio.run(run_site_loss(events=events, rate=rate, workdir=workdir))
+    console.print(summary(rep))
+    console.print(f"report: {write_report(rep, report_dir)}")
+    if not rep.ok:
         raise typer.Exit(1)

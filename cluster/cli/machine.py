@@ -16,8 +16,10 @@ from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from cluster.replay import run_replay
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import dumps_toml, redact
+from runtime.geo import link_deny
 from runtime.nats import NatsCluster, nats_server_binary
 from runtime.services import EngineError, nats_store_dir, require_java, start_nats
+from runtime.sites import NatsSites
 from runtime.tls import certs_dir
 
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
@@ -73,13 +75,30 @@ def certs(
 def nats_up(
     config: ConfigOpt = None,
     nodes: Annotated[int, typer.Option(min=1, max=5, help="1, or a cluster of N")] = 1,
+    sites: Annotated[
+        int, typer.Option(min=1, max=5, help="N sites of --nodes each, joined by leaf nodes")
+    ] = 1,
 ) -> None:
-    """Run nats-server (one node, or an N-node JetStream cluster on loopback) until Ctrl-C."""
+    """Run nats-server (one node, an N-node JetStream cluster, or several such sites in their
+    own JetStream domains joined by leaf nodes: docs/geo.md) on loopback until Ctrl-C."""
     cfg = load_config(config)
-    if nodes == 1:
+    if sites > 1:
+        cluster: Any = NatsSites(
+            base_dir=nats_store_dir(cfg) / "sites",
+            sites=sites,
+            nodes=nodes,
+            sync_interval=cfg.nats.sync_interval,
+            deny=link_deny(cfg),
+        ).start()
+        state = cluster.write_state()
+        for site in cluster.members:
+            console.print(f"[green]{site.name}[/green] (JetStream domain {site.name}): {site.url}")
+        console.print(f"sites: {state}")
+        urls = [s.url for s in cluster.members]
+    elif nodes == 1:
         # `nats up` always runs a local server, whatever nats.url says.
         local = msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, url=""))
-        cluster: Any = start_nats(local)
+        cluster = start_nats(local)
         urls = [cluster.url]
     else:
         cluster = NatsCluster(

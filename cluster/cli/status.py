@@ -128,6 +128,23 @@ QUERY_COLUMNS = (
     Column("lag", "lag (events)", justify="right"),
 )
 
+REPLICATION_COLUMNS = (
+    Column("stream"),
+    Column("site"),
+    Column("from", "from site"),
+    Column("lag", "lag (events)", justify="right"),
+    Column("active_s", "last heard (s)", justify="right", wide_only=True),
+    Column("error", flex=True),
+)
+
+
+def replication_rows(snap: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per stream copy and origin site (runtime/geo.py `lag_rows`)."""
+    return [
+        {**r, "error": r.get("error") or ("" if r.get("up") else "copy does not answer")}
+        for r in snap.get("replication") or []
+    ]
+
 
 def role_rows(snap: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row a role: replicas (and how many did not answer), per node, load, rates, and
@@ -186,6 +203,9 @@ def status_tables(snap: Mapping[str, Any], *, wide: bool = False, width: int = 8
     queries = (snap.get("analysis") or {}).get("queries") or []
     if queries:
         tables.append(build(QUERY_COLUMNS, queries, wide=wide, width=width, title="analysis"))
+    if snap.get("replication"):
+        rows = replication_rows(snap)
+        tables.append(build(REPLICATION_COLUMNS, rows, wide=wide, width=width, title="geo"))
     return tables
 
 

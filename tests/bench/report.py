@@ -36,6 +36,7 @@ NAMES = (
     "scaling",
     "publish",
     "history",
+    "geo",
 )
 DOCS = Path("docs")
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
@@ -515,6 +516,42 @@ def history_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     ]
 
 
+def geo_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    """Issue 16's goals (geo replication, tests/bench/bench_geo.py) against this run."""
+    g = reports.get("geo")
+    if not g:
+        return []
+    lag = g["lag"]["lag_ms"]["p99_ms"]
+    loss = g["site_loss"]
+    first = loss.get("failover_ack_s")
+    bad = loss["lost"] + loss["duplicated"]
+
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "**no**"
+
+    return [
+        [
+            f"replication lag p99 at {g['lag']['rate_achieved']:,.0f} events/s",
+            f"{lag / 1000:.2f} s",
+            "< 1 s",
+            yes(lag < 1000),
+        ],
+        [
+            "site loss: kill to the first acknowledgement on the surviving site "
+            "(of the lost site's producer)",
+            "-" if first is None else f"{first:.2f} s",
+            "< 5 s",
+            yes(first is not None and first < 5),
+        ],
+        [
+            f"acknowledged events lost or duplicated across site-loss ({loss['acked']:,})",
+            f"{bad}",
+            "0, over >= 20,000",
+            yes(bad == 0 and loss["acked"] >= 20_000 and loss["ok"]),
+        ],
+    ]
+
+
 def goals_section(reports: Mapping[str, dict[str, Any]]) -> list[str]:
     lines = [
         "### Goals (issue 13) in this run",
@@ -525,6 +562,10 @@ def goals_section(reports: Mapping[str, dict[str, Any]]) -> list[str]:
     if history:
         lines += ["", "### Goals (issue 15) in this run", ""]
         lines += table(["figure", "measured", "goal", "met"], history)
+    geo = geo_goal_rows(reports)
+    if geo:
+        lines += ["", "### Goals (issue 16, geo replication) in this run", ""]
+        lines += table(["figure", "measured", "goal", "met"], geo)
     return lines
 
 
@@ -554,6 +595,38 @@ def history_section(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def geo_section(d: dict[str, Any]) -> list[str]:
+    lag, loss = d["lag"], d["site_loss"]
+    return [
+        "### 8. Geo replication: two sites of 3 nodes, a stream R3 copied both ways",
+        "",
+        *table(
+            ["figure", "value"],
+            [
+                [
+                    f"replication lag at {lag['rate_achieved']:,.0f}/s, p50 / p99 / max",
+                    f"{fmt(lag['lag_ms']['p50_ms'])} / {fmt(lag['lag_ms']['p99_ms'])} / "
+                    f"{fmt(lag['lag_ms']['max_ms'])} ms",
+                ],
+                ["source lag, max sampled (events)", f"{lag['source_lag_events_max']}"],
+                ["site-loss: events acknowledged", f"{loss['acked']:,}"],
+                [
+                    "kill to the first ack on B (B's own producer)",
+                    f"{loss['kill_to_first_ack_s']} s",
+                ],
+                ["kill to the first ack on B of A's producer", f"{loss['failover_ack_s']} s"],
+                ["acked on A, not on B while A was down", f"{loss['missing_on_b_during_outage']}"],
+                ["A restarted to both copies equal", f"{loss['catch_up_s']} s"],
+                ["lost / duplicated (both copies)", f"{loss['lost']} / {loss['duplicated']}"],
+            ],
+        ),
+        "",
+        "Lag: an event's arrival on B's copy minus its acknowledgement on A (one clock). "
+        "Site loss: every node of A SIGKILLed at 40% of the load; A's producer then "
+        "publishes to B, resending what A had not acknowledged (docs/geo.md).",
+    ]
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "ingest": ingest_section,
     "hotpath": hotpath_section,
@@ -564,6 +637,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "failover": failover_section,
     "scaling": scaling_section,
     "history": history_section,
+    "geo": geo_section,
 }
 
 
