@@ -139,8 +139,11 @@ class NatsSites:
     def _build(self) -> None:
         n = self.nodes
         hub_leaf: list[int] = []
+        # every port of every site in one call: chosen per site, a later site could be
+        # handed a port an earlier one chose but has not bound yet
+        every = free_ports(4 * n * self.sites, self.host)
         for i, name in enumerate(site_names(self.sites)):
-            ports = free_ports(4 * n, self.host)
+            ports = every[4 * n * i : 4 * n * (i + 1)]
             client, monitor, route, leaf = (ports[k * n : (k + 1) * n] for k in range(4))
             if i == 0:
                 hub_leaf = leaf

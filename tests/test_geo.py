@@ -339,3 +339,16 @@ async def test_site_promote_after_site_a_is_lost_then_a_catches_up(
             assert ids["f-before"] == ids["f-dur"] == 1 and set(ids.values()) == {1}
     finally:
         await ncb.close()
+
+
+@pytest.mark.unit
+def test_no_two_servers_of_the_sites_share_a_port(tmp_path: Path) -> None:
+    sites = NatsSites(tmp_path, sites=3, nodes=3)
+    sites._build()  # ports chosen, nothing started
+    ports = [
+        p
+        for site in sites.members
+        for s in site.servers
+        for p in (s.port, s.monitor_port, s.cluster_port)
+    ] + [p for site in sites.members for p in site.leaf_ports]
+    assert len(ports) == 36 and len(set(ports)) == 36
