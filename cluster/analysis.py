@@ -126,3 +126,17 @@ def jobs_stop(cfg: Config, name: str) -> list[dict[str, Any]]:
         raise JobsError("the analysis driver is not running")
     names = list(QUERIES) if name == "meetup" else [name]
     return [_call(driver.stop.remote(n, 60.0), 90) for n in names]
+
+
+def jobs_recompute(cfg: Config, name: str, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
+    """Recompute job `name` as a batch view over its stream's history; its live view is
+    then served merged with it (jobs/batch_view.py). Waits up to `timeout_s`."""
+    connect_ray(cfg)
+    driver = get_driver(cfg)
+    if driver is None:
+        raise JobsError("the analysis driver is not running")
+    try:
+        return [_call(driver.recompute.remote(name, 120.0), timeout_s)]
+    except ray.exceptions.RayTaskError as err:
+        cause = err.cause if isinstance(err.cause, Exception) else err
+        raise JobsError(str(cause).strip().splitlines()[-1]) from None

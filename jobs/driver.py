@@ -16,7 +16,12 @@ read state, so heartbeats never wait behind Spark (the actor is threaded). Each 
 with a job also gets a dead-letter query: malformed events go to ``deadletter.<stream>``
 and are counted exactly (per batch id, in the checkpoint).
 
-The CLI's side (``tierflow jobs list|start|stop``) is `cluster/analysis.py`.
+`recompute` makes a job's batch view (jobs/batch_view.py, jobs/recompute.py): it pauses the
+job's streaming query, runs the spec as a batch job over the stream's history up to its last
+sequence, saves and serves the view, and the reconcile thread starts the job's next
+generation from there, merged with the view.
+
+The CLI's side (``tierflow jobs list|start|stop|recompute``) is `cluster/analysis.py`.
 """
 
 from __future__ import annotations
@@ -43,13 +48,23 @@ from jobs.archive import (
     queries_root,
     start_archive,
 )
+from jobs.batch_view import (
+    BatchView,
+    check_mergeable,
+    checkpoint_dir,
+    load_view,
+    retire_checkpoints,
+    save_view,
+)
 from jobs.checkpoints import committed
 from jobs.errors import JobError
+from jobs.recompute import recompute as recompute_view
+from jobs.recompute import serve_view
 from jobs.retention import Purge, enforce
 from jobs.running import start_deadletters, start_job
 from jobs.sink import BatchReport
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
-from jobs.sql import SqlTimeout, json_result, run_sql, tables_for
+from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
 from runtime.config import Config, validate
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
@@ -154,6 +169,7 @@ class _Wanted:
 
     jobs: dict[str, JobSpec] = field(default_factory=dict)
     queries: dict[str, _Query] = field(default_factory=dict)
+    paused: set[str] = field(default_factory=set)  # jobs being recomputed: not running
 
 
 class AnalysisDriver(SupervisedActor):
@@ -188,6 +204,7 @@ class AnalysisDriver(SupervisedActor):
         self.master = master or default_master(self.cfg)
         self.checkpoint_root = queries_root(self.cfg, state_dir)
         self.purges: dict[str, Purge] = {}
+        self._views: dict[str, BatchView | None] = {}
         self._next_retention = 0.0
         self.spark: SparkSession | None = None
         self.late: Any = None
@@ -269,17 +286,26 @@ class AnalysisDriver(SupervisedActor):
     def _reconcile(self) -> None:
         with self._lock:
             wanted = dict(self._w.jobs)
+            paused = set(self._w.paused)
         streams: dict[str, float] = {}
         for spec in wanted.values():
             t = spec.trigger_s
             streams[spec.stream] = min(streams.get(spec.stream, t), t)
-            self._ensure(spec.name, spec.stream, spec.kind, lambda s=spec: self._start_job(s))
+            if spec.name in paused:
+                continue
+            self._ensure(
+                spec.name,
+                spec.stream,
+                spec.kind,
+                lambda s=spec: self._start_job(s),
+                checkpoint_dir(self.checkpoint_root, spec.name, self._view(spec.name)),
+            )
         for stream, trigger_s in streams.items():
             name = deadletter_query_name(stream)
             self._ensure(
                 name, stream, "deadletter", lambda s=stream, t=trigger_s: self._start_dl(s, t)
             )
-        keep = set(wanted) | {deadletter_query_name(s) for s in streams}
+        keep = (set(wanted) - paused) | {deadletter_query_name(s) for s in streams}
         for stream, s in self.cfg.streams.items():
             if s.archive is not None:
                 name = archive_query_name(stream)
@@ -291,10 +317,13 @@ class AnalysisDriver(SupervisedActor):
             self._next_retention = time.monotonic() + RETENTION_S
             self._retention()
 
-    def _ensure(self, name: str, stream: str, kind: str, start: Any) -> None:
+    def _ensure(
+        self, name: str, stream: str, kind: str, start: Any, checkpoint: Path | None = None
+    ) -> None:
         q = self._w.queries.get(name)
         if q is None:
-            q = self._w.queries[name] = _Query(name, stream, kind, self.checkpoint_root / name)
+            where = checkpoint or self.checkpoint_root / name
+            q = self._w.queries[name] = _Query(name, stream, kind, where)
         if q.query is not None and q.query.isActive:
             if q.failures and q.started_at and time.time() - q.started_at > BACKOFF_MAX_S:
                 q.failures = 0  # running steadily again
@@ -319,6 +348,12 @@ class AnalysisDriver(SupervisedActor):
             q.next_try = time.monotonic() + backoff_s(q.failures)
             log.error("analysis driver: query %s could not start: %s", name, err)
 
+    def _view(self, name: str) -> BatchView | None:
+        """The job's current batch view (cached; `recompute` replaces it)."""
+        if name not in self._views:
+            self._views[name] = load_view(self.checkpoint_root, name)
+        return self._views[name]
+
     def _start_job(self, spec: JobSpec) -> StreamingQuery:
         q = self._w.queries[spec.name]
 
@@ -326,7 +361,24 @@ class AnalysisDriver(SupervisedActor):
             q.count(batch_id, report)
 
         assert self.spark is not None
-        return start_job(self.spark, spec, self.nats, self.checkpoint_root, on_batch=on_batch)
+        view = self._view(spec.name)
+        if view is not None:
+            if view.spec != spec:
+                raise JobError(
+                    f"job {spec.name!r} has a batch view of another spec: recompute it, or "
+                    "give the changed job a new name"
+                )
+            if not view.served:  # the driver died between saving and serving it
+                self._serve(view)
+        return start_job(
+            self.spark, spec, self.nats, self.checkpoint_root, on_batch=on_batch, view=view
+        )
+
+    def _serve(self, view: BatchView) -> None:
+        serve_view(self.nats, view)
+        view.served = True
+        save_view(self.checkpoint_root, view)
+        self._views[view.name] = view
 
     def _start_dl(self, stream: str, trigger_s: float) -> StreamingQuery:
         q = self._w.queries[deadletter_query_name(stream)]
@@ -431,6 +483,10 @@ class AnalysisDriver(SupervisedActor):
             if done is not None:
                 row["last_batch_id"] = done[0]
                 row["committed_seq"] = (done[1] or {}).get("seq")
+            view = self._views.get(name)
+            if view is not None:
+                row["view_high_water"] = view.high_water
+                row["generation"] = view.generation
             if sq is not None:
                 with contextlib.suppress(Exception):
                     row.update(progress_summary(sq.lastProgress))
@@ -523,6 +579,50 @@ class AnalysisDriver(SupervisedActor):
                 "warning": purge.warning if purge else None,
             }
         return out
+
+    def recompute(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
+        """Recompute job `name` as a batch view over its stream's history (archive and
+        tail) up to the stream's last sequence now, serve it, and run the job's next
+        generation from there: its streaming query is paused meanwhile (events keep
+        arriving in the stream and are read after). Returns the view's summary."""
+        with self._lock:
+            spec = self._w.jobs.get(name)
+            if spec is None:
+                raise JobsError(f"job {name!r} is not running in the driver: start it first")
+            try:
+                check_mergeable(spec)
+            except JobError as err:
+                raise JobsError(str(err)) from None
+            if self.spark is None or self.state != "running":
+                raise JobsError(f"the analysis driver's Spark is {self.state}")
+            if name in self._w.paused:
+                raise JobsError(f"job {name!r} is being recomputed already")
+            self._w.paused.add(name)
+        self._wake.set()
+        try:
+            if self._wait_for(name, lambda row: row is None, wait_s) is not None:
+                raise JobsError(f"job {name!r}: its streaming query did not stop in {wait_s} s")
+            high_water = _stream_end(self.nats, spec.stream) - 1
+            table = tables_for(self.cfg, self.checkpoint_root).get(spec.stream)
+            view = recompute_view(
+                self.spark,
+                self.nats,
+                spec,
+                table or StreamTable(spec.stream),
+                high_water=high_water,
+            )
+            save_view(self.checkpoint_root, view)  # from here on, this generation is current
+            self._views[name] = view
+            self._serve(view)
+            retire_checkpoints(
+                self.checkpoint_root, name, checkpoint_dir(self.checkpoint_root, name, view)
+            )
+        finally:
+            with self._lock:
+                self._w.paused.discard(name)
+            self._wake.set()
+        row = self._wait_for(name, lambda r: r and r["state"] != "starting", wait_s)
+        return {**view.summary(), "state": row["state"] if row else "starting"}
 
     def jobs(self) -> dict[str, dict[str, Any]]:
         """The wanted jobs' specs, by name."""

@@ -24,6 +24,10 @@ micro-batch is a pure function of (state, the batch's sequence range): a batch S
 after a crash publishes the same result ids with the same values, and the results stream's
 dedup drops them. pyspark is imported where a plan is built (the engine runs in the analysis
 driver; the CLI imports the specs without it).
+
+With a batch view (jobs/batch_view.py), the plan is the speed layer of a recomputed job: it
+reads only the events after the view's high-water sequence, and its rows are merged with the
+view's before they are published (counts add, top-N counts add per item, sketches union).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.batch_view import BatchView, check_mergeable, merged_count, merged_sketch
 from jobs.errors import JobError
 from jobs.event_time import iso_ms, source_events, window_column, windowed_events
 from jobs.paths import extract
 from jobs.sketch_state import sketch_state, window_sketch_state
-from jobs.sketches import Distinct, Reservoir
+from jobs.sketches import Reservoir
 from jobs.specs import JobSpec, check_spec, duration_ms, output_names
 from jobs.topn import BatchRows, as_top, topn_batches, topn_counts
 
@@ -73,9 +78,12 @@ class Plan:
         return lambda rows, _batch_id: [self.finalize(r) for r in rows]
 
 
-def build_plan(spec: JobSpec, source: DataFrame) -> Plan:
-    """The job's result DataFrame over a source (jetstream, or any with a JSON ``data``)."""
+def build_plan(spec: JobSpec, source: DataFrame, view: BatchView | None = None) -> Plan:
+    """The job's result DataFrame over a source (jetstream, or any with a JSON ``data``);
+    with `view`, its rows merged with that batch view's."""
     spec = check_spec(spec)
+    if view is not None:
+        check_mergeable(spec)
     events = source_events(source)
     build = {
         "topn": _topn,
@@ -84,7 +92,7 @@ def build_plan(spec: JobSpec, source: DataFrame) -> Plan:
         "sample": _sample,
         "custom": _custom,
     }[spec.kind]
-    return build(spec, events)
+    return build(spec, events, view)
 
 
 def _window_fields(spec: JobSpec, start_ms: int | None, end_ms: int | None) -> dict[str, Any]:
@@ -95,7 +103,7 @@ def _window_fields(spec: JobSpec, start_ms: int | None, end_ms: int | None) -> d
     return {"window_start": iso_ms(start_ms), "window_end": iso_ms(end_ms)}
 
 
-def _topn(spec: JobSpec, events: DataFrame) -> Plan:
+def _topn(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     def shape(key: int | None, value: Any) -> dict[str, Any]:
         if key is None:
             top, events_so_far = value
@@ -103,7 +111,8 @@ def _topn(spec: JobSpec, events: DataFrame) -> Plan:
         window = _window_fields(spec, key, value.end)
         return {"key": iso_ms(key), **window, "top": as_top(value.top)}
 
-    return Plan(topn_counts(spec, events), "update", batches=topn_batches(spec, shape))
+    base = view.top if view is not None else None
+    return Plan(topn_counts(spec, events), "update", batches=topn_batches(spec, shape, base))
 
 
 def _window_state(spec: JobSpec, items: DataFrame, kind: Any, params: dict[str, Any]) -> Any:
@@ -126,7 +135,7 @@ def _window_row(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
     return {"key": iso_ms(start), **_window_fields(spec, start, row["end_ms"])}
 
 
-def _sample(spec: JobSpec, events: DataFrame) -> Plan:
+def _sample(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     from pyspark.sql import functions as F
 
     if spec.window is not None:
@@ -156,7 +165,7 @@ def _sample(spec: JobSpec, events: DataFrame) -> Plan:
     return Plan(state, "update", finalize)
 
 
-def _distinct(spec: JobSpec, events: DataFrame) -> Plan:
+def _distinct(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     from pyspark.sql import functions as F
 
     if spec.window is not None:
@@ -177,9 +186,9 @@ def _distinct(spec: JobSpec, events: DataFrame) -> Plan:
         )
 
     def finalize(row: dict[str, Any]) -> dict[str, Any]:
-        hll = Distinct.from_bytes(row["sketch"])
-        lower, upper = hll.bounds(2)
         out = _window_row(spec, row) if spec.window is not None else {"key": ALL}
+        hll = merged_sketch(view, str(out["key"]), row["sketch"])
+        lower, upper = hll.bounds(2)
         return {
             **out,
             "distinct": round(hll.estimate()),
@@ -190,7 +199,7 @@ def _distinct(spec: JobSpec, events: DataFrame) -> Plan:
     return Plan(df, "update", finalize)
 
 
-def _count(spec: JobSpec, events: DataFrame) -> Plan:
+def _count(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     from pyspark.sql import functions as F
 
     if spec.window is not None:
@@ -222,7 +231,7 @@ def _count(spec: JobSpec, events: DataFrame) -> Plan:
         out.update(zip(names, values, strict=True))
         out.update(extra)
         out[spec.count_as] = row["_tf_count"]
-        return out
+        return merged_count(view, out, spec.count_as)
 
     return Plan(df, "update", finalize)
 
@@ -256,7 +265,7 @@ def load_function(ref: str) -> Callable[[DataFrame], DataFrame]:
     return fn
 
 
-def _custom(spec: JobSpec, events: DataFrame) -> Plan:
+def _custom(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     fn = load_function(spec.function)
     df = fn(events.select("seq", "subject", "ts", "msg_id", "data"))
     if "key" not in df.columns:

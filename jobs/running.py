@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.batch_view import BatchView, checkpoint_dir
 from jobs.plans import build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
 from jobs.spark_session import POOL_PROPERTY, query_pool
@@ -66,11 +67,19 @@ class JobWriter:
 
 
 def read_stream(
-    spark: SparkSession, nats: NatsEndpoint, stream: str, subject: str = "", max_events: int = 0
+    spark: SparkSession,
+    nats: NatsEndpoint,
+    stream: str,
+    subject: str = "",
+    max_events: int = 0,
+    start_seq: int = 0,
 ) -> DataFrame:
-    """The jetstream source over `stream` (the format must be registered)."""
+    """The jetstream source over `stream` (the format must be registered), from the
+    beginning or, on a fresh checkpoint, from `start_seq`."""
     reader = spark.readStream.format("jetstream").options(**nats.to_options())
     reader = reader.option("stream", stream)
+    if start_seq:
+        reader = reader.option("startingOffset", str(start_seq))
     if subject:
         reader = reader.option("subject", subject)
     if max_events:
@@ -109,19 +118,26 @@ def start_job(
     trigger: Mapping[str, Any] | None = None,
     source: DataFrame | None = None,
     on_batch: Callable[[int, BatchReport], None] | None = None,
+    view: BatchView | None = None,
 ) -> StreamingQuery:
     """Start the job's query (named after the job) with its checkpoint at root/<name>.
 
     A restart with the same checkpoint resumes exactly where the last committed batch
     ended. `trigger` overrides the spec's (e.g. ``{"availableNow": True}`` in tests);
-    `source` replaces the jetstream source (any streaming DataFrame with ``data``).
+    `source` replaces the jetstream source (any streaming DataFrame with ``data``). With a
+    batch `view`, the query is the view's generation (jobs/batch_view.py): its checkpoint
+    at root/<name>@<generation>, reading from the view's high-water sequence + 1, its
+    results merged with the view's.
     """
     spec = check_spec(spec)
+    start = view.high_water + 1 if view is not None else 0
     if source is None:
-        source = read_stream(spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger)
-    plan = build_plan(spec, source)
-    checkpoint = Path(checkpoint_root) / spec.name
-    sink = ResultSink.for_query(nats, spec.name)
+        source = read_stream(
+            spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger, start
+        )
+    plan = build_plan(spec, source, view)
+    checkpoint = checkpoint_dir(checkpoint_root, spec.name, view)
+    sink = ResultSink.for_query(nats, spec.name, generation=view.generation if view else 0)
     writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
     with in_pool(spark, spec.name):
         return (

@@ -14,7 +14,10 @@ exactly-once end to end (the results stream's dedup window must outlast a restar
 KV is written only after the batch's results are acknowledged, and each put is conditional
 (`_put_latest`): a value carries its run (the query's checkpoint id) and batch id, so an older
 batch never overwrites a newer value, and a run whose checkpoint was reset (batch ids back at
-0) is refused with a SinkError naming the cause instead of rolling KV back.
+0) is refused with a SinkError naming the cause instead of rolling KV back. A job recomputed
+as a batch view (jobs/batch_view.py) starts a new *generation*: its ids are
+``<query>@<generation>:<batchId>:<key>`` and its values carry the generation, which outranks
+any older generation's run and batch.
 
 Malformed events read by the jetstream source (``valid`` false) go to
 ``<deadletter_prefix>.<stream>`` with their original bytes, the reason and their origin in
@@ -58,6 +61,7 @@ SOURCE_SEQ_HEADER = "Tierflow-Source-Seq"
 SOURCE_SUBJECT_HEADER = "Tierflow-Source-Subject"
 SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
 RUN_HEADER = "Tierflow-Run"  # on KV values: the query's checkpoint id (see `_put_latest`)
+GENERATION_HEADER = "Tierflow-Generation"  # on KV values: the job's batch-view generation
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: the expected last subject sequence did not match
 B64_PREFIX = "b64."
 NULL_KEY = "b64.-"  # never produced by encoding a string: base64 output is >= 2 characters
@@ -191,6 +195,7 @@ class ResultSink:
     create_bucket: bool = True
     kv_prefix: str = ""
     run_id: str = ""
+    generation: int = 0
     stats: SinkStats = field(default_factory=SinkStats, compare=False)
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -215,6 +220,11 @@ class ResultSink:
     def for_query(cls, nats: NatsEndpoint, query: str, **kwargs: Any) -> ResultSink:
         """The sink of analysis query `query`: ``results.<query>``, KV keys ``<query>.<key>``."""
         return cls(nats, query_name=query, kv_prefix=query, **kwargs)
+
+    @property
+    def id_prefix(self) -> str:
+        """The results' id prefix: the query, and its generation once it has one."""
+        return f"{self.query_name}@{self.generation}" if self.generation else self.query_name
 
     @property
     def results_subject(self) -> str:
@@ -293,7 +303,7 @@ class ResultSink:
             seen.add(key)
             payload = _encoder.encode(row)
             headers = {QUERY_HEADER: self.query_name, BATCH_HEADER: str(batch_id), KEY_HEADER: key}
-            msg_id = f"{self.query_name}:{batch_id}:{key}"  # the publisher sends it as Nats-Msg-Id
+            msg_id = f"{self.id_prefix}:{batch_id}:{key}"  # the publisher sends it as Nats-Msg-Id
             results.append(Outgoing(msg_id, self.results_subject, payload, headers))
             kv = f"{self.kv_prefix}.{key}" if self.kv_prefix else key
             puts.append(_KvPut(f"$KV.{self.kv_bucket}.{kv}", payload))
@@ -330,7 +340,8 @@ class ResultSink:
         the put is conditional on the key's last revision, so a late replay of an older
         batch never overwrites a newer value, even racing it. A value from another run
         means the checkpoint was reset: refused with SinkError (batch ids restart at 0, so
-        the new run's result ids would be dropped as the old run's duplicates).
+        the new run's result ids would be dropped as the old run's duplicates). Generations
+        come first: a newer one's value is left alone, an older one's is replaced.
         """
         import nats.errors
         from nats.js.errors import APIError, NotFoundError
@@ -338,6 +349,8 @@ class ResultSink:
         js = nc.jetstream(timeout=self.timeout)
         stream = f"KV_{self.kv_bucket}"
         headers = {BATCH_HEADER: str(batch_id), RUN_HEADER: self.run_id}
+        if self.generation:
+            headers[GENERATION_HEADER] = str(self.generation)
         for attempt in range(self.attempts + 5):
             if attempt:
                 await asyncio.sleep(0.05 * attempt)
@@ -349,7 +362,10 @@ class ResultSink:
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             op = (held.get("KV-Operation") or "PUT").upper()
-            if op == "PUT" and BATCH_HEADER in held:
+            held_gen = int(held.get(GENERATION_HEADER) or 0) if op == "PUT" else 0
+            if held_gen > self.generation:
+                return False  # a newer generation (a later recompute) owns the key
+            if op == "PUT" and BATCH_HEADER in held and held_gen == self.generation:
                 run, batch = held.get(RUN_HEADER, ""), int(held[BATCH_HEADER])
                 if run and self.run_id and run != self.run_id:
                     raise SinkError(
@@ -371,6 +387,39 @@ class ResultSink:
                     raise SinkError(f"KV put to {put.subject!r} failed: {err}") from err
                 # another writer got there first: read again
         raise SinkError(f"KV put to {put.subject!r}: no conditional write after retries")
+
+    def retire_keys(self, keep: Iterable[Any]) -> int:
+        """Delete this query's KV keys an older generation wrote that `keep` (result keys)
+        does not hold: a batch view replaces the whole view. Returns how many went."""
+        wanted = {kv_key(k) for k in keep}
+        return _run_sync(lambda: self._with_nc(lambda nc: self._aretire(nc, wanted)))
+
+    async def _aretire(self, nc: Client, keep: set[str]) -> int:
+        from nats.js.errors import NotFoundError
+
+        if not self.kv_prefix:
+            raise ValueError("retire_keys needs the sink's kv_prefix (its query's keys)")
+        await self._ensure_bucket(nc)
+        js = nc.jetstream(timeout=self.timeout)
+        prefix = f"$KV.{self.kv_bucket}.{self.kv_prefix}."
+        info = await js.stream_info(f"KV_{self.kv_bucket}", subjects_filter=f"{prefix}>")
+        kv = await js.key_value(self.kv_bucket)
+        gone = 0
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix) :]
+            if key in keep:
+                continue
+            try:
+                last = await js.get_last_msg(f"KV_{self.kv_bucket}", subject)
+            except NotFoundError:
+                continue
+            held = dict(last.headers or {})
+            if (held.get("KV-Operation") or "PUT").upper() != "PUT":
+                continue
+            if int(held.get(GENERATION_HEADER) or 0) < self.generation:
+                await kv.delete(f"{self.kv_prefix}.{key}")
+                gone += 1
+        return gone
 
     async def adead_letter(
         self, nc: Client, rows: list[dict[str, Any]], stream: str

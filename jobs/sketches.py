@@ -186,6 +186,10 @@ class TopN:
 # --------------------------------------------------------------------------- distinct
 
 
+_HLL_PREAMBLE_INTS = 10  # DataSketches HLL preamble size in HLL mode (LIST 2, SET 3)
+_OUT_OF_ORDER_FLAG = 16
+
+
 class Distinct:
     """Distinct count with HyperLogLog (DataSketches HLL_8, byte-compatible with Spark).
 
@@ -238,6 +242,19 @@ class Distinct:
     @classmethod
     def from_bytes(cls, blob: bytes) -> Distinct:
         return cls(_sketch=ds.hll_sketch.deserialize(bytes(blob)))
+
+    def order_free(self) -> Distinct:
+        """The same registers, estimated by the composite estimator: a function of the
+        registers alone, so the same whatever order the items or partial sketches came in.
+        A sketch only ever updated estimates by HIP, which depends on that order and is
+        lost on merging, so a view merged from two sketches and one counted in one pass
+        would differ by a few tenths of a percent. The Python binding has no switch for
+        it: the serialized form's out-of-order flag (preamble byte 5, bit 4, HLL mode
+        only) is the documented one the estimators read."""
+        blob = bytearray(self._s.serialize_compact())
+        if blob[0] == _HLL_PREAMBLE_INTS:
+            blob[5] |= _OUT_OF_ORDER_FLAG
+        return Distinct(_sketch=ds.hll_sketch.deserialize(bytes(blob)))
 
 
 # --------------------------------------------------------------------------- frequency

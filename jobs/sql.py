@@ -117,12 +117,17 @@ def json_result(result: SqlResult) -> dict[str, Any]:
     }
 
 
-def stream_events(spark: SparkSession, nats: NatsEndpoint, table: StreamTable) -> DataFrame:
-    """Every retained or archived event of the stream, each once (the source's columns)."""
+def stream_events(
+    spark: SparkSession, nats: NatsEndpoint, table: StreamTable, until: int = 0
+) -> DataFrame:
+    """Every retained or archived event of the stream, each once (the source's columns);
+    with `until`, only those with a sequence below it."""
     tail = (
         spark.read.format("jetstream").options(**nats.to_options()).option("stream", table.stream)
     )
     tail = tail.option("onAgedOut", "skip")
+    if until:
+        tail = tail.option("endingOffset", str(until))
     if table.archive_root is None or table.checkpoint_root is None:
         return tail.load()
     position = archive_position(table.checkpoint_root, table.stream)

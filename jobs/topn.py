@@ -147,17 +147,74 @@ def apply_batch(
     return TopState(batch=batch_id, windows=windows, newest_start=newest), out
 
 
+class TopBase(msgspec.Struct, kw_only=True):
+    """A batch view's exact counts (jobs/batch_view.py): the speed layer, which counts only
+    the events after the batch's high-water sequence, adds these to its own.
+
+    `counts` all time; `windows` per window start (epoch ms): (end, counts); `events` the
+    events counted (all time).
+    """
+
+    events: int = 0
+    counts: dict[str, int] = {}
+    windows: dict[int, tuple[int, dict[str, int]]] = {}
+    newest_start: int | None = None
+
+    @classmethod
+    def from_rows(cls, rows: list[dict[str, Any]], windowed: bool) -> TopBase:
+        """The base from a batch run's count rows (`topn_counts` over the whole history)."""
+        if not windowed:
+            counts = {r[ITEM]: int(r[COUNT]) for r in rows if r[ITEM] is not None}
+            events = sum(int(r[COUNT]) for r in rows if r[ITEM] is None)
+            return cls(events=events, counts=counts)
+        windows: dict[int, tuple[int, dict[str, int]]] = {}
+        for r in rows:
+            _, counts = windows.setdefault(int(r[START]), (int(r[END]), {}))
+            if r[ITEM] is not None:
+                counts[r[ITEM]] = int(r[COUNT])
+        return cls(windows=windows, newest_start=max(windows) if windows else None)
+
+    def added(self, rows: list[dict[str, Any]], windowed: bool) -> list[dict[str, Any]]:
+        """The speed layer's count rows with the base's counts added: merged totals."""
+        out = []
+        for r in rows:
+            item = r[ITEM]
+            if windowed:
+                _, counts = self.windows.get(int(r[START]), (0, {}))
+                extra = counts.get(item, 0) if item is not None else 0
+            else:
+                extra = self.counts.get(item, 0) if item is not None else self.events
+            out.append({**r, COUNT: int(r[COUNT]) + extra})
+        return out
+
+    def state(self, n: int, delay_ms: int | None) -> TopState:
+        """The top lists the merged view starts from: the batch view's own."""
+        if delay_ms is None:
+            return TopState(events=self.events, top=rank(self.counts.items(), n))
+        newest = self.newest_start
+        windows = {
+            start: WindowTop(end, rank(counts.items(), n))
+            for start, (end, counts) in self.windows.items()
+            if newest is None or end > newest - delay_ms
+        }
+        return TopState(windows=windows, newest_start=newest)
+
+
 class TopStore:
     """The driver's `TopState` per batch id: in memory, and durably under `directory`
     (``<batch id>.json``, written atomically) so a restarted query resumes from it.
 
     `before(b)` is the state saved for the latest batch id below b: what batch b started
-    from the first time it ran, whether or not b itself was saved before a crash.
+    from the first time it ran, whether or not b itself was saved before a crash. Before
+    batch 0 it is `initial` (a batch view's top lists, or nothing).
     """
 
-    def __init__(self, directory: Path | None, keep: int = 10) -> None:
+    def __init__(
+        self, directory: Path | None, keep: int = 10, initial: TopState | None = None
+    ) -> None:
         self.directory = directory
         self.keep = keep
+        self.initial = initial or TopState()
         self._last: TopState | None = None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
@@ -171,12 +228,12 @@ class TopStore:
             return self._last
         if self.directory is None:
             if batch_id == 0 or self._last is None:
-                return TopState()
+                return self.initial
             raise JobError(f"top-N: no saved state before batch {batch_id}")
         earlier = [i for i in self._ids() if i < batch_id]
         if not earlier:
             if batch_id == 0:
-                return TopState()
+                return self.initial
             raise JobError(
                 f"top-N: batch {batch_id} has no saved top list before it in "
                 f"{self.directory}; the checkpoint was made by another version of this job "
@@ -202,17 +259,25 @@ class TopStore:
 
 
 def topn_batches(
-    spec: JobSpec, shape: Callable[[int | None, Any], dict[str, Any]]
+    spec: JobSpec,
+    shape: Callable[[int | None, Any], dict[str, Any]],
+    base: TopBase | None = None,
 ) -> Callable[[Path | None], BatchRows]:
     """The driver side of a top-N job: given the query's checkpoint directory, a function
     from a batch's updated count rows (and batch id) to its result rows; `shape` makes a
-    result row from a key and its `apply_batch` value."""
+    result row from a key and its `apply_batch` value. With a batch view's `base`, the
+    rows are merged totals (`TopBase.added`) and the lists start from the batch view's."""
     delay = duration_ms(spec.window.watermark) if spec.window is not None else None
+    windowed = spec.window is not None
 
     def make(checkpoint: Path | None) -> BatchRows:
-        store = TopStore(checkpoint / STATE_DIR if checkpoint is not None else None)
+        initial = base.state(spec.n, delay) if base is not None else None
+        directory = checkpoint / STATE_DIR if checkpoint is not None else None
+        store = TopStore(directory, initial=initial)
 
         def batch(rows: list[dict[str, Any]], batch_id: int) -> list[dict[str, Any]]:
+            if base is not None:
+                rows = base.added(rows, windowed)
             state, out = apply_batch(store.before(batch_id), rows, batch_id, spec.n, delay)
             store.save(state)
             return [shape(key, value) for key, value in out.items()]

@@ -143,7 +143,11 @@ class BackgroundLoad:
 
     def join(self) -> None:
         self._stop.set()
-        self._thread.join(60)
+        self.finish(60)
+
+    def finish(self, timeout: float = 120.0) -> None:
+        """Wait for a producer that ends by itself (a fixed number of events)."""
+        self._thread.join(timeout)
         assert not self._thread.is_alive(), f"{type(self).__name__} did not stop"
         assert self.error is None, f"{type(self).__name__} failed: {self.error!r}"
 

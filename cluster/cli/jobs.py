@@ -1,4 +1,4 @@
-"""`tierflow jobs list|start|stop`: analysis jobs in the Spark driver actor."""
+"""`tierflow jobs list|start|stop|recompute`: analysis jobs in the Spark driver actor."""
 
 from __future__ import annotations
 
@@ -82,3 +82,30 @@ def jobs_stop(
 ) -> None:
     """Stop job(s); their checkpoints stay, so a later start resumes them."""
     print_jobs(_call("jobs_stop", config, name), as_json=as_json, wide=wide)
+
+
+RECOMPUTE_COLUMNS = (
+    Column("name", max_width=24),
+    Column("kind"),
+    Column("high_water", "high water", justify="right"),
+    Column("events", justify="right"),
+    Column("keys", justify="right"),
+    Column("seconds", justify="right"),
+    Column("state"),
+)
+
+
+@jobs_app.command("recompute")
+def jobs_recompute(
+    name: Annotated[str, typer.Argument(help="a running job's name")],
+    config: ConfigOpt = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the batch job")] = 3600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recompute a job over its stream's whole history (archive and tail) as a batch view;
+    the live view is served merged with it from then on (topn, count, distinct)."""
+    rows = _call("jobs_recompute", config, name, timeout)
+    if as_json:
+        print(json.dumps(rows, default=str))
+        return
+    print_tables(lambda w: [build(RECOMPUTE_COLUMNS, rows, width=w, title="batch view")])
