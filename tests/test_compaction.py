@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from runtime.compaction import (
     MAX_TOKEN,
     CompactingLogic,
+    KeyReader,
     NoKey,
     check_update,
     event_token,
@@ -29,6 +30,7 @@ from runtime.compaction import (
 from runtime.config import ConfigError, dumps_toml, load
 from runtime.events import Event
 from runtime.nats_roles import role_permissions
+from tests.strategies import json_value
 
 pytestmark = pytest.mark.unit
 
@@ -145,6 +147,38 @@ def test_event_token_reasons() -> None:
     ]:
         with pytest.raises(NoKey, match=re.escape(why)):
             event_token(body, path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["k", "a", "tail-num"]),
+        json_value | st.dictionaries(st.sampled_from(["k", "b"]), json_value, max_size=2),
+        max_size=3,
+    )
+    | json_value,
+    st.sampled_from([("k",), ("a", "k"), ("tail-num",), ("a", "b", "k")]),
+)
+def test_the_fast_key_reader_answers_as_the_full_decode(data: object, path: tuple) -> None:
+    body = msgspec.json.encode(data)
+    try:
+        want: str | None = event_token(body, path)
+    except NoKey as why:
+        want, reason = None, str(why)
+    reader = KeyReader(path)
+    if want is None:
+        with pytest.raises(NoKey) as info:
+            reader.token(body)
+        assert str(info.value) == reason
+    else:
+        assert reader.token(body) == want
+
+
+def test_the_fast_key_reader_on_bodies_that_are_not_json() -> None:
+    reader = KeyReader(("k",))
+    for body in (b"{nope", b"\xff\xfe", b"", b'{"k": "\xff"}'):
+        with pytest.raises(NoKey):
+            reader.token(body)
 
 
 # ---- config ------------------------------------------------------------------------------
