@@ -32,6 +32,7 @@ async def test_site_loss_20k_events(tmp_path: Path) -> None:
     print(f"\nsite-loss report: {path}")
     assert rep.error == "", rep.error
     assert rep.acked >= EVENTS and len(rep.killed_pids) == 3
+    assert rep.failover_ack_s is not None and rep.failover_ack_s > 0  # acked by B after the kill
     assert [c.site for c in rep.checks] == ["site-b", "site-a"]
     for c in rep.checks:
         assert c.ok, (c.site, c.lost[:5], c.duplicated[:5], c.hash_mismatch[:5], c.unknown[:5])

@@ -102,7 +102,8 @@ class SiteLossReport:
     kill_to_first_ack_s: float | None = None  # first ack on B of an event published after
     failover_ack_s: float | None = None  # first ack A's producer got from B after the kill
     missing_on_b_during_outage: int = 0
-    resent: int = 0  # publishes not acknowledged by A, sent again (same id) to B
+    resent: int = 0  # publishes not acknowledged at first, sent again with the same id
+    killed_at: float | None = None  # monotonic clock
     catch_up_s: float | None = None  # A restarted -> both copies hold every acked event
     checks: list[CopyCheck] = field(default_factory=list)
     error: str = ""
@@ -180,7 +181,9 @@ class _Producer:
 
     async def send(self, batch: list[tuple[str, bytes]]) -> None:
         """Every event of `batch` acknowledged (by the first site or, after a failover, the
-        other), or raise after bounded retries."""
+        other), or raise after bounded retries. A timeout while still connected is retried
+        on the same site (a slow acknowledgement, not a lost site); the move to the other
+        site is for a lost connection."""
         todo = batch
         for _ in range(60):
             oks = await asyncio.gather(*(self._one(i, b) for i, b in todo))
@@ -188,7 +191,7 @@ class _Producer:
             if not todo:
                 return
             self.out["resent"] = self.out.get("resent", 0) + len(todo)
-            if self.fallback and not self.on_fallback:
+            if self.fallback and not self.on_fallback and not self.nc.is_connected:
                 await self._fail_over()
                 if "failover_at" not in self.out:
                     self.out["failover_at"] = time.monotonic()
@@ -197,6 +200,7 @@ class _Producer:
 
 async def _kill_soon(sites: NatsSites, rep: SiteLossReport, after_s: float = 0.002) -> None:
     await asyncio.sleep(after_s)
+    rep.killed_at = time.monotonic()
     rep.killed_pids = await asyncio.to_thread(sites.kill_site, "site-a")
     log.info("site-a killed (pids %s)", rep.killed_pids)
 
@@ -279,7 +283,7 @@ async def run_site_loss(
         sent = {i: digest(payload(i, seed)) for i in ids_a + ids_b}
         both = [i for n, i in enumerate(ids_a) if n % BOTH_SITES_EVERY == 0]
         kill_after = int(len(ids_a) * kill_at)
-        killed_at: float | None = None
+        killing = False
         per_batch_s = 2 * WINDOW / rate
         start = time.monotonic()
         for k in range(0, max(len(ids_a), len(ids_b)), WINDOW):
@@ -287,8 +291,8 @@ async def run_site_loss(
             bb = [(i, payload(i, seed)) for i in ids_b[k : k + WINDOW]]
             bb += [(i, payload(i, seed)) for i, _ in ba if i in both]
             sends = [prod_a.send(ba), prod_b.send(bb)]
-            if killed_at is None and k >= kill_after:
-                killed_at = time.monotonic()  # the kill lands while this batch is in flight
+            if not killing and k >= kill_after:
+                killing = True  # the kill lands while this batch is in flight
                 sends.append(_kill_soon(sites, rep))
             await asyncio.gather(*sends)
             pause = start + (k // WINDOW + 1) * per_batch_s - time.monotonic()
@@ -298,11 +302,13 @@ async def run_site_loss(
         acked = {**prod_a.acked, **prod_b.acked}
         rep.acked = len(acked)
         acked_hash = {i: sent[i] for i in acked}
+        killed_at = rep.killed_at
         if killed_at is not None:
             after_b = [t for t in prod_b.acked.values() if t > killed_at]
             rep.kill_to_first_ack_s = round(min(after_b) - killed_at, 3) if after_b else None
             if "failover_at" in shared:
-                on_b = [t for i, t in prod_a.acked.items() if t > shared["failover_at"]]
+                since = max(shared["failover_at"], killed_at)
+                on_b = [t for i, t in prod_a.acked.items() if t > since]
                 rep.failover_ack_s = round(min(on_b) - killed_at, 3) if on_b else None
         await _close_quietly(prod_a.nc)
         await _close_quietly(prod_b.nc)
