@@ -14,7 +14,10 @@ one Spark session (local[2]) for all of it:
   committed position passing it;
 - **SQL**: a group-by over the N archived events (`tierflow sql`'s engine in the bench's
   already-started session: the cold start is excluded), first run (schema inference
-  included) and second run.
+  included) and second run;
+- **recompute vs live**: a top-N, a count and a distinct job run live over the N events
+  (one `availableNow` streaming run each, results in KV), then recomputed as batch views
+  over the archive (`tierflow jobs recompute`'s engine): the two must be exactly equal.
 
 Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_history.py`
 """
@@ -36,6 +39,10 @@ from jobs.archive import (
     start_archive,
 )
 from jobs.jetstream import register
+from jobs.recompute import recompute
+from jobs.running import start_job
+from jobs.sink import results_by_query
+from jobs.specs import JobSpec
 from jobs.sql import StreamTable, run_sql
 from runtime.config import load
 from runtime.nats import NatsEndpoint, NatsServer, connect
@@ -75,7 +82,9 @@ async def make_stream(url: str) -> None:
 
     nc = await connect(url)
     try:
-        await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=[f"raw.{STREAM}"]))
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=STREAM, subjects=[f"raw.{STREAM}"]))
+        await js.add_stream(StreamConfig(name="results", subjects=["results.>"]))
     finally:
         await nc.close()
 
@@ -156,6 +165,48 @@ def measure_lag(spark: Any, url: str, settings: ArchiveSettings, ckpt: Path) -> 
     return {"rate": RATE, "seconds": LAG_SECONDS, "flush_s": settings.flush_s, **summary(lags)}
 
 
+LIVE_SPECS = (
+    JobSpec(name="bench_top", kind="topn", stream=STREAM, field="city", n=10),
+    JobSpec(name="bench_count", kind="count", stream=STREAM, by=["city"]),
+    JobSpec(name="bench_distinct", kind="distinct", stream=STREAM, field="id"),
+)
+
+
+async def kv_results(url: str) -> dict[str, dict[Any, Any]]:
+    nc = await connect(url)
+    try:
+        return await results_by_query(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+def recompute_vs_live(
+    spark: Any, url: str, table: StreamTable, root: Path, high_water: int
+) -> dict[str, Any]:
+    """Each `LIVE_SPECS` job live (streaming, availableNow) and recomputed: equal?"""
+    out: dict[str, Any] = {}
+    nats = NatsEndpoint(url)
+    for spec in LIVE_SPECS:
+        started = time.perf_counter()
+        query = start_job(spark, spec, nats, root, trigger={"availableNow": True})
+        query.awaitTermination(3600)
+        assert query.exception() is None, query.exception()
+        live_s = time.perf_counter() - started
+        live = asyncio.run(kv_results(url)).get(spec.name, {})
+        started = time.perf_counter()
+        view = recompute(spark, nats, spec, table, high_water=high_water)
+        recompute_s = time.perf_counter() - started
+        batch = {r["key"]: json.loads(json.dumps(r)) for r in view.rows}
+        out[spec.kind] = {
+            "job": spec.name,
+            "equal": bool(live) and live == batch,
+            "keys": len(batch),
+            "live_s": round(live_s, 2),
+            "recompute_s": round(recompute_s, 2),
+        }
+    return out
+
+
 def test_archive_throughput_lag_and_sql(tmp_path: Path) -> None:
     cfg = load(environ={}, overrides={"state_dir": str(tmp_path / "state")})
     server = NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start()
@@ -198,6 +249,7 @@ def test_archive_throughput_lag_and_sql(tmp_path: Path) -> None:
             sql_runs.append(round(time.perf_counter() - started, 2))
             assert len(result.rows) == CITIES and sum(r[1] for r in result.rows) == EVENTS
 
+        views = recompute_vs_live(spark, url, table[STREAM], tmp_path / "jobs", EVENTS)
         lag = measure_lag(spark, url, settings, ckpt)
     finally:
         for q in spark.streams.active:
@@ -213,6 +265,7 @@ def test_archive_throughput_lag_and_sql(tmp_path: Path) -> None:
         "sql_group_by_s": sql_runs,
         "lag": lag,
         "query": archive_query_name(STREAM),
+        "recompute_vs_live": views,
     }
     write_report("history", report)
     print(
@@ -222,4 +275,9 @@ def test_archive_throughput_lag_and_sql(tmp_path: Path) -> None:
         f" {sql_runs[1]} s (goal < 10 s)"
         f"\narchive lag at {RATE:,.0f} events/s, flush {settings.flush_s} s:"
         f" p50 {lag['p50_ms']:.0f} ms, p99 {lag['p99_ms']:.0f} ms (goal < 10 s)"
+        + "".join(
+            f"\nrecompute vs live, {kind}: {'equal' if v['equal'] else 'NOT EQUAL'}"
+            f" ({v['keys']} keys; live {v['live_s']} s, recompute {v['recompute_s']} s)"
+            for kind, v in views.items()
+        )
     )

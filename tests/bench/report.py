@@ -513,6 +513,23 @@ def history_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
             "< 10 s",
             yes(sql_s < 10),
         ],
+        *recompute_goal_rows(h),
+    ]
+
+
+def recompute_goal_rows(h: Mapping[str, Any]) -> list[list[str]]:
+    """Batch views: each job recomputed over the archive against its live run."""
+    views = h.get("recompute_vs_live") or {}
+    if not views:
+        return []
+    equal = [kind for kind, v in views.items() if v["equal"]]
+    return [
+        [
+            f"recompute against the live view ({', '.join(views)})",
+            f"{len(equal)} of {len(views)} exactly equal",
+            "exactly equal",
+            "yes" if len(equal) == len(views) else "**no**",
+        ]
     ]
 
 
