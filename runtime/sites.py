@@ -13,6 +13,8 @@ so a returning site is the same JetStream peers on the same addresses.
 from __future__ import annotations
 
 import json
+import random
+import socket
 import string
 import time
 from collections.abc import Sequence
@@ -24,6 +26,44 @@ from runtime.nats import NatsServer, NatsServerError, _conf_str, free_ports
 from runtime.waiting import poll
 
 SITES_FILE = "sites.json"
+
+
+def stable_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
+    """`n` distinct free ports *below* the kernel's ephemeral range.
+
+    A site that is killed and restarted must bind its old ports again, while the other
+    sites' leaf connections (and clients) keep dialling them. A dial to a dead loopback port
+    inside the ephemeral range can be given that very port as its own source port (a TCP
+    self-connect), which then holds it: the restart fails with "address already in use"
+    (seen in the site-loss scenario). Ports outside the range are never handed out that way.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    floor = max(1024, low - 16384)
+    rng = random.Random(seed)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(50 * n):  # bounded
+            if len(held) == n:
+                break
+            port = rng.randrange(floor, low)
+            if any(h.getsockname()[1] == port for h in held):
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)
+        if len(held) < n:
+            return free_ports(n, host)  # a crowded range: fall back to the OS's choice
+        return [h.getsockname()[1] for h in held]
+    finally:
+        for h in held:
+            h.close()
 
 
 def site_names(n: int) -> list[str]:
@@ -141,7 +181,7 @@ class NatsSites:
         hub_leaf: list[int] = []
         # every port of every site in one call: chosen per site, a later site could be
         # handed a port an earlier one chose but has not bound yet
-        every = free_ports(4 * n * self.sites, self.host)
+        every = stable_ports(4 * n * self.sites, self.host)
         for i, name in enumerate(site_names(self.sites)):
             ports = every[4 * n * i : 4 * n * (i + 1)]
             client, monitor, route, leaf = (ports[k * n : (k + 1) * n] for k in range(4))
@@ -168,11 +208,24 @@ class NatsSites:
                 )
             self.members.append(Site(name, servers, leaf))
 
+    def plan(self) -> NatsSites:
+        """Choose every port and write nothing (what `start` does first); idempotent."""
+        if not self.members:
+            self._build()
+        return self
+
+    def route_leafs_via(self, hub_addresses: list[str]) -> None:
+        """Make the other sites dial the hub through these host:port (e.g. fault proxies
+        in front of `members[0].leaf_ports`) instead of directly; before `start`."""
+        self.plan()
+        for site in self.members[1:]:
+            for s, port in zip(site.servers, site.leaf_ports, strict=True):
+                s.extra_conf = leaf_block(f"{self.host}:{port}", hub_addresses, self.deny)
+
     def start(self, timeout: float = 40.0) -> NatsSites:
         """Start every site and wait until each has a JetStream meta leader and the leaf
         connections are up."""
-        if not self.members:
-            self._build()
+        self.plan()
         try:
             for site in self.members:
                 self.start_site(site.name, timeout, wait_leaf=False)
@@ -257,4 +310,4 @@ class NatsSites:
         self.stop()
 
 
-__all__ = ["SITES_FILE", "NatsSites", "Site", "leaf_block", "site_names"]
+__all__ = ["SITES_FILE", "NatsSites", "Site", "leaf_block", "site_names", "stable_ports"]

@@ -237,6 +237,9 @@ async def test_site_loss_short_form_loses_and_duplicates_nothing(tmp_path: Path)
     for c in rep.checks:
         assert c.ok, (c.site, c.lost[:5], c.duplicated[:5], c.hash_mismatch[:5], c.unknown[:5])
     assert rep.failover_ack_s is not None and rep.failover_ack_s > 0  # acked by B after the kill
+    # the link was cut before the kill: B lacked A's last acknowledged events while A was
+    # down, and has them (checks above) only because A returned
+    assert rep.missing_on_b_during_outage > 0
     assert rep.ok
 
 
@@ -352,3 +355,6 @@ def test_no_two_servers_of_the_sites_share_a_port(tmp_path: Path) -> None:
         for p in (s.port, s.monitor_port, s.cluster_port)
     ] + [p for site in sites.members for p in site.leaf_ports]
     assert len(ports) == 36 and len(set(ports)) == 36
+    # below the ephemeral range: a dial to a dead site's port cannot take it as its own
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(1024 <= p < low for p in ports)

@@ -33,6 +33,9 @@ async def test_site_loss_20k_events(tmp_path: Path) -> None:
     assert rep.error == "", rep.error
     assert rep.acked >= EVENTS and len(rep.killed_pids) == 3
     assert rep.failover_ack_s is not None and rep.failover_ack_s > 0  # acked by B after the kill
+    # the link was cut before the kill: B lacked A's last acknowledged events while A was
+    # down, and has them (checks above) only because A returned
+    assert rep.missing_on_b_during_outage > 0
     assert [c.site for c in rep.checks] == ["site-b", "site-a"]
     for c in rep.checks:
         assert c.ok, (c.site, c.lost[:5], c.duplicated[:5], c.hash_mismatch[:5], c.unknown[:5])

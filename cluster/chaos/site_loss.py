@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from cluster.chaos.proxy import Blackhole, FaultProxy
 from runtime.config import Config, validate
 from runtime.geo import link_deny, replication_lag
 from runtime.nats import connect
@@ -104,6 +105,7 @@ class SiteLossReport:
     missing_on_b_during_outage: int = 0
     resent: int = 0  # publishes not acknowledged at first, sent again with the same id
     killed_at: float | None = None  # monotonic clock
+    partition_s: float = 0.0  # the link between the sites cut this long before the kill
     catch_up_s: float | None = None  # A restarted -> both copies hold every acked event
     checks: list[CopyCheck] = field(default_factory=list)
     error: str = ""
@@ -198,10 +200,14 @@ class _Producer:
         raise RuntimeError(f"{self.name}: {len(todo)} events never acknowledged")
 
 
-async def _kill_soon(sites: NatsSites, rep: SiteLossReport, after_s: float = 0.002) -> None:
+async def _kill_soon(
+    sites: NatsSites, rep: SiteLossReport, proxies: list[FaultProxy], after_s: float = 0.002
+) -> None:
     await asyncio.sleep(after_s)
     rep.killed_at = time.monotonic()
     rep.killed_pids = await asyncio.to_thread(sites.kill_site, "site-a")
+    for px in proxies:  # the link heals; A is gone, so nothing crosses until it returns
+        px.clear()
     log.info("site-a killed (pids %s)", rep.killed_pids)
 
 
@@ -259,14 +265,25 @@ async def run_site_loss(
     nodes: int = 3,
     seed: int = 1,
     workdir: Path | None = None,
+    partition_s: float = 0.5,
 ) -> SiteLossReport:
     """Two sites, `events` events at `rate`/s in all, site A killed at `kill_at` of the load
-    and restarted after it; the report holds the verdict on both copies."""
-    rep = SiteLossReport(events=events)
+    and restarted after it; the report holds the verdict on both copies.
+
+    With `partition_s`, the link between the sites runs through fault proxies and is cut
+    (blackholed) that long before the kill: A keeps acknowledging events B cannot copy,
+    so B holds a known gap while A is down, which only A's return can fill."""
+    rep = SiteLossReport(events=events, partition_s=partition_s)
     work = Path(workdir or tempfile.mkdtemp(prefix="tierflow-site-loss-"))
     cfg = geo_config(work / "state", replicas=min(3, nodes))
-    sites = NatsSites(work / "sites", sites=2, nodes=nodes, deny=link_deny(cfg))
-    sites.start()
+    sites = NatsSites(work / "sites", sites=2, nodes=nodes, deny=link_deny(cfg)).plan()
+    proxies: list[FaultProxy] = []
+    if partition_s > 0:
+        proxies = [FaultProxy(sites.host, p) for p in sites.members[0].leaf_ports]
+        for px in proxies:
+            await px.start()
+        sites.route_leafs_via([px.address for px in proxies])
+    await asyncio.to_thread(sites.start)  # off the loop: the proxies forward on it
     a, b = sites.site("site-a"), sites.site("site-b")
     shared: dict[str, Any] = {}
     try:
@@ -283,7 +300,8 @@ async def run_site_loss(
         sent = {i: digest(payload(i, seed)) for i in ids_a + ids_b}
         both = [i for n, i in enumerate(ids_a) if n % BOTH_SITES_EVERY == 0]
         kill_after = int(len(ids_a) * kill_at)
-        killing = False
+        cut_after = kill_after - int(partition_s * rate / 2)  # A's producer: rate/2 per s
+        killing = cutting = False
         per_batch_s = 2 * WINDOW / rate
         start = time.monotonic()
         for k in range(0, max(len(ids_a), len(ids_b)), WINDOW):
@@ -291,9 +309,13 @@ async def run_site_loss(
             bb = [(i, payload(i, seed)) for i in ids_b[k : k + WINDOW]]
             bb += [(i, payload(i, seed)) for i, _ in ba if i in both]
             sends = [prod_a.send(ba), prod_b.send(bb)]
+            if proxies and not cutting and k >= cut_after:
+                cutting = True
+                for px in proxies:
+                    px.add(Blackhole(direction="both"))
             if not killing and k >= kill_after:
                 killing = True  # the kill lands while this batch is in flight
-                sends.append(_kill_soon(sites, rep))
+                sends.append(_kill_soon(sites, rep, proxies))
             await asyncio.gather(*sends)
             pause = start + (k // WINDOW + 1) * per_batch_s - time.monotonic()
             if pause > 0:
@@ -315,10 +337,10 @@ async def run_site_loss(
         during = {i for i, _ in await read_copy(b.url)}
         rep.missing_on_b_during_outage = sum(1 for i in acked if i not in during)
         back = time.monotonic()
-        sites.start_site("site-a")
+        await asyncio.to_thread(sites.start_site, "site-a")
         nc = await connect(b.url, name="site-loss-watch")
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # sources retry a lost origin every 10-120 s
             while time.monotonic() < deadline:
                 if await _converged(nc, cfg):
                     break
@@ -334,7 +356,9 @@ async def run_site_loss(
         log.exception("site-loss failed")
         rep.error = rep.error or repr(err)
     finally:
-        sites.stop()
+        await asyncio.to_thread(sites.stop)
+        for px in proxies:
+            await px.stop()
     return rep
 
 
