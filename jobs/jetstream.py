@@ -109,6 +109,8 @@ class JetStreamBatchReader(DataSourceReader):
             control.close()
         start = starting_sequence(self.opts.starting, bounds)
         end = bounds.latest if self.opts.ending == "latest" else int(self.opts.ending)
+        if bounds.compacted:  # below `first` is compacted away: no partitions for nothing
+            start = max(start, min(bounds.first, end))
         if bounds.aged_out(start) and start < end:
             if self.opts.on_aged_out != "skip":
                 raise AgedOutError(self.opts.stream, start, bounds.first)
@@ -173,6 +175,11 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         # A skip recorded in `end` moved the batch's first sequence past the aged-out gap.
         first = int(start["seq"]) + int(end.get("skipped", 0)) - int(start.get("skipped", 0))
+        latest = self._latest
+        if latest is not None and latest.compacted:
+            # sequences below the stream's first never come back: on a compacted stream they
+            # were superseded, so the batch starts at `first` (no empty partitions for them)
+            first = max(first, min(latest.first, int(end["seq"])))
         opts = self.opts
         return list(split_range(first, int(end["seq"]), opts.partition_size, opts.min_partitions))
 

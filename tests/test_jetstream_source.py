@@ -88,6 +88,18 @@ def test_on_a_compacted_stream_a_gap_below_the_first_sequence_is_not_loss() -> N
 
 
 @pytest.mark.unit
+def test_a_compacted_gap_costs_no_partitions() -> None:
+    from jobs.jetstream import JetStreamStreamReader
+
+    r = JetStreamStreamReader(SourceOptions.parse({"url": "nats://x", "stream": "s"}))
+    r._latest = Bounds(first=90_001, last=100_000, compacted=True)
+    parts = r.partitions(make_offset(1), make_offset(100_001))
+    assert parts[0].start == 90_001 and parts[-1].end == 100_001  # not 5 empty ones before
+    r._latest = Bounds(first=90_001, last=100_000)  # not compacted: the fetcher decides
+    assert r.partitions(make_offset(1), make_offset(100_001))[0].start == 1
+
+
+@pytest.mark.unit
 def test_split_range_and_reply_parsing() -> None:
     assert split_range(5, 5, 10) == []
     assert split_range(1, 26, 10) == [SeqRange(1, 11), SeqRange(11, 21), SeqRange(21, 26)]
