@@ -243,6 +243,40 @@ async def test_site_loss_short_form_loses_and_duplicates_nothing(tmp_path: Path)
     assert rep.ok
 
 
+async def test_nats_up_sites_runs_joined_domains_until_sigterm(tmp_path: Path) -> None:
+    """`tierflow nats up --sites 2`: sites.json names both sites, each answers in its own
+    domain and reaches the other's; SIGTERM stops every server it started."""
+    import os
+    import signal
+    import sys
+
+    (tmp_path / "tierflow.toml").write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    cli = [sys.executable, "-m", "cluster.cli", "nats", "up", "--sites", "2", "--nodes", "1"]
+    proc = subprocess.Popen(
+        [*cli, "-c", str(tmp_path / "tierflow.toml")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    state_file = tmp_path / "state" / "nats" / "sites" / "sites.json"
+    try:
+        await await_until(state_file.exists, 30, 0.1, "sites.json written")
+        state = msgspec.json.decode(state_file.read_bytes())
+        assert [s["name"] for s in state["sites"]] == ["site-a", "site-b"]
+        nc = await connect(",".join(state["sites"][1]["urls"]))
+        try:
+            assert (await nc.jetstream().account_info()).domain == "site-b"
+            assert (await nc.jetstream(domain="site-a").account_info()).domain == "site-a"
+        finally:
+            await nc.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    for pid in (p for s in state["sites"] for p in s["pids"]):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 # --------------------------------------------------------------------------- status, metrics
 
 
