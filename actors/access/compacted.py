@@ -128,9 +128,10 @@ class CompactedRoutes:
         """Every subject of the stream matching `pattern`, with its message count."""
         out: dict[str, int] = {}
         offset = 0
+        api = getattr(self.plane.js, "_prefix", "$JS.API")  # a JetStream domain's, if any
         for _ in range(_SUBJECTS_PAGE_LIMIT):
             msg = await self.plane.nc.request(
-                f"$JS.API.STREAM.INFO.{js_name}",
+                f"{api}.STREAM.INFO.{js_name}",
                 json.dumps({"subjects_filter": pattern, "offset": offset}).encode(),
                 timeout=10.0,
             )
