@@ -25,8 +25,10 @@ import pytest
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.loadgen import drive
 from cluster.pipeline import CollectionTier, start_collection_tier
-from runtime.compaction import CompactConfig, key_token
+from runtime.clock import now_ms
+from runtime.compaction import CompactConfig, key_token, stream_logic
 from runtime.config import ConfigError
+from runtime.events import Event
 from runtime.nats import NatsServer, connect, free_port
 from runtime.services import ensure_streams
 from runtime.waiting import await_until
@@ -443,3 +445,53 @@ def test_turning_compaction_on_over_stored_events_is_refused(
 
     info = asyncio.run(go())
     assert info.state.messages == 3 and info.config.subjects == ["air.plain"]
+
+
+def test_events_replayed_from_the_log_get_the_subject_the_collector_gives(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer
+) -> None:
+    """Raw events in the message log (as HML logs them before their logic ran, or as a
+    collector that died left them) are published by the bridge's replayer, which derives
+    the subject itself: the same one the stream's logic gives anywhere."""
+    t, _ = tier
+    keys = ["N1REPLAY", "a b.c", "N1REPLAY"]
+    stale = now_ms() - 20_000  # past the replayer's staleness bound: it takes them now
+    raw = [
+        Event(f"replay-{i}", "planes", "air.planes", _enc.encode({"tailnum": k, "n": i}), stale)
+        for i, k in enumerate(keys)
+    ]
+    keyless = Event("replay-nokey", "planes", "air.planes", b'{"n": 9}', stale)
+    want = stream_logic("planes", t.cfg.streams["planes"]).apply(raw).kept
+    assert [e.subject for e in want] == [f"air.planes.{key_token(k)}" for k in keys]
+
+    async def go() -> None:
+        group = t.loggers[0]
+        await group.refresh()
+        await group.append([*raw, keyless])
+        nc = await connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+
+            async def published() -> bool:
+                try:
+                    m = await js.get_last_msg("planes", want[2].subject)
+                    d = await js.get_last_msg("deadletter", "deadletter.planes")
+                except Exception:  # noqa: BLE001 - not there yet
+                    return False
+                return m.headers["Nats-Msg-Id"] == "replay-2" and d.headers["Tf-Id"] == (
+                    "replay-nokey"
+                )
+
+            await await_until(published, timeout=60, what="the log's events replayed")
+            m = await js.get_last_msg("planes", want[1].subject)
+            assert m.headers["Nats-Msg-Id"] == "replay-1" and m.data == raw[1].data
+        finally:
+            await nc.close()
+
+        async def drained() -> bool:
+            c = await group.counts()
+            return c["transient"] == 0 and c["failed"] == 0
+
+        await await_until(drained, timeout=60, what="the replayed events forgotten")
+
+    asyncio.run(go())
