@@ -18,6 +18,9 @@ one. The root may be any filesystem URI Spark's Hadoop layer accepts (``s3a://``
 
 from __future__ import annotations
 
+import datetime as dt
+import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming import StreamingQuery
 
 __all__ = [
+    "expired_partitions",
+    "purge_archive",
     "ARCHIVE_COLUMNS",
     "ArchivePosition",
     "ArchiveSettings",
@@ -57,6 +62,7 @@ class ArchiveSettings:
     partitioning: Partitioning = "day"
     flush_s: float = 5.0
     max_events_per_file: int = 1_000_000
+    retention_days: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def start_archive(
         .load()
     )
     when = trigger if trigger is not None else {"processingTime": f"{settings.flush_s} seconds"}
-    return (
+    writer = (
         archive_frame(source, settings.partitioning)
         .writeStream.queryName(name)
         .format("parquet")
@@ -134,9 +140,42 @@ def start_archive(
         .option("path", archive_dir(settings.path, stream))
         .option("checkpointLocation", str(Path(checkpoint_root) / name))
         .option("maxRecordsPerFile", str(settings.max_events_per_file))
-        .trigger(**when)
-        .start()
     )
+    if settings.retention_days > 0:  # the sink's log forgets files past it (any filesystem)
+        writer = writer.option("retention", f"{round(settings.retention_days * 86400)}s")
+    return writer.trigger(**when).start()
+
+
+def expired_partitions(names: Iterable[str], now: dt.datetime, days: float) -> list[str]:
+    """The ``date=YYYY-MM-DD`` partition names whose whole day (UTC) is older than `days`
+    before `now`: nothing in them is younger than the retention."""
+    cutoff = now.astimezone(dt.UTC) - dt.timedelta(days=days)
+    out = []
+    for name in names:
+        if not name.startswith("date="):
+            continue
+        try:
+            day = dt.datetime.strptime(name.removeprefix("date="), "%Y-%m-%d")
+        except ValueError:
+            continue
+        if day.replace(tzinfo=dt.UTC) + dt.timedelta(days=1) <= cutoff:
+            out.append(name)
+    return sorted(out)
+
+
+def purge_archive(root: str | Path, stream: str, days: float, now: dt.datetime) -> list[str]:
+    """Delete the stream's archived date partitions past `days` (`retention_days`); returns
+    their names. Only on a local filesystem: on a remote one the file sink's own
+    ``retention`` (set by `start_archive`) drops them from what readers see, and the
+    store's lifecycle rules (S3, HDFS) delete the files. Readers skip files the sink's log
+    still lists but that are gone (`read_archive` reads with ignoreMissingFiles)."""
+    local = _local_path(archive_dir(root, stream))
+    if days <= 0 or local is None or not local.is_dir():
+        return []
+    gone = expired_partitions((p.name for p in local.iterdir() if p.is_dir()), now, days)
+    for name in gone:
+        shutil.rmtree(local / name, ignore_errors=True)
+    return gone
 
 
 def read_archive(spark: SparkSession, root: str | Path, stream: str) -> DataFrame:
@@ -146,7 +185,11 @@ def read_archive(spark: SparkSession, root: str | Path, stream: str) -> DataFram
     local = _local_path(path)
     if local is not None and not (local / "_spark_metadata").is_dir():
         return spark.createDataFrame([], _empty_schema())
-    return spark.read.option("ignoreMissingFiles", "true").parquet(path)
+    from jobs.jetstream_options import SCHEMA_DDL
+
+    # the schema is known: inferring it reads a file's footer, and that file may be one
+    # retention deleted (the partition columns still come from the paths)
+    return spark.read.schema(SCHEMA_DDL).option("ignoreMissingFiles", "true").parquet(path)
 
 
 def _local_path(path: str) -> Path | None:

@@ -45,6 +45,7 @@ from jobs.archive import (
     ArchiveSettings,
     archive_position,
     archive_query_name,
+    purge_archive,
     queries_root,
     start_archive,
 )
@@ -404,12 +405,20 @@ class AnalysisDriver(SupervisedActor):
             path=self.cfg.archive_root(stream),
             partitioning=archive.partitioning,
             flush_s=archive.flush_s,
+            retention_days=archive.retention_days,
         )
         return start_archive(self.spark, stream, self.nats, settings, self.checkpoint_root)
 
     def _retention(self) -> None:
         """Trim each archived stream to its limits, never past what is archived; a stream
-        full because its archive lags is logged loudly (every pass until it is not)."""
+        full because its archive lags is logged loudly (every pass until it is not). Drop
+        archived days past `retention_days`."""
+        for name, s in self.cfg.streams.items():
+            if s.archive is not None and s.archive.retention_days > 0:
+                now = dt.datetime.now(dt.UTC)
+                root = self.cfg.archive_root(name)
+                for gone in purge_archive(root, name, s.archive.retention_days, now):
+                    log.info("analysis driver: archive of %s: dropped %s", name, gone)
         limited = {
             name: s
             for name, s in self.cfg.streams.items()

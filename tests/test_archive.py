@@ -4,6 +4,7 @@ commit."""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import shutil
@@ -16,6 +17,8 @@ from jobs.archive import (
     ArchiveSettings,
     archive_dir,
     archive_position,
+    expired_partitions,
+    purge_archive,
     read_archive,
     start_archive,
 )
@@ -144,3 +147,45 @@ async def _ensure(nc: Any) -> None:
 
 async def _count(nc: Any) -> int:
     return int((await nc.jetstream().stream_info(STREAM)).state.messages)
+
+
+@pytest.mark.unit
+def test_expired_partitions_are_whole_days_past_the_retention() -> None:
+    now = dt.datetime(2026, 11, 24, 6, 0, tzinfo=dt.UTC)
+    names = ["date=2026-11-21", "date=2026-11-22", "date=2026-11-23", "date=2026-11-24"]
+    names += ["_spark_metadata", "date=garbage"]
+    # 1.5 days back is 2026-11-22 18:00: only the 21st has ended by then
+    assert expired_partitions(names, now, 1.5) == ["date=2026-11-21"]
+    assert expired_partitions(names, now, 0.25) == [
+        "date=2026-11-21",
+        "date=2026-11-22",
+        "date=2026-11-23",
+    ]
+    assert expired_partitions(names, now, 30) == []
+
+
+def test_retention_drops_old_days_and_readers_go_on(sp: Any, nats_url: str, tmp_path: Path) -> None:
+    """`retention_days`: the sink runs with Spark's `retention` option, expired day
+    partitions are deleted, and the archive still reads (what remains) and still writes."""
+    root = tmp_path / "kept"
+    settings = ArchiveSettings(path=str(root), retention_days=1)
+    with_nats(lambda nc: _ensure(nc), nats_url)
+    total = with_nats(lambda nc: _count(nc), nats_url)
+    run_once(sp, nats_url, settings, tmp_path / "ckpt-kept")
+    assert read_archive(sp, str(root), STREAM).count() == total
+    now = dt.datetime.now(dt.UTC)
+    assert purge_archive(root, STREAM, 1, now) == []  # today's events are kept
+    later = now + dt.timedelta(days=3)
+    gone = purge_archive(root, STREAM, 1, later)
+    assert gone and not any((root / f"stream={STREAM}" / g).exists() for g in gone)
+    assert read_archive(sp, str(root), STREAM).count() == 0  # the log's files are gone
+    with_nats(lambda nc: _more(nc, 7), nats_url)
+    run_once(sp, nats_url, settings, tmp_path / "ckpt-kept")
+    assert read_archive(sp, str(root), STREAM).count() == 7
+
+
+async def _more(nc: Any, n: int) -> None:
+    js = nc.jetstream()
+    futs = [await js.publish_async(f"raw.{STREAM}.a", payload(10_000 + i)) for i in range(n)]
+    for f in futs:
+        await f

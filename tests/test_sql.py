@@ -130,4 +130,6 @@ def test_row_limit_refusals_and_the_timeout(sp: Any, nats_url: str, world: dict[
             timeout_s=3,
         )
     # the session still answers after a cancelled query
-    assert sql(sp, nats_url, world, "SELECT count(*) FROM users").rows == [(17,)]
+    # (a generous timeout: the point is that it answers, and the cancelled tasks may
+    # still be winding down on a loaded machine)
+    assert sql(sp, nats_url, world, "SELECT count(*) FROM users", timeout_s=300).rows == [(17,)]
