@@ -173,12 +173,12 @@ class ArchiveConfig(_Strict):
 
     `path` is a directory or any Hadoop filesystem URI Spark accepts (``s3a://..``);
     empty: ``<state_dir>/archive``. `flush_s` is how often a batch of files is written,
-    about the archive's lag. `retention_days` drops archived date partitions older than
-    that (0 keeps them): Spark's file sink forgets them, and on a local path the driver
-    deletes them (on S3/HDFS, the store's lifecycle rules do). With an archive the stream never ages out what the archive has
-    not copied yet: its `max_age_s` and `max_bytes` are enforced by purging archived
-    events only (jobs/retention.py), and a full stream refuses new events, which wait,
-    acknowledged, in the message logger, until the archive catches up.
+    about the archive's lag. `retention_days` drops archived date partitions older than that
+    (0 keeps them): Spark's file sink forgets them, and on a local path the driver deletes
+    them (on S3/HDFS, the store's lifecycle rules do). With an archive the stream never ages
+    out what the archive has not copied yet: its `max_age_s` and `max_bytes` are enforced by
+    purging archived events only (jobs/retention.py), and a full stream refuses new events,
+    which wait, acknowledged, in the message logger, until the archive catches up.
     """
 
     path: str = ""
