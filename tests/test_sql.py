@@ -133,3 +133,55 @@ def test_row_limit_refusals_and_the_timeout(sp: Any, nats_url: str, world: dict[
     # (a generous timeout: the point is that it answers, and the cancelled tasks may
     # still be winding down on a loaded machine)
     assert sql(sp, nats_url, world, "SELECT count(*) FROM users", timeout_s=300).rows == [(17,)]
+
+
+def test_ids_repeated_across_two_archived_streams_and_an_event_at_the_size_limit(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    """A stranger's two archived streams share one archive root and reuse the same ids
+    (ids are per stream); one event is as large as the server takes (its max_payload less
+    room for headers). Each stream's table holds its own events, each once, the big one
+    byte for byte."""
+    a, b = "shop-eu", "shop-us"
+    for name in (a, b):
+        add_stream(nats_url, name, [f"in.{name}"])
+    limit = with_nats(lambda nc: _max_payload(nc), nats_url)
+    pad = "x" * (limit - 4096)
+    big = json.dumps({"order": "big", "pad": pad}).encode()
+    for name in (a, b):
+        msgs = [
+            (f"in.{name}", json.dumps({"order": f"o{i}", "site": name}).encode(), f"o-{i}")
+            for i in range(300)
+        ]
+        if name == b:
+            msgs.append((f"in.{name}", big, "o-big"))
+        with_nats(lambda nc, m=msgs: publish(nc, m), nats_url)
+    root, ckpt = tmp_path / "archive", tmp_path / "ckpt"
+    for name in (a, b):
+        q = start_archive(
+            sp,
+            name,
+            NatsEndpoint(nats_url),
+            ArchiveSettings(path=str(root)),
+            ckpt,
+            trigger={"availableNow": True},
+        )
+        q.awaitTermination(240)
+    tables = {name: StreamTable(name, str(root), ckpt) for name in (a, b)}
+    world = {"tables": tables}
+    for name, n in ((a, 300), (b, 301)):
+        r = sql(sp, nats_url, world, f"SELECT count(*), count(DISTINCT _id) FROM `{name}`")
+        assert r.rows == [(n, n)], name
+    r = sql(
+        sp,
+        nats_url,
+        world,
+        f"SELECT e.site, u.site FROM `{a}` e JOIN `{b}` u ON e._id = u._id WHERE e._id = 'o-7'",
+    )
+    assert r.rows == [(a, b)]
+    r = sql(sp, nats_url, world, f"SELECT length(pad) FROM `{b}` WHERE `order` = 'big'")
+    assert r.rows == [(len(pad),)]
+
+
+async def _max_payload(nc: Any) -> int:
+    return int(nc.max_payload)
