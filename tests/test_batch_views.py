@@ -311,3 +311,78 @@ def test_recompute_refuses_what_cannot_merge_or_is_not_running(driver: Any, cfg:
 def test_job_specs_in_this_module_are_valid() -> None:
     for raw in [*specs(""), *specs("re_")]:
         assert isinstance(decode_spec(raw), JobSpec)
+
+
+# --------------------------------------------------------------------------- windows
+
+
+WINDOWED = {
+    "wcount": dict(
+        kind="count",
+        by=["region"],
+        window={"length": "1h", "watermark": "10m"},
+        time_field="at",
+    ),
+    "wtop": dict(
+        kind="topn",
+        field="items[].sku",
+        n=3,
+        window={"length": "1h", "slide": "30m", "watermark": "10m"},
+        time_field="at",
+    ),
+}
+
+
+def test_windowed_jobs_merge_per_window(
+    spark: Any, nats_url: str, cfg: Config, tmp_path: Path
+) -> None:
+    """Event-time windows (tumbling and sliding, on the events' own time): a recompute up
+    to the middle of the stream, served, then the speed layer over the rest, equals one
+    uninterrupted run, window by window, including the windows the high-water mark cuts.
+    (`cfg` made the results stream.)"""
+    from jobs.jetstream import register
+    from jobs.recompute import recompute, serve_view
+    from jobs.running import start_job
+    from jobs.sql import StreamTable
+    from runtime.nats import NatsEndpoint
+
+    register(spark)
+    stream = "ticks"
+
+    async def fill(nc: Any) -> None:
+        js = nc.jetstream()
+        await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+        rng = random.Random(5)
+        futs = []
+        for i in range(1200):  # in event-time order, 10 s apart: about 3.3 hours
+            order = {
+                "region": rng.choice(REGIONS),
+                "items": [{"sku": f"s{rng.randrange(9)}"} for _ in range(rng.randint(0, 2))],
+                "at": 1_790_000_000_000 + i * 10_000,
+            }
+            body = json.dumps(order).encode()
+            futs.append(
+                await js.publish_async(f"{stream}.x", body, headers={"Nats-Msg-Id": str(i)})
+            )
+        await asyncio.gather(*futs)
+
+    with_nats(fill, nats_url)
+    nats = NatsEndpoint(nats_url)
+    root = tmp_path / "queries"
+
+    def run(spec: JobSpec, view: BatchView | None = None) -> None:
+        q = start_job(spark, spec, nats, root, trigger={"availableNow": True}, view=view)
+        q.awaitTermination(300)
+        assert q.exception() is None, q.exception()
+
+    for name, kw in WINDOWED.items():
+        ref = decode_spec({"name": name, "stream": stream, **kw})
+        twin = decode_spec({"name": f"re_{name}", "stream": stream, **kw})
+        run(ref)
+        view = recompute(spark, nats, twin, StreamTable(stream), high_water=600)
+        assert view.high_water == 600 and len(view.rows) > 1
+        serve_view(nats, view)
+        run(twin, view)
+        got = kv(nats_url)
+        assert len(got[name]) > 3, name  # several windows
+        assert got[f"re_{name}"] == got[name], name
