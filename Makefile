@@ -40,7 +40,7 @@ demo: $(STAMP) java
 	$(VENV)/bin/tierflow demo
 
 test: $(STAMP) java chromium lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 # The tests marked `unit`: pure code, no engine (tests/conftest.py fails a unit test that
 # starts nats-server, Ray, Spark or any other process), so neither Java nor Chromium.
