@@ -27,6 +27,7 @@ import json
 import logging
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -216,37 +217,56 @@ async def _close_quietly(nc: Any) -> None:
         await asyncio.wait_for(nc.close(), 2)
 
 
-async def read_copy(url: str, stream: str = STREAM) -> list[tuple[str, str]]:
-    """Every (Nats-Msg-Id, payload hash) in `stream` on the site `url` points at."""
+async def _read_once(js: Any, stream: str) -> tuple[list[tuple[str, str]], int, str]:
+    """One pass over the copy with a new consumer: (pairs, messages in the copy, last
+    error seen). A fetch that fails other than by timing out is retried within the bound."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+    total = (await js.stream_info(stream)).state.messages
+    name = f"verdict-{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        durable_name=name,
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL,
+        inactive_threshold=60,
+    )
+    await js.add_consumer(stream, config)
+    sub = await js.pull_subscribe_bind(name, stream)
+    out: list[tuple[str, str]] = []
+    error = ""
+    for _ in range(total // 100 + 50):  # bounded
+        if len(out) >= total:
+            break
+        try:
+            msgs = await sub.fetch(1000, timeout=2)
+        except Exception as err:
+            error = repr(err)
+            await asyncio.sleep(0.1)
+            continue
+        out.extend(((m.headers or {}).get("Nats-Msg-Id", ""), digest(m.data)) for m in msgs)
+    with contextlib.suppress(Exception):
+        await js.delete_consumer(stream, name)
+    return out, total, error
+
+
+async def read_copy(url: str, stream: str = STREAM, attempts: int = 5) -> list[tuple[str, str]]:
+    """Every (Nats-Msg-Id, payload hash) in `stream` on the site `url` points at; raises
+    rather than return a partial read (a partial read would look like lost events)."""
     nc = await connect(url, name="site-loss-reader")
     try:
         js = nc.jetstream()
-        total = (await js.stream_info(stream)).state.messages
-        name = f"verdict-{int(time.time() * 1000)}"
-        await js.add_consumer(
-            stream,
-            ConsumerConfig(
-                durable_name=name,
-                ack_policy=AckPolicy.NONE,
-                deliver_policy=DeliverPolicy.ALL,
-                inactive_threshold=60,
-            ),
-        )
-        sub = await js.pull_subscribe_bind(name, stream)
-        out: list[tuple[str, str]] = []
-        for _ in range(total // 100 + 50):  # bounded
-            if len(out) >= total:
-                break
+        got, total, error = [], 0, ""
+        for _ in range(attempts):
             try:
-                msgs = await sub.fetch(1000, timeout=2)
-            except Exception:
+                got, total, error = await _read_once(js, stream)
+            except Exception as err:  # the copy's leader not elected yet, say
+                error = repr(err)
+                await asyncio.sleep(0.5)
                 continue
-            for m in msgs:
-                out.append(((m.headers or {}).get("Nats-Msg-Id", ""), digest(m.data)))
-        await js.delete_consumer(stream, name)
-        return out
+            if len(got) >= total:
+                return got
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"read {len(got)} of {total} events of {stream} at {url}: {error}")
     finally:
         await _close_quietly(nc)
 
