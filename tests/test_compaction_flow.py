@@ -41,6 +41,7 @@ NS = "tf-compaction"
 N = 20_000
 PRODUCER, READER, FLEET_ONLY = "p-tok", "c-all", "c-fleet"
 H = {"Authorization": f"Bearer {READER}"}
+GATEWAYS: list[str] = []  # the tier's gateway actors, by name
 _enc = msgspec.json.Encoder()
 
 
@@ -68,6 +69,8 @@ def tier(
         # the same keys in a second stream; a nested path and keep = 2
         "fleet": {"subjects": ["air.fleet"], "compact": {"key": "plane.tail", "keep": 2}},
         "plain": {"subjects": ["air.plain"]},
+        # served from a gateway feed that is already running (a ring with replaced events)
+        "warm": {"subjects": ["air.warm"], "compact": {"key": "k"}},
         # routed by a field: a key is kept once per routed subject
         "routed": {
             "subjects": ["air.routed.*"],
@@ -95,6 +98,7 @@ def tier(
     )
     import ray
 
+    GATEWAYS[:] = names
     handle = ray.get_actor(names[0], namespace=NS)
     url = ray.get(handle.endpoints.remote(), timeout=30)["url"]
     yield t, url
@@ -276,6 +280,15 @@ def test_gateway_latest_and_keys(
         assert sorted(k["key"] for k in keys) == sorted(last["tailnum"])
         assert all(k["count"] == 1 for k in keys)
         assert [k["token"] for k in keys] == sorted(k["token"] for k in keys)
+        # the stream listing says which streams are compacted, by which key, keeping how many
+        status, body = await get(gw, "/v1/streams", H)
+        listed = {d["stream"]: d for d in body["streams"]}
+        assert status == 200 and listed["planes"]["compact"] == {"key": "tailnum", "keep": 1}
+        assert listed["fleet"]["compact"] == {"key": "plane.tail", "keep": 2}
+        assert listed["plain"]["compact"] is None
+        assert listed["planes"]["last_seq"] == loaded["info"].state.last_seq
+        status, body = await get(gw, "/v1/streams", other)
+        assert [d["stream"] for d in body["streams"]] == ["fleet"]
 
     asyncio.run(go())
 
@@ -343,6 +356,54 @@ def test_subscription_from_all_replays_latest_per_key_then_the_live_tail(
     assert {e["seq"] for e in replay} == {m.metadata.sequence.stream for m in loaded["msgs"]}
     assert [e["data"]["id"] for e in tail] == ["live-1"]
     assert tail[0]["subject"] == "air.planes.N14228"
+
+
+def test_a_running_feed_replays_only_the_latest_per_key(tier: tuple[CollectionTier, str]) -> None:
+    """A gateway whose feed of the stream is running (a first subscriber came before the
+    events) serves a later `from: "all"` from its in-memory ring: one event per key, the
+    last one, then the live tail, as a read of the stream gives."""
+    import ray
+
+    t, gw = tier
+    # k0 once, k1..k4 three times: the stream's first event is never replaced, so a replay
+    # from the first sequence runs over every replaced event the ring holds
+    rounds = [[f"k{i}" for i in range(5)], *[[f"k{i}" for i in range(1, 5)]] * 2]
+    events = [{"id": f"w{r}-{k}", "k": k} for r, keys in enumerate(rounds) for k in keys]
+    want = ["w0-k0", "w2-k1", "w2-k2", "w2-k3", "w2-k4", "w-live"]
+
+    async def go() -> dict[str, list[Any]]:
+        got: dict[str, list[Any]] = {"first": [], "second": []}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(f"{gw.replace('http', 'ws')}/v1/ws?token={READER}") as ws,
+        ):
+
+            async def until(sid: str, last_id: str) -> None:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    msg = await ws.receive_json(timeout=10)
+                    if msg["op"] == "event":
+                        got[msg["id"]].append(msg)
+                        if msg["id"] == sid and msg["data"]["id"] == last_id:
+                            return
+                raise AssertionError(f"{sid} never got {last_id}: {got}")
+
+            await ws.send_json({"op": "subscribe", "id": "first", "stream": "warm", "from": "new"})
+            assert (await ws.receive_json(timeout=10))["op"] == "subscribed"
+            await send(t.url, "warm", events, batch=4)
+            await until("first", "w2-k4")  # the feed has read every event
+            await ws.send_json({"op": "subscribe", "id": "second", "stream": "warm", "from": "all"})
+            await until("second", "w2-k4")
+            await send(t.url, "warm", [{"id": "w-live", "k": "k1"}])
+            await until("second", "w-live")
+        return got
+
+    got = asyncio.run(go())
+    assert [e["data"]["id"] for e in got["second"]] == want
+    handle = ray.get_actor(GATEWAYS[0], namespace=NS)
+    feed = ray.get(handle.stats.remote(), timeout=30)["feeds"]["warm"]
+    # served by the ring: 8 replaced by the rounds, 1 by the live event
+    assert feed["history_readers"] == 0 and feed["superseded"] == 9
 
 
 def test_keys_repeat_across_streams_and_strange_keys(

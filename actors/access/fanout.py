@@ -25,6 +25,11 @@ A subscriber that starts further back than the ring (or with a backlog larger th
 level) is catching up: its lag policy is off until it is within `warn_lag` of the head, and
 what the ring no longer holds it reads through a private, short-lived history reader at its
 own pace (so does a live subscriber within its lag bound that the ring trimmed past).
+
+On a compacted stream (`[streams.X.compact]`) the ring drops what the stream drops: an
+event with `keep` newer ones of its key (its subject) is skipped by every later read of
+the ring, so a `from: "all"` served from a running feed gets the latest per key, as one
+served by JetStream does.
 Rewinding the shared consumer instead would make every live client wait for the slowest
 history reader.
 
@@ -127,30 +132,88 @@ class TokenBucket:
 # --------------------------------------------------------------------------- ring
 
 
-class _Ring:
-    """The latest events of a stream: holds EVERY stream message with seq in [base, end)."""
+class _Superseded(StreamMessage):
+    """A ring slot whose event newer events of its key replaced (a compacted stream): a
+    reader handles it as filtered out, so it moves past it and sends nothing."""
 
-    def __init__(self, capacity: int, base: int) -> None:
+    __slots__ = ()
+
+    def __init__(self, ev: StreamMessage) -> None:
+        super().__init__(ev.seq, ev.subject, b"")
+
+    def view(self, flt: Filter) -> bytes | None:
+        return None
+
+
+class _Ring:
+    """The latest events of a stream: holds EVERY stream message with seq in [base, end).
+
+    With `keep` (a compacted stream: JetStream keeps the last `keep` messages per
+    subject) an event with `keep` newer ones of its subject in the ring is superseded, as
+    JetStream drops it: its slot becomes a `_Superseded`, so a replay from the ring sends
+    what a read of the stream would (the latest per key), not what the feed once read.
+    A subscriber that already read the event has had it, which is right for a live one.
+    """
+
+    def __init__(self, capacity: int, base: int, keep: int | None = None) -> None:
         self.capacity = capacity
         self.base = base
+        self.keep = keep
         self._events: list[StreamMessage] = []
         self._seqs: list[int] = []
         self._head = 0
+        self._cut = 0  # slots deleted from the front of the lists: absolute slot = index + _cut
+        # compacted only: subject -> absolute slots of its newest events in the ring, oldest first
+        self._slots: dict[str, deque[int]] = {}
+        self.superseded = 0
 
     def __len__(self) -> int:
         return len(self._events) - self._head
 
     def append(self, events: Sequence[StreamMessage]) -> None:
+        start = len(self._events)
         self._events.extend(events)
         self._seqs.extend(e.seq for e in events)
+        if self.keep is not None:
+            self._supersede(start)
         over = len(self) - self.capacity
         if over > 0:
+            if self.keep is not None:
+                self._forget(self._head, self._head + over)
             self._head += over
             self.base = self._seqs[self._head - 1] + 1
             if self._head > self.capacity:
                 del self._events[: self._head]
                 del self._seqs[: self._head]
+                self._cut += self._head
                 self._head = 0
+
+    def _supersede(self, start: int) -> None:
+        """Mark what the events appended from index `start` on replaced."""
+        keep, slots, evs, cut = self.keep, self._slots, self._events, self._cut
+        assert keep is not None
+        for i in range(start, len(evs)):
+            subject = evs[i].subject
+            held = slots.get(subject)
+            if held is None:
+                slots[subject] = held = deque()
+            held.append(i + cut)
+            if len(held) > keep:
+                j = held.popleft() - cut
+                if j >= self._head:
+                    evs[j] = _Superseded(evs[j])
+                    self.superseded += 1
+
+    def _forget(self, lo: int, hi: int) -> None:
+        """Slots [lo, hi) leave the ring: their subjects stop tracking them."""
+        slots, evs, cut = self._slots, self._events, self._cut
+        for i in range(lo, hi):
+            subject = evs[i].subject
+            held = slots.get(subject)
+            if held and held[0] == i + cut:  # a superseded slot is no longer tracked
+                held.popleft()
+                if not held:
+                    del slots[subject]
 
     def read(self, seq: int, limit: int) -> list[StreamMessage]:
         """Events with seq >= `seq` (which must be >= base), at most `limit`."""
@@ -442,10 +505,11 @@ class Feed:
         idle_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_stop: Callable[[Feed], None] = lambda feed: None,
+        keep: int | None = None,
     ) -> None:
         self.name = name
         self._open = open_reader
-        self.ring = _Ring(ring_size, 0)
+        self.ring = _Ring(ring_size, 0, keep)
         self.backfill = min(backfill, ring_size // 2)
         self.batch = batch
         self.fetch_timeout_s = fetch_timeout_s
@@ -715,6 +779,7 @@ class Feed:
             "position": self.position,
             "ring_base": self.ring.base,
             "ring_events": len(self.ring),
+            "superseded": self.ring.superseded,
             "last_seq": last.seq if last else None,
             "subscribers": len(self.subs),
             "catching_up": sum(1 for s in self.subs if s.catching_up),
@@ -727,17 +792,32 @@ class Feed:
 
 
 class Hub:
-    """The feeds of one gateway replica, by stream; a feed stops itself when idle."""
+    """The feeds of one gateway replica, by stream; a feed stops itself when idle.
 
-    def __init__(self, open_reader: Callable[[str], OpenReader], **feed_options: Any) -> None:
+    `keep_of(stream)` is the messages a compacted stream keeps per subject (None for any
+    other stream): its feed's ring then replays what the stream retains (see `_Ring`)."""
+
+    def __init__(
+        self,
+        open_reader: Callable[[str], OpenReader],
+        keep_of: Callable[[str], int | None] = lambda stream: None,
+        **feed_options: Any,
+    ) -> None:
         self._open = open_reader
+        self._keep_of = keep_of
         self._options = feed_options
         self.feeds: dict[str, Feed] = {}
 
     def feed(self, stream: str) -> Feed:
         feed = self.feeds.get(stream)
         if feed is None or feed.stopped:
-            feed = Feed(stream, self._open(stream), on_stop=self._stopped, **self._options)
+            feed = Feed(
+                stream,
+                self._open(stream),
+                on_stop=self._stopped,
+                keep=self._keep_of(stream),
+                **self._options,
+            )
             self.feeds[stream] = feed
         return feed
 

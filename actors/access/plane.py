@@ -115,6 +115,7 @@ class DataPlane:
         )
         self.hub = Hub(
             lambda js_name: jetstream_opener(self.js, js_name),
+            keep_of=self.compact_keep,
             ring_size=opts.ring_size,
             backfill=opts.backfill,
             batch=opts.fetch_batch,
@@ -163,6 +164,11 @@ class DataPlane:
         """A named (static) filter by its name, else the text compiled as SQL."""
         named = self.named.get(text)
         return named if named is not None else compile_filter(text)
+
+    def compact_keep(self, js_name: str) -> int | None:
+        """Messages kept per subject by compacted stream `js_name`; None if not compacted."""
+        sc = self.cfg.streams.get(js_name)  # a stream's JetStream name is its config name
+        return sc.compact.keep if sc is not None and sc.compact is not None else None
 
     def count(self, p: Problem) -> None:
         key = {401: "unauthorized", 403: "forbidden", 404: "not_found"}.get(p.status)

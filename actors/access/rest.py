@@ -1,6 +1,8 @@
 """The request/response endpoints: streams, long polling, latest, KV snapshots, webhooks.
 
-- `GET /v1/streams`: the streams this token may read, with their first and last seq;
+- `GET /v1/streams`: the streams this token may read, with their first and last seq and,
+  for a compacted one, its key and the events kept per key (`"compact": {"key", "keep"}`,
+  else null);
 - long polling `GET /v1/poll/{stream}?after=SEQ&timeout=S`: matching events after SEQ
   (waiting up to S for some); `next` is the `after` of the next poll, so nothing is lost
   between polls;
@@ -74,7 +76,17 @@ class RestRoutes:
             except Problem:
                 continue
             s = name.state
-            out.append({"stream": ref.public, "first_seq": s.first_seq, "last_seq": s.last_seq})
+            sc = None if ref.kv else plane.cfg.streams.get(ref.public)
+            c = sc.compact if sc is not None else None
+            compact = None if c is None else {"key": c.key, "keep": c.keep}
+            out.append(
+                {
+                    "stream": ref.public,
+                    "first_seq": s.first_seq,
+                    "last_seq": s.last_seq,
+                    "compact": compact,
+                }
+            )
         return reply(200, {"streams": sorted(out, key=lambda d: d["stream"])})
 
     # ------------------------------------------------------------------ polling, latest
