@@ -26,7 +26,6 @@ before anything is served, so it is the record of which generation is current.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from jobs.errors import JobError
 from jobs.sketches import Distinct
 from jobs.specs import JobSpec
 from jobs.topn import TopBase
+from runtime.files import write_atomic
 
 VIEWS_DIR = "views"
 MERGEABLE = ("topn", "count", "distinct")
@@ -108,14 +108,7 @@ def load_view(root: str | Path, name: str) -> BatchView | None:
 
 def save_view(root: str | Path, view: BatchView) -> None:
     """Write the view atomically (fsync, then rename): the current generation's record."""
-    path = view_path(root, view.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.msgpack.encode(view))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(view_path(root, view.name), msgspec.msgpack.encode(view))
 
 
 def drop_view(root: str | Path, name: str) -> None:

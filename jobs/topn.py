@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from jobs.errors import JobError
 from jobs.event_time import window_column, windowed_events
 from jobs.paths import extract_values
 from jobs.specs import JobSpec, duration_ms
+from runtime.files import write_atomic
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -246,13 +246,7 @@ class TopStore:
         self._last = state
         if self.directory is None:
             return
-        path = self.directory / f"{state.batch}.json"
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(state))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self.directory / f"{state.batch}.json", msgspec.json.encode(state))
         for old in self._ids()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / f"{old}.json").unlink()

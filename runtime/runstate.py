@@ -18,6 +18,7 @@ import msgspec
 import psutil
 
 from runtime.config import Config
+from runtime.files import write_atomic
 
 
 def state_file(cfg: Config) -> Path:
@@ -27,10 +28,7 @@ def state_file(cfg: Config) -> Path:
 def write_state(cfg: Config, state: dict[str, Any]) -> Path:
     """Write atomically (temp file + rename) so a reader never sees half a file."""
     path = state_file(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(state))
-    os.replace(tmp, path)
+    write_atomic(path, msgspec.json.encode(state), durable=False)
     return path
 
 
