@@ -256,3 +256,18 @@ def tier_config(
             **overrides,
         },
     )
+
+
+@contextlib.contextmanager
+def running_driver(cfg: Config, nats_url: str, jobs: Any = ()) -> Iterator[Any]:
+    """An AnalysisDriver actor with `jobs`, once its Spark runs; stopped and removed after
+    (cluster.deploy.analysis: imports Ray, so only when a test asks for a driver)."""
+    from cluster.deploy.analysis import start_driver, stop_driver, wait_running
+
+    handle = start_driver(cfg, nats_url, jobs)
+    try:
+        status = wait_running(handle, 180)
+        assert status.get("state") == "running", status
+        yield handle
+    finally:
+        stop_driver(handle)

@@ -30,7 +30,6 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from cluster.analysis import get_driver, jobs_list, jobs_start, jobs_stop, resolve_jobs
 from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
-from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 from jobs.driver import (
     DRIVER_NAME,
     JobsError,
@@ -45,7 +44,7 @@ from jobs.specs import deadletter_query_name
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import BackgroundLoad, NatsFactory, with_nats
+from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -261,13 +260,8 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
 
 @pytest.fixture(scope="module")
 def driver(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[Any]:
-    handle = start_driver(cfg, nats_url, jobs=meetup_jobs(trigger_s=0.5))
-    try:
-        st = wait_running(handle, 180)
-        assert st.get("state") == "running", st
+    with running_driver(cfg, nats_url, meetup_jobs(trigger_s=0.5)) as handle:
         yield handle
-    finally:
-        stop_driver(handle)
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,12 @@ import psutil
 import pytest
 import ray
 
-from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 from jobs.archive import read_archive
 from jobs.jetstream import register
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import BackgroundLoad, NatsFactory, with_nats
+from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 from tests.test_analysis_driver import java_children
 
 pytestmark = pytest.mark.timeout(900)
@@ -59,13 +58,8 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
 
 @pytest.fixture(scope="module")
 def driver(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[Any]:
-    handle = start_driver(cfg, nats_url)
-    try:
-        st = wait_running(handle, 180)
-        assert st.get("state") == "running", st
+    with running_driver(cfg, nats_url) as handle:
         yield handle
-    finally:
-        stop_driver(handle)
 
 
 class Load(BackgroundLoad):

@@ -21,7 +21,6 @@ import pytest
 import ray
 
 from cluster.analysis import jobs_recompute, jobs_start, jobs_stop
-from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 from jobs.archive import queries_root
 from jobs.batch_view import (
     BatchView,
@@ -43,7 +42,7 @@ from jobs.topn import COUNT, ITEM, TopBase, TopState, apply_batch, rank
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
-from tests.support import BackgroundLoad, NatsFactory, with_nats
+from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 
 pytestmark = pytest.mark.timeout(900)
 STREAM = "orders"
@@ -185,13 +184,8 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
 
 @pytest.fixture(scope="module")
 def driver(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[Any]:
-    handle = start_driver(cfg, nats_url, [*specs(""), *specs("re_")])
-    try:
-        st = wait_running(handle, 180)
-        assert st.get("state") == "running", st
+    with running_driver(cfg, nats_url, [*specs(""), *specs("re_")]) as handle:
         yield handle
-    finally:
-        stop_driver(handle)
 
 
 class Orders(BackgroundLoad):
