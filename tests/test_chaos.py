@@ -242,7 +242,7 @@ def test_cli_lists_scenarios_and_refuses_unknown_ones() -> None:
 
     out = CliRunner().invoke(app, ["chaos", "list", "--seed", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    for name in scenarios.SCENARIOS:
+    for name in [*scenarios.SCENARIOS, "site-loss"]:
         assert name in out.output
     bad = CliRunner().invoke(app, ["chaos", "run", "--scenario", "nope"])
     assert bad.exit_code == 2 and "unknown scenario" in bad.output

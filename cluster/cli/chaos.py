@@ -24,6 +24,16 @@ SCENARIO_COLUMNS = (
 )
 
 
+SITE_LOSS_ROW = {
+    "scenario": "site-loss",
+    "what": "two NATS sites of 3 nodes, a stream R3 copied both ways, one producer per "
+    "site: every node of site A SIGKILLed under load, A restarted after (docs/geo.md); "
+    "run alone with --scenario site-loss",
+    "schedule": "0.40 - 0.5 s: the link between the sites cut; 0.40: site A killed, its "
+    "producer moves to B; A restarted once the load ends",
+}
+
+
 @app.command("list")
 def list_(
     seed: Annotated[int, typer.Option(help="show the schedule this seed gives")] = 1,
@@ -39,6 +49,7 @@ def list_(
         }
         for s in scenarios.SCENARIOS.values()
     ]
+    rows.append(SITE_LOSS_ROW)  # runs on its own (two NATS sites, no Ray pipeline)
     if as_json:
         print(json.dumps(rows))
         return
