@@ -25,7 +25,6 @@ before anything is served, so it is the record of which generation is current.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ class BatchView(msgspec.Struct, kw_only=True):
     high_water: int  # the last stream sequence the batch view counts (0: none)
     computed_at_ms: int
     seconds: float = 0.0
-    events: int = 0  # valid events the batch read
+    events: int | None = None  # valid events the batch read (top-N counts them; others not)
     rows: list[dict[str, Any]] = []
     counts: dict[str, int] = {}  # count: result key -> count
     top: TopBase | None = None  # topn
@@ -109,11 +108,6 @@ def load_view(root: str | Path, name: str) -> BatchView | None:
 def save_view(root: str | Path, view: BatchView) -> None:
     """Write the view atomically (fsync, then rename): the current generation's record."""
     write_atomic(view_path(root, view.name), msgspec.msgpack.encode(view))
-
-
-def drop_view(root: str | Path, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        view_path(root, name).unlink()
 
 
 def checkpoint_dir(root: str | Path, name: str, view: BatchView | None) -> Path:

@@ -94,6 +94,13 @@ def as_top(ranked: Ranked) -> list[dict[str, Any]]:
     return [{"item": item, "count": count, "error": 0} for item, count in ranked]
 
 
+def still_open(end: int, newest_start: int, delay_ms: int) -> bool:
+    """Whether an event can still reach a window ending at `end`: its end is after the
+    newest window start seen minus the watermark delay (Spark's watermark is at least
+    that, and drops events at or before it as late)."""
+    return end > newest_start - delay_ms
+
+
 class WindowTop(msgspec.Struct, array_like=True):
     end: int
     top: Ranked
@@ -143,7 +150,7 @@ def apply_batch(
     starts = [*per_window, *([] if state.newest_start is None else [state.newest_start])]
     newest = max(starts) if starts else None
     if newest is not None:  # no event can reach a window ending at or before this any more
-        windows = {s: w for s, w in windows.items() if w.end > newest - delay_ms}
+        windows = {s: w for s, w in windows.items() if still_open(w.end, newest, delay_ms)}
     return TopState(batch=batch_id, windows=windows, newest_start=newest), out
 
 
@@ -195,7 +202,7 @@ class TopBase(msgspec.Struct, kw_only=True):
         windows = {
             start: WindowTop(end, rank(counts.items(), n))
             for start, (end, counts) in self.windows.items()
-            if newest is None or end > newest - delay_ms
+            if newest is None or still_open(end, newest, delay_ms)
         }
         return TopState(windows=windows, newest_start=newest)
 
