@@ -70,3 +70,46 @@ def test_source_and_sink_connect_with_the_client_certificate(mtls: tuple[Config,
     assert asyncio.run(source_sees_the_stream()) == 4  # the next sequence after 3 events
     report = ResultSink.for_query(target, "mtls_q").publish_results([{"key": "a", "n": 1}], 0)
     assert (report.published, report.kv_puts) == (1, 1)
+
+
+def test_a_recompute_reads_and_serves_under_mutual_tls(
+    mtls: tuple[Config, Any], spark: Any
+) -> None:
+    """`tierflow jobs recompute`'s engine under mutual TLS: the batch read of the stream
+    (Spark's Python workers) and the view's results and KV puts present the client pair."""
+    from jobs.jetstream import register
+    from jobs.recompute import recompute, serve_view
+    from jobs.sink import results_by_query
+    from jobs.specs import decode_spec
+    from jobs.sql import StreamTable
+
+    cfg, server = mtls
+
+    async def setup() -> None:
+        nc = await connect_nats(cfg, server.url, name="setup")
+        try:
+            await ensure_streams(nc, cfg)
+            js = nc.jetstream()
+            for i in range(7):
+                await js.publish("raw.flights", json.dumps({"carrier": "AB"[i % 2]}).encode())
+        finally:
+            await nc.close()
+
+    asyncio.run(setup())
+    register(spark)
+    target = NatsEndpoint.from_config(cfg, "analysis", url=server.url)
+    spec = decode_spec(
+        {"name": "tls_count", "kind": "count", "stream": "flights", "by": ["carrier"]}
+    )
+    view = recompute(spark, target, spec, StreamTable("flights"), high_water=6)
+    assert sorted((r["carrier"], r["count"]) for r in view.rows) == [("A", 3), ("B", 3)]
+    serve_view(target, view)
+
+    async def kv() -> dict[str, Any]:
+        nc = await connect_nats(cfg, server.url, name="read")
+        try:
+            return (await results_by_query(nc.jetstream()))["tls_count"]
+        finally:
+            await nc.close()
+
+    assert {k: v["count"] for k, v in asyncio.run(kv()).items()} == {"A": 3, "B": 3}
