@@ -65,8 +65,11 @@ def expected(sent: list[tuple[str, bytes]]) -> list[tuple[int, str, str]]:
     return [(i + 1, mid, digest(p)) for i, (mid, p) in enumerate(sent)]
 
 
-def run_once(sp: Any, url: str, settings: ArchiveSettings, ckpt: Path) -> None:
-    q = start_archive(sp, STREAM, NatsEndpoint(url), settings, ckpt, trigger={"availableNow": True})
+def run_once(
+    sp: Any, url: str, settings: ArchiveSettings, ckpt: Path, stream: str = STREAM
+) -> None:
+    """Archive what the stream holds now (one availableNow run of the archive query)."""
+    q = start_archive(sp, stream, NatsEndpoint(url), settings, ckpt, trigger={"availableNow": True})
     q.awaitTermination(240)
     assert q.exception() is None, q.exception()
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from jobs.archive import ArchiveSettings, start_archive
+from jobs.archive import ArchiveSettings
 from jobs.sql import SqlResult, SqlTimeout, StreamTable, run_sql
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import SqlRefused
 from tests.support import with_nats
+from tests.test_archive import run_once
 from tests.test_jetstream_source import add_stream, nats_url, publish, sp
 
 # nats_url and sp are test_jetstream_source's module fixtures, imported so pytest finds them
@@ -41,15 +42,7 @@ def world(sp: Any, nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> d
     msgs = [(f"raw.{CLICKS}", json.dumps(c).encode(), f"c-{c['n']}") for c in clicks[:2000]]
     with_nats(lambda nc: publish(nc, msgs), nats_url)
     root, ckpt = tmp / "archive", tmp / "ckpt"
-    q = start_archive(
-        sp,
-        CLICKS,
-        NatsEndpoint(nats_url),
-        ArchiveSettings(path=str(root)),
-        ckpt,
-        trigger={"availableNow": True},
-    )
-    q.awaitTermination(240)
+    run_once(sp, nats_url, ArchiveSettings(path=str(root)), ckpt, CLICKS)
     tail = [(f"raw.{CLICKS}", json.dumps(c).encode(), f"c-{c['n']}") for c in clicks[2000:]]
     tail.append((f"raw.{CLICKS}", b'{"user": ', "c-broken"))
     with_nats(lambda nc: publish(nc, tail), nats_url)
@@ -158,15 +151,7 @@ def test_ids_repeated_across_two_archived_streams_and_an_event_at_the_size_limit
         with_nats(lambda nc, m=msgs: publish(nc, m), nats_url)
     root, ckpt = tmp_path / "archive", tmp_path / "ckpt"
     for name in (a, b):
-        q = start_archive(
-            sp,
-            name,
-            NatsEndpoint(nats_url),
-            ArchiveSettings(path=str(root)),
-            ckpt,
-            trigger={"availableNow": True},
-        )
-        q.awaitTermination(240)
+        run_once(sp, nats_url, ArchiveSettings(path=str(root)), ckpt, name)
     tables = {name: StreamTable(name, str(root), ckpt) for name in (a, b)}
     world = {"tables": tables}
     for name, n in ((a, 300), (b, 301)):
