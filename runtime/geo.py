@@ -8,7 +8,8 @@ visible. Sourced messages keep their headers, and JetStream checks a sourced mes
 Nats-Msg-Id against the copy's duplicate window like a publish: an event acknowledged on
 both sites (a producer's retry after a failover) is stored once in each copy.
 
-Pure: `origin_subject`, `copy_sources`, `copy_config`, `link_deny`, `lag_rows`.
+Pure: `origin_subject`, `origin_transform`, `origin_patterns`, `copy_sources`, `copy_config`,
+`link_deny`, `lag_rows`.
 I/O (one nats-py connection to any site, other sites reached by their domain's API
 prefix `$JS.<site>.API` across the leaf links): `local_site`, `ensure_copies`,
 `with_local_sources`, `stream_copy_info`, `replication_lag`.
@@ -41,6 +42,25 @@ def origin_subject(site: str, subject: str) -> str:
     return f"{ORIGIN_PREFIX}.{site}.{subject}"
 
 
+def origin_transform(site: str, subject: str) -> str:
+    """The subject transform destination for a source filtered on `subject`: `origin_subject`
+    with each `*` written as the `{{wildcard(n)}}` it stands for (nats-server refuses a
+    bare `*` in a destination: "source transform: invalid subject"; a `>` is kept)."""
+    out, n = [], 0
+    for token in subject.split("."):
+        if token == "*":
+            n += 1
+            token = f"{{{{wildcard({n})}}}}"
+        out.append(token)
+    return origin_subject(site, ".".join(out))
+
+
+def origin_patterns(subjects: Iterable[str]) -> list[str]:
+    """Subject filters matching what every origin's events on `subjects` are stored under
+    in a copy (`geo.*.<subject>`), for readers that want every site's writes."""
+    return [origin_subject("*", s) for s in subjects]
+
+
 def copy_sources(name: str, subjects: Iterable[str], site: str, rep: ReplicateConfig) -> list[Any]:
     """The `sources` of `site`'s copy of stream `name`: every other site's copy, only its
     local writes (its own `subjects`), each moved under that origin's prefix."""
@@ -51,7 +71,7 @@ def copy_sources(name: str, subjects: Iterable[str], site: str, rep: ReplicateCo
             name=name,
             external=ExternalStream(api=f"$JS.{other}.API"),
             subject_transforms=[
-                SubjectTransform(src=s, dest=origin_subject(other, s)) for s in subjects
+                SubjectTransform(src=s, dest=origin_transform(other, s)) for s in subjects
             ],
         )
         for other in rep.sites
@@ -69,10 +89,13 @@ def copy_config(base: JsStreamConfig, site: str, rep: ReplicateConfig) -> JsStre
 
 def link_deny(cfg: Config) -> list[str]:
     """Subjects the leaf links between sites must not carry: every configured stream's
-    subjects (a stream would otherwise also capture the other site's publishes)."""
+    subjects, as configured and as JetStream captures them (a compacted stream's have one
+    more token, the key); a stream would otherwise also capture the other site's publishes."""
+    from runtime.compaction import stream_subjects
+
     out: list[str] = []
-    for stream in cfg.streams.values():
-        for subj in stream.subjects:
+    for name, stream in cfg.streams.items():
+        for subj in [*stream.subjects, *stream_subjects(stream, name)]:
             if subj not in out:
                 out.append(subj)
     return out
@@ -191,7 +214,9 @@ __all__ = [
     "lag_rows",
     "link_deny",
     "local_site",
+    "origin_patterns",
     "origin_subject",
+    "origin_transform",
     "replication_lag",
     "stream_copy_info",
     "with_local_sources",

@@ -8,24 +8,54 @@ ports, so the sites form a star. A leaf connection carries only subjects, never 
 state: each site keeps its own meta group, so losing one site never costs another its quorum.
 `kill_site` / `start_site` are the fault a site-loss test injects; stores and ports are kept,
 so a returning site is the same JetStream peers on the same addresses.
+
+The links are authenticated: every leaf port requires a user and password (`LeafAuth`)
+generated per `NatsSites` (so per `nats up --sites` run) and kept in `leaf-auth.json` (0600)
+next to sites.json. With `tls` (`[tls]` on, `NatsSites.from_config`) the links run TLS with
+the runtime's CA: the dialling side checks the listening side's certificate and name, and
+presents the client pair, which the listening side then requires (mutual TLS). A leaf
+connection with wrong or no credentials (or no valid certificate) is refused and carries
+nothing. `server_opts` (the same client-facing users, TLS and encryption `start_nats`
+gives a single server) go to every server unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import secrets
 import socket
 import string
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.nats import NatsServer, NatsServerError, _conf_str, free_ports
 from runtime.waiting import poll
 
+if TYPE_CHECKING:
+    from runtime.config import Config
+    from runtime.tls import TlsFiles
+
 SITES_FILE = "sites.json"
+LEAF_AUTH_FILE = "leaf-auth.json"
+LEAF_USER = "tierflow-leaf"
+
+
+@dataclass(frozen=True)
+class LeafAuth:
+    """The user and password every leaf port requires (one pair for all the sites' links)."""
+
+    user: str = LEAF_USER
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+
+    def __post_init__(self) -> None:
+        for part in (self.user, self.password):  # they go into nats-leaf://user:pass@host URLs
+            if not part or any(c in part for c in ':@/?#%" '):
+                raise ValueError("leaf user and password: non-empty, no ':@/?#%\" or spaces")
 
 
 def stable_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
@@ -73,19 +103,71 @@ def site_names(n: int) -> list[str]:
     return [f"site-{c}" for c in string.ascii_lowercase[:n]]
 
 
-def leaf_block(listen: str, remotes: list[str], deny: Sequence[str] = ()) -> list[str]:
+def _tls_lines(indent: str, files: TlsFiles, *, listen: bool) -> list[str]:
+    """A leafnodes `tls {}` block. Listening: the server pair, and `verify` (require the
+    dialler's certificate, signed by the CA) when there is a client pair to present.
+    Dialling: trust the CA (the listener's name is checked against its certificate) and
+    present the client pair when there is one."""
+
+    def path(p: Path | str) -> str:
+        return _conf_str(str(Path(p).resolve()))
+
+    mutual = files.client_cert is not None and files.client_key is not None
+    lines = [f"{indent}tls {{"]
+    if listen:
+        lines += [
+            f"{indent}  cert_file: {path(files.cert)}",
+            f"{indent}  key_file: {path(files.key)}",
+        ]
+        lines.append(f"{indent}  ca_file: {path(files.ca)}")
+        if mutual:
+            lines.append(f"{indent}  verify: true")
+    else:
+        lines.append(f"{indent}  ca_file: {path(files.ca)}")
+        if mutual:
+            assert files.client_cert is not None and files.client_key is not None
+            lines.append(f"{indent}  cert_file: {path(files.client_cert)}")
+            lines.append(f"{indent}  key_file: {path(files.client_key)}")
+    lines += [f"{indent}  timeout: 2", f"{indent}}}"]
+    return lines
+
+
+def leaf_block(
+    listen: str,
+    remotes: list[str],
+    deny: Sequence[str] = (),
+    auth: LeafAuth | None = None,
+    tls: TlsFiles | None = None,
+) -> list[str]:
     """The `leafnodes {}` block: listen for other sites, and dial the hub's leaf `remotes`
     (host:port) if this site is not the hub. Reconnects are the server's (every second).
 
     `deny`: subjects the link never carries either way. Without it a stream's subjects are
     interest like any other, and a site's stream would also capture the other site's
     publishes directly (twice stored, origin lost); with it the link carries only
-    JetStream's own traffic ($JS.<domain>.API, source consumers' deliveries, replies)."""
+    JetStream's own traffic ($JS.<domain>.API, source consumers' deliveries, replies).
+
+    `auth`: the listener requires this user and password, and the remotes present them.
+    `tls`: TLS on the links with the CA of `tls` (see `_tls_lines`). Both None: an open
+    link (anyone reaching the leaf port joins the subject space; tests of the old shape)."""
     lines = ["leafnodes {", f"  listen: {_conf_str(listen)}", '  reconnect: "1s"']
+    if auth is not None:
+        lines += [
+            "  authorization {",
+            f"    user: {_conf_str(auth.user)}",
+            f"    password: {_conf_str(auth.password)}",
+            "    timeout: 2",
+            "  }",
+        ]
+    if tls is not None:
+        lines += _tls_lines("  ", tls, listen=True)
     if remotes:
-        urls = ", ".join(_conf_str(f"nats-leaf://{r}") for r in remotes)
+        cred = f"{auth.user}:{auth.password}@" if auth is not None else ""
+        urls = ", ".join(_conf_str(f"nats-leaf://{cred}{r}") for r in remotes)
         denied = ", ".join(_conf_str(d) for d in deny)
         lines += ["  remotes: [", "    {", f"      urls: [{urls}]"]
+        if tls is not None:
+            lines += _tls_lines("      ", tls, listen=False)
         if deny:
             lines += [f"      deny_imports: [{denied}]", f"      deny_exports: [{denied}]"]
         lines += ["    }", "  ]"]
@@ -152,6 +234,9 @@ class NatsSites:
     """`sites` JetStream domains of `nodes` servers each on loopback, joined by leaf nodes.
 
     Start, kill and restart only the processes it started (their pids are in `describe()`).
+    The leaf links require `auth` (generated here unless given; None leaves them open) and
+    run TLS when `tls` is set; `server_opts` are `NatsServer` fields every server gets
+    (client-facing users, TLS, encryption: `site_server_options`).
     """
 
     base_dir: Path
@@ -162,6 +247,9 @@ class NatsSites:
     # subjects the sites never exchange over the leaf links: every replicated stream's
     # subjects (see `leaf_block`); runtime/geo.py `link_deny` derives them from the config
     deny: list[str] = field(default_factory=list)
+    auth: LeafAuth | None = field(default_factory=LeafAuth)
+    tls: TlsFiles | None = None
+    server_opts: dict[str, Any] = field(default_factory=dict, repr=False)
     members: list[Site] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +257,25 @@ class NatsSites:
         if self.nodes < 1:
             raise ValueError("a site needs at least one node")
         site_names(self.sites)
+
+    @classmethod
+    def from_config(cls, cfg: Config, base_dir: Path, sites: int = 2, nodes: int = 3) -> NatsSites:
+        """The sites `tierflow nats up --sites` runs for `cfg`: its streams' subjects kept
+        off the links, leaf auth generated, and with `[tls]` on TLS for clients and links."""
+        from runtime.geo import link_deny
+
+        return cls(
+            base_dir=base_dir,
+            sites=sites,
+            nodes=nodes,
+            sync_interval=cfg.nats.sync_interval,
+            deny=link_deny(cfg),
+            tls=leaf_tls(cfg),
+            server_opts=site_server_options(cfg),
+        )
+
+    def _leaf(self, listen_port: int, remotes: list[str]) -> list[str]:
+        return leaf_block(f"{self.host}:{listen_port}", remotes, self.deny, self.auth, self.tls)
 
     def site(self, name: str) -> Site:
         for s in self.members:
@@ -203,7 +310,8 @@ class NatsSites:
                         cluster_port=route[j] if n > 1 else 0,
                         routes=routes if n > 1 else [],
                         js_domain=name,
-                        extra_conf=leaf_block(f"{self.host}:{leaf[j]}", remotes, self.deny),
+                        extra_conf=self._leaf(leaf[j], remotes),
+                        **self.server_opts,
                     )
                 )
             self.members.append(Site(name, servers, leaf))
@@ -220,7 +328,7 @@ class NatsSites:
         self.plan()
         for site in self.members[1:]:
             for s, port in zip(site.servers, site.leaf_ports, strict=True):
-                s.extra_conf = leaf_block(f"{self.host}:{port}", hub_addresses, self.deny)
+                s.extra_conf = self._leaf(port, hub_addresses)
 
     def start(self, timeout: float = 40.0) -> NatsSites:
         """Start every site and wait until each has a JetStream meta leader and the leaf
@@ -294,13 +402,23 @@ class NatsSites:
                 s.stop()
 
     def describe(self) -> dict[str, Any]:
-        return {"sites": [s.describe() for s in self.members]}
+        """What sites.json holds: no secret (the leaf password is in `LEAF_AUTH_FILE`)."""
+        return {
+            "sites": [s.describe() for s in self.members],
+            "leaf_auth": LEAF_AUTH_FILE if self.auth is not None else None,
+            "leaf_tls": self.tls is not None,
+        }
 
     def write_state(self, path: Path | None = None) -> Path:
-        """sites.json: each site's URLs, monitor URLs and pids (what `tierflow site` reads)."""
+        """sites.json: each site's URLs, monitor URLs and pids (what `tierflow site` reads);
+        and next to it, 0600 and written first, `leaf-auth.json`: the leaf links' user and
+        password. Each file is replaced whole, so a reader never sees half of one."""
         path = Path(path) if path else self.base_dir / SITES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.describe(), indent=2))
+        if self.auth is not None:
+            secret = {"user": self.auth.user, "password": self.auth.password}
+            write_private(path.parent / LEAF_AUTH_FILE, json.dumps(secret).encode())
+        write_private(path, json.dumps(self.describe(), indent=2).encode(), mode=0o644)
         return path
 
     def __enter__(self) -> NatsSites:
@@ -310,4 +428,73 @@ class NatsSites:
         self.stop()
 
 
-__all__ = ["SITES_FILE", "NatsSites", "Site", "leaf_block", "site_names", "stable_ports"]
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace `path` (atomically) with a file that has `mode` from its creation on."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)  # whatever the umask
+    tmp.replace(path)
+
+
+def read_leaf_auth(state_dir: Path) -> LeafAuth | None:
+    """The leaf credentials `write_state` kept in `state_dir` (None if there are none)."""
+    try:
+        body = json.loads((Path(state_dir) / LEAF_AUTH_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return LeafAuth(user=body["user"], password=body["password"])
+
+
+def leaf_tls(cfg: Config) -> TlsFiles | None:
+    """`[tls]`'s files for the leaf links (None when TLS is off), with the client pair
+    found as for clients, or else the one `tierflow certs` wrote: a dialling site presents
+    it, so the listening site can require it (mutual TLS)."""
+    from runtime.certs import DevCerts
+    from runtime.tls import certs_dir, tls_files
+
+    files = tls_files(cfg)
+    if files is None or files.client_cert is not None:
+        return files
+    dev = DevCerts(certs_dir(cfg))
+    if dev.client_cert.is_file() and dev.client_key.is_file():
+        return replace(files, client_cert=dev.client_cert, client_key=dev.client_key)
+    return files
+
+
+def site_server_options(cfg: Config) -> dict[str, Any]:
+    """The client-facing `NatsServer` fields every site's server gets: what `start_nats`
+    gives the single embedded server (users or role users, TLS, encryption at rest)."""
+    from runtime.nats_roles import server_users
+    from runtime.tls import tls_files
+
+    tls = tls_files(cfg)
+    return {
+        "user": cfg.nats.user or None,
+        "password": cfg.nats.password or None,
+        "users": server_users(cfg) if cfg.nats.role_users else [],
+        "tls_cert": str(tls.cert) if tls else None,
+        "tls_key": str(tls.key) if tls else None,
+        "tls_ca": str(tls.ca) if tls else None,
+        "tls_verify": bool(tls and tls.verify_clients),
+        "encryption_key": cfg.nats.encryption_key or None,
+        "encryption_cipher": cfg.nats.encryption_cipher,
+    }
+
+
+__all__ = [
+    "LEAF_AUTH_FILE",
+    "SITES_FILE",
+    "LeafAuth",
+    "NatsSites",
+    "Site",
+    "leaf_block",
+    "leaf_tls",
+    "read_leaf_auth",
+    "site_names",
+    "site_server_options",
+    "stable_ports",
+    "write_private",
+]

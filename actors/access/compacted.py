@@ -13,13 +13,19 @@
 Same token and stream rules as every other stream read (`plane.stream`: 401, 403, 404).
 Listing keys asks JetStream for the stream's subjects (`STREAM.INFO` with a subject
 filter, 100,000 subjects a response): it costs what the stream's key count is, per page.
+
+A replicated stream (`[streams.X.replicate]`, runtime/geo.py) holds the keys written on
+other sites under `geo.<origin>.<subject>`: both routes read every origin as well as the
+local subjects (`read_subjects`, `list_filters`), so each site answers for every site's
+writes. `latest_message` says which one is the latest (the last stored in this copy).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -32,8 +38,21 @@ from actors.access.protocol import Problem, StreamRef, int_param, refusal, reply
 from actors.access.reader import stored_message
 from runtime.compaction import key_filters, key_token, lookup_subjects, token_key, token_of
 from runtime.config import StreamConfig
+from runtime.geo import origin_patterns
 
-__all__ = ["CompactedRoutes", "MAX_KEYS_PAGE"]
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js.api import RawStreamMsg
+    from nats.js.client import JetStreamContext
+
+__all__ = [
+    "CompactedRoutes",
+    "MAX_KEYS_PAGE",
+    "key_counts",
+    "latest_message",
+    "list_filters",
+    "read_subjects",
+]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_KEYS_PAGE = 1000
@@ -80,14 +99,7 @@ class CompactedRoutes:
         except Problem as p:
             return self._refuse(p)
         token = key_token(value)
-        found: Any = None
-        for subject in lookup_subjects(sc.subjects, token):  # the newest over the subjects
-            try:
-                raw = await self.plane.js.get_last_msg(ref.js, subject)
-            except NotFoundError:
-                continue
-            if found is None or raw.seq > found.seq:
-                found = raw
+        found = await latest_message(self.plane.js, ref.js, read_subjects(sc, token))
         if found is None:
             return self._refuse(Problem(404, f"no event in {ref.public!r} for key {value!r}"))
         ev: StreamMessage = stored_message(found, False)
@@ -110,11 +122,8 @@ class CompactedRoutes:
         assert limit is not None
         limit = min(limit, MAX_KEYS_PAGE)
         after = request.query.get("after", "")
-        counts: dict[str, int] = {}
-        for pattern in key_filters(sc.subjects):
-            for subject, n in (await self._subjects(ref.js, pattern)).items():
-                tok = token_of(subject)
-                counts[tok] = counts.get(tok, 0) + n
+        api = getattr(self.plane.js, "_prefix", "$JS.API")  # a JetStream domain's, if any
+        counts = await key_counts(self.plane.nc, api, ref.js, list_filters(sc))
         tokens = sorted(t for t in counts if t > after)
         page = tokens[:limit]
         out = []
@@ -124,26 +133,75 @@ class CompactedRoutes:
         nxt = page[-1] if len(tokens) > limit else None
         return reply(200, {"stream": ref.public, "keys": out, "next": nxt})
 
-    async def _subjects(self, js_name: str, pattern: str) -> dict[str, int]:
-        """Every subject of the stream matching `pattern`, with its message count."""
-        out: dict[str, int] = {}
-        offset = 0
-        api = getattr(self.plane.js, "_prefix", "$JS.API")  # a JetStream domain's, if any
-        for _ in range(_SUBJECTS_PAGE_LIMIT):
-            msg = await self.plane.nc.request(
-                f"{api}.STREAM.INFO.{js_name}",
-                json.dumps({"subjects_filter": pattern, "offset": offset}).encode(),
-                timeout=10.0,
-            )
-            body = json.loads(msg.data)
-            if "error" in body:
-                raise Problem(503, f"JetStream: {body['error'].get('description')}")
-            subjects = (body.get("state") or {}).get("subjects") or {}
-            out.update(subjects)
-            offset += len(subjects)
-            if not subjects or offset >= int(body.get("total") or 0):
-                break
-        return out
+
+def read_subjects(sc: StreamConfig, token: str) -> list[str]:
+    """The subjects (patterns, with wildcards) a key's events are on in this copy: the local
+    ones and, for a replicated stream, every origin's (`geo.*.<subject>`)."""
+    local = lookup_subjects(sc.subjects, token)
+    return local + (origin_patterns(local) if sc.replicate is not None else [])
+
+
+def list_filters(sc: StreamConfig) -> list[str]:
+    """Subject filters matching every key of the stream in this copy, from every origin."""
+    local = key_filters(sc.subjects)
+    return local + (origin_patterns(local) if sc.replicate is not None else [])
+
+
+async def latest_message(
+    js: JetStreamContext, stream: str, subjects: Sequence[str]
+) -> RawStreamMsg | None:
+    """The latest message of `stream` over `subjects`: the one this copy stored last (the
+    highest sequence), whatever its origin; None when none of them holds one.
+
+    Why "stored last" and not "published last at its origin": a sourced message is stamped
+    with the time this copy stored it, not its origin's (nats-server 2.15.1), and tierflow's
+    events carry no time of their own, so the origin's time is not here to compare; asking
+    the origin for it would make every read wait on the other site, and fail while it is
+    lost. The last stored is what this copy can decide alone, the same rule as for a stream
+    on one site. With the sites in touch (replication lag in milliseconds) it is the last
+    written; a key written on two sites within the lag of each other, or on both while the
+    link was down, may have a different latest on each site until it is written again."""
+
+    async def last(subject: str) -> RawStreamMsg | None:
+        try:
+            return await js.get_last_msg(stream, subject)
+        except NotFoundError:
+            return None
+
+    found = [m for m in await asyncio.gather(*(last(s) for s in subjects)) if m is not None]
+    return max(found, key=lambda m: m.seq or 0, default=None)
+
+
+async def key_counts(nc: Client, api: str, stream: str, filters: Sequence[str]) -> dict[str, int]:
+    """{key token: messages held for it} over `filters`: a key held under several subjects
+    (routed subjects, other sites' origins) is one key, its counts added."""
+    counts: dict[str, int] = {}
+    for pattern in filters:
+        for subject, n in (await _subjects(nc, api, stream, pattern)).items():
+            tok = token_of(subject)
+            counts[tok] = counts.get(tok, 0) + n
+    return counts
+
+
+async def _subjects(nc: Client, api: str, stream: str, pattern: str) -> dict[str, int]:
+    """Every subject of the stream matching `pattern`, with its message count."""
+    out: dict[str, int] = {}
+    offset = 0
+    for _ in range(_SUBJECTS_PAGE_LIMIT):
+        msg = await nc.request(
+            f"{api}.STREAM.INFO.{stream}",
+            json.dumps({"subjects_filter": pattern, "offset": offset}).encode(),
+            timeout=10.0,
+        )
+        body = json.loads(msg.data)
+        if "error" in body:
+            raise Problem(503, f"JetStream: {body['error'].get('description')}")
+        subjects = (body.get("state") or {}).get("subjects") or {}
+        out.update(subjects)
+        offset += len(subjects)
+        if not subjects or offset >= int(body.get("total") or 0):
+            break
+    return out
 
 
 def _key_param(query: Any) -> str | int | float | bool:

@@ -16,10 +16,9 @@ from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from cluster.replay import run_replay
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import dumps_toml, redact
-from runtime.geo import link_deny
 from runtime.nats import NatsCluster, nats_server_binary
 from runtime.services import EngineError, nats_store_dir, require_java, start_nats
-from runtime.sites import NatsSites
+from runtime.sites import LEAF_AUTH_FILE, NatsSites
 from runtime.tls import certs_dir
 
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
@@ -81,19 +80,27 @@ def nats_up(
 ) -> None:
     """Run nats-server (one node, an N-node JetStream cluster, or several such sites in their
     own JetStream domains joined by leaf nodes: docs/geo.md) on loopback until Ctrl-C."""
+    # handlers first: a SIGTERM while the servers start (or right after sites.json is
+    # written) must stop them, not kill this process and leave them running
+    stop = {"flag": False}
+
+    def _stop(*_: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     cfg = load_config(config)
     if sites > 1:
-        cluster: Any = NatsSites(
-            base_dir=nats_store_dir(cfg) / "sites",
-            sites=sites,
-            nodes=nodes,
-            sync_interval=cfg.nats.sync_interval,
-            deny=link_deny(cfg),
+        # leaf links: a user and password made for this run (kept 0600 next to sites.json),
+        # TLS with the runtime's CA when [tls] is on; clients as for one server (users, TLS)
+        cluster: Any = NatsSites.from_config(
+            cfg, nats_store_dir(cfg) / "sites", sites=sites, nodes=nodes
         ).start()
         state = cluster.write_state()
         for site in cluster.members:
             console.print(f"[green]{site.name}[/green] (JetStream domain {site.name}): {site.url}")
-        console.print(f"sites: {state}")
+        links = "TLS, " if cluster.tls is not None else ""
+        console.print(f"sites: {state}; leaf links: {links}auth in {state.parent / LEAF_AUTH_FILE}")
         urls = [s.url for s in cluster.members]
     elif nodes == 1:
         # `nats up` always runs a local server, whatever nats.url says.
@@ -108,13 +115,6 @@ def nats_up(
         ).start()
         urls = cluster.urls
     console.print(f"[green]nats up[/green]: {','.join(urls)}  (Ctrl-C stops)")
-    stop = {"flag": False}
-
-    def _stop(*_: Any) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
     try:
         while not stop["flag"]:
             time.sleep(0.2)
