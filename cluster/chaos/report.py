@@ -83,6 +83,9 @@ class ScenarioReport:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     error: str = ""
+    # the site-loss scenarios: their own report (cluster.chaos.site_loss.SiteLossReport
+    # .to_dict(): figures and the per-copy verdict); None for the others
+    site: dict[str, Any] | None = None
 
     def add_verdicts(self, verdicts: Iterable[Any]) -> None:
         """Fold `cluster.verify.StreamVerdict`s (one per stream) into the report."""
@@ -118,6 +121,7 @@ class ScenarioReport:
             and (self.gateway is None or self.gateway.ok)
             and not self.analysis_mismatches
             and not any(f.error for f in self.faults)
+            and (self.site is None or bool(self.site.get("ok")))
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +137,49 @@ class ScenarioReport:
         d["duplicated_payloads_count"] = len(self.duplicated_payloads)
         d["duplicated_payloads"] = dict(list(self.duplicated_payloads.items())[:20])
         return d
+
+
+def from_site_loss(name: str, seed: int, rate: float, rep: Any, elapsed_s: float) -> ScenarioReport:
+    """A site-loss run (`cluster.chaos.site_loss.SiteLossReport`) as a scenario row: ids
+    are `site/id` (per copy), the fault is the kill of site A with the time to the first
+    acknowledgement on B as its recovery; every figure stays in `site`."""
+    checks = rep.checks
+    out = ScenarioReport(
+        scenario=name,
+        seed=seed,
+        events=rep.events,
+        rate_eps=round(rate, 1),
+        sent=rep.events + rep.resent,
+        acknowledged=rep.acked,
+        stored=checks[0].stored if checks else 0,
+        lost=[f"{c.site}/{i}" for c in checks for i in c.lost],
+        duplicated={f"{c.site}/{i}": 2 for c in checks for i in c.duplicated},
+        altered=[f"{c.site}/{i}" for c in checks for i in c.hash_mismatch],
+        unacknowledged_stored=sum(len(c.unknown) for c in checks),
+        error=rep.error,
+        elapsed_s=round(elapsed_s, 1),
+        site=rep.to_dict(),
+    )
+    unknown = [f"{c.site}/{i}" for c in checks for i in c.unknown]
+    if unknown:
+        out.notes.append(f"stored, never sent: {unknown[:10]}")
+    if rep.killed_at is not None:
+        start = rep.kill_after_s or 0.0
+        out.faults.append(
+            FaultReport(
+                label=f"kill site-a x{len(rep.killed_pids)}",
+                started_s=round(start, 2),
+                ended_s=round(start, 2),
+                recovered_s=rep.kill_to_first_ack_s,
+                throughput_eps=0.0,
+                detail=f"first ack on B {rep.kill_to_first_ack_s} s after the kill; "
+                f"{rep.missing_on_b_during_outage} acked events not on B while A was down; "
+                f"caught up {rep.catch_up_s} s after A returned",
+                error="" if rep.kill_to_first_ack_s is not None else "no ack on B after the kill",
+            )
+        )
+    out.notes.append(out.faults[0].detail if out.faults else "site A was never killed")
+    return out
 
 
 # --------------------------------------------------------------------------- pure numbers

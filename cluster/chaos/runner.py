@@ -38,7 +38,14 @@ from ray.cluster_utils import Cluster
 from actors.access.client import TierflowClient
 from cluster.chaos.injectors import Deployment, FaultRecord, inject
 from cluster.chaos.proxy import ProxyThread
-from cluster.chaos.report import ScenarioReport, delivery_check, fault_reports, rate_between
+from cluster.chaos.report import (
+    ScenarioReport,
+    delivery_check,
+    fault_reports,
+    from_site_loss,
+    rate_between,
+)
+from cluster.chaos.scenarios import SITE_LOSS, SITE_SCHEDULES
 from cluster.chaos.schedule import Scenario, at_s, load_span, plan
 from cluster.demo.meetup import meetup_jobs, reference
 from cluster.demo.rsvps import RsvpGenerator
@@ -364,9 +371,30 @@ async def _max_payload(url: str) -> int:
         await nc.close()
 
 
+async def run_site_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
+    """`site-loss` (a tierflow runtime on each of two NATS sites, HTTP load) or
+    `site-loss-nats` (JetStream publishes to each site): they start their own sites and
+    runtimes (cluster/chaos/site_loss_pipeline.py, cluster/chaos/site_loss.py)."""
+    from cluster.chaos.site_loss import run_site_loss
+    from cluster.chaos.site_loss_pipeline import run_site_loss_pipeline
+
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if opts.workdir is None:
+            tmp = tempfile.TemporaryDirectory(prefix=f"tierflow-chaos-{scn.name}-")
+            work = Path(stack.enter_context(tmp))
+        else:
+            work = opts.workdir / f"{scn.name}-{opts.seed}-{secrets.token_hex(2)}"
+        run = run_site_loss_pipeline if scn.name == SITE_LOSS else run_site_loss
+        rep = await run(events=opts.events, rate=opts.rate, seed=opts.seed, workdir=work)
+    return from_site_loss(scn.name, opts.seed, opts.rate, rep, time.monotonic() - started)
+
+
 async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
     """Deploy, load, inject, verify, tear down; the report says what happened."""
 
+    if scn.name in SITE_SCHEDULES:  # two NATS sites: not one deployment
+        return await run_site_scenario(scn, opts)
     span, rate = load_span(opts.events, opts.rate, scn)
     rep = ScenarioReport(scn.name, opts.seed, opts.events, round(rate, 1), 0, 0, 0)
     started = time.monotonic()

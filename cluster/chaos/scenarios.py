@@ -17,6 +17,7 @@ from cluster.chaos.schedule import (
     ROLE_TARGETS,
     Fault,
     Scenario,
+    plan,
 )
 
 # Kills past the collection supervisor's restart intensity (20 restarts in 60 s): both
@@ -24,6 +25,16 @@ from cluster.chaos.schedule import (
 KILLS_PAST_INTENSITY = 30
 # A duplicate window shorter than the outage of `nats-down-past-dup-window`.
 SHORT_DUP_WINDOW_S = 4.0
+# Two NATS sites, not one deployment: the runner hands these to cluster/chaos/site_loss*.py.
+SITE_LOSS = "site-loss"  # HTTP into a tierflow runtime per site (site_loss_pipeline.py)
+SITE_LOSS_NATS = "site-loss-nats"  # JetStream publishes straight to each site (site_loss.py)
+# Their schedule, said in words (the kill is not a `schedule.Fault`: it needs two sites).
+SITE_SCHEDULES = {
+    SITE_LOSS: "0.40: every node of site A SIGKILLed (A's collector keeps logging); "
+    "A restarted on its stores once the load ends",
+    SITE_LOSS_NATS: "0.40 - 0.5 s: the link between the sites cut; 0.40: every node of "
+    "site A SIGKILLed, its producer moves to B; A restarted once the load ends",
+}
 
 _ALL = (
     Scenario(
@@ -127,6 +138,24 @@ _ALL = (
         nemesis_faults=10,
         min_span_s=40.0,
     ),
+    Scenario(
+        SITE_LOSS,
+        "two NATS sites of 3 nodes (a stream R3 copied both ways), a tierflow runtime on "
+        "each (collector, logger k=1, bridge), HTTP load into both, 1 in 50 of A's events "
+        "also sent to B: every node of site A SIGKILLed under load, A restarted after; "
+        "every acknowledged event once in both copies (docs/geo.md)",
+        min_span_s=0.0,
+        nats_nodes=3,
+        gateway=False,
+    ),
+    Scenario(
+        SITE_LOSS_NATS,
+        "site-loss at the NATS layer: JetStream publishes with ids to each site, the link "
+        "cut just before site A is killed, A's producer resends to B (docs/geo.md)",
+        min_span_s=0.0,
+        nats_nodes=3,
+        gateway=False,
+    ),
 )
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
@@ -140,6 +169,13 @@ def get(name: str) -> Scenario:
     except KeyError:
         known = ", ".join(SCENARIOS)
         raise KeyError(f"unknown scenario {name!r}; known: {known}, all") from None
+
+
+def schedule_text(scn: Scenario, seed: int) -> str:
+    """What `tierflow chaos list` shows as the scenario's schedule for `seed`."""
+    if scn.name in SITE_SCHEDULES:
+        return SITE_SCHEDULES[scn.name]
+    return ", ".join(f"{f.at:.2f}: {f.label}" for f in plan(scn, seed))
 
 
 def resolve(name: str) -> list[Scenario]:

@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,8 @@ def judge(
 @dataclass
 class SiteLossReport:
     events: int
+    form: str = "nats"  # "nats": JetStream publishes (this module); "pipeline": HTTP
+    # into each site's tierflow runtime (cluster/chaos/site_loss_pipeline.py)
     acked: int = 0
     killed_pids: list[int] = field(default_factory=list)
     kill_to_first_ack_s: float | None = None  # first ack on B of an event published after
@@ -106,6 +108,7 @@ class SiteLossReport:
     missing_on_b_during_outage: int = 0
     resent: int = 0  # publishes not acknowledged at first, sent again with the same id
     killed_at: float | None = None  # monotonic clock
+    kill_after_s: float | None = None  # the kill, in seconds after the load started
     partition_s: float = 0.0  # the link between the sites cut this long before the kill
     catch_up_s: float | None = None  # A restarted -> both copies hold every acked event
     checks: list[CopyCheck] = field(default_factory=list)
@@ -202,10 +205,15 @@ class _Producer:
 
 
 async def _kill_soon(
-    sites: NatsSites, rep: SiteLossReport, proxies: list[FaultProxy], after_s: float = 0.002
+    sites: NatsSites,
+    rep: SiteLossReport,
+    proxies: list[FaultProxy],
+    start: float,
+    after_s: float = 0.002,
 ) -> None:
     await asyncio.sleep(after_s)
     rep.killed_at = time.monotonic()
+    rep.kill_after_s = round(rep.killed_at - start, 3)
     rep.killed_pids = await asyncio.to_thread(sites.kill_site, "site-a")
     for px in proxies:  # the link heals; A is gone, so nothing crosses until it returns
         px.clear()
@@ -217,7 +225,9 @@ async def _close_quietly(nc: Any) -> None:
         await asyncio.wait_for(nc.close(), 2)
 
 
-async def _read_once(js: Any, stream: str) -> tuple[list[tuple[str, str]], int, str]:
+async def _read_once(
+    js: Any, stream: str, hasher: Callable[[bytes], str] = digest
+) -> tuple[list[tuple[str, str]], int, str]:
     """One pass over the copy with a new consumer: (pairs, messages in the copy, last
     error seen). A fetch that fails other than by timing out is retried within the bound."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -243,22 +253,28 @@ async def _read_once(js: Any, stream: str) -> tuple[list[tuple[str, str]], int, 
             error = repr(err)
             await asyncio.sleep(0.1)
             continue
-        out.extend(((m.headers or {}).get("Nats-Msg-Id", ""), digest(m.data)) for m in msgs)
+        out.extend(((m.headers or {}).get("Nats-Msg-Id", ""), hasher(m.data)) for m in msgs)
     with contextlib.suppress(Exception):
         await js.delete_consumer(stream, name)
     return out, total, error
 
 
-async def read_copy(url: str, stream: str = STREAM, attempts: int = 5) -> list[tuple[str, str]]:
-    """Every (Nats-Msg-Id, payload hash) in `stream` on the site `url` points at; raises
-    rather than return a partial read (a partial read would look like lost events)."""
+async def read_copy(
+    url: str,
+    stream: str = STREAM,
+    attempts: int = 5,
+    digest: Callable[[bytes], str] = digest,
+) -> list[tuple[str, str]]:
+    """Every (Nats-Msg-Id, `digest` of the payload) in `stream` on the site `url` points
+    at; raises rather than return a partial read (a partial read would look like lost
+    events)."""
     nc = await connect(url, name="site-loss-reader")
     try:
         js = nc.jetstream()
         got, total, error = [], 0, ""
         for _ in range(attempts):
             try:
-                got, total, error = await _read_once(js, stream)
+                got, total, error = await _read_once(js, stream, digest)
             except Exception as err:  # the copy's leader not elected yet, say
                 error = repr(err)
                 await asyncio.sleep(0.5)
@@ -335,7 +351,7 @@ async def run_site_loss(
                     px.add(Blackhole(direction="both"))
             if not killing and k >= kill_after:
                 killing = True  # the kill lands while this batch is in flight
-                sends.append(_kill_soon(sites, rep, proxies))
+                sends.append(_kill_soon(sites, rep, proxies, start))
             await asyncio.gather(*sends)
             pause = start + (k // WINDOW + 1) * per_batch_s - time.monotonic()
             if pause > 0:
@@ -387,8 +403,10 @@ def summary(rep: SiteLossReport) -> str:
 
 
 def write_report(rep: SiteLossReport, directory: str | Path = "reports") -> Path:
-    """<directory>/chaos_site_loss.json: the report with its verdict."""
-    path = Path(directory) / "chaos_site_loss.json"
+    """<directory>/chaos_site_loss.json (the pipeline form, scenario `site-loss`) or
+    chaos_site_loss_nats.json (this module's, `site-loss-nats`): the report and verdict."""
+    name = "chaos_site_loss.json" if rep.form == "pipeline" else "chaos_site_loss_nats.json"
+    path = Path(directory) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rep.to_dict(), indent=2))
     return path

@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 
 from cluster.chaos import report, scenarios
-from cluster.chaos.schedule import plan
 from cluster.cli.common import JsonOpt, WideOpt, console
 from cluster.tables import Column, build, print_tables
 
@@ -22,16 +21,6 @@ SCENARIO_COLUMNS = (
     Column("what", flex=True),
     Column("schedule", flex=True),
 )
-
-
-SITE_LOSS_ROW = {
-    "scenario": "site-loss",
-    "what": "two NATS sites of 3 nodes, a stream R3 copied both ways, one producer per "
-    "site: every node of site A SIGKILLed under load, A restarted after (docs/geo.md); "
-    "run alone with --scenario site-loss",
-    "schedule": "0.40 - 0.5 s: the link between the sites cut; 0.40: site A killed, its "
-    "producer moves to B; A restarted once the load ends",
-}
 
 
 @app.command("list")
@@ -45,11 +34,10 @@ def list_(
         {
             "scenario": s.name,
             "what": s.summary,
-            "schedule": ", ".join(f"{f.at:.2f}: {f.label}" for f in plan(s, seed)),
+            "schedule": scenarios.schedule_text(s, seed),
         }
         for s in scenarios.SCENARIOS.values()
     ]
-    rows.append(SITE_LOSS_ROW)  # runs on its own (two NATS sites, no Ray pipeline)
     if as_json:
         print(json.dumps(rows))
         return
@@ -62,7 +50,7 @@ def list_(
 @app.command()
 def run(
     scenario: Annotated[
-        str, typer.Option("--scenario", "-s", help="a name, all, or site-loss (docs/geo.md)")
+        str, typer.Option("--scenario", "-s", help="a name (tierflow chaos list) or all")
     ] = "all",
     events: Annotated[int, typer.Option(help="events with known ids per scenario")] = 2000,
     rate: Annotated[float, typer.Option(help="events per second (slowed to fit faults)")] = 500.0,
@@ -80,9 +68,6 @@ def run(
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("cluster.chaos").setLevel(logging.INFO)
-    if scenario == "site-loss":  # two NATS sites, no Ray pipeline: cluster/chaos/site_loss.py
-        _site_loss(events, rate, report_dir, workdir)
-        return
     try:
         chosen = scenarios.resolve(scenario)
     except KeyError as err:
@@ -94,15 +79,4 @@ def run(
     path = report.write(reports, report_dir)
     console.print(f"report: {path} (table: {path.with_suffix('.txt')})")
     if not all(r.ok for r in reports):
-        raise typer.Exit(1)
-
-
-def _site_loss(events: int, rate: float, report_dir: Path, workdir: Path | None) -> None:
-    """The `site-loss` scenario (docs/geo.md): exit 1 unless its verdict holds."""
-    from cluster.chaos.site_loss import run_site_loss, summary, write_report
-
-    rep = asyncio.run(run_site_loss(events=events, rate=rate, workdir=workdir))
-    console.print(summary(rep))
-    console.print(f"report: {write_report(rep, report_dir)}")
-    if not rep.ok:
         raise typer.Exit(1)
