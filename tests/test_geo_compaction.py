@@ -7,14 +7,24 @@ read functions (actors/access/compacted.py) called directly on each site's copy.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
-from actors.access.compacted import key_counts, latest_message, list_filters, read_subjects
+from actors.access.compacted import (
+    CompactedRoutes,
+    key_counts,
+    latest_message,
+    list_filters,
+    read_subjects,
+)
+from actors.access.protocol import StreamRef
 from runtime.compaction import key_token
 from runtime.config import validate
 from runtime.geo import link_deny, origin_transform
@@ -53,6 +63,30 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsSites]:
     base = tmp_path_factory.mktemp("geo-compaction-sites")
     with NatsSites(base, sites=2, nodes=1, deny=link_deny(cfg)) as s:
         yield s
+
+
+class _Plane:
+    """The few parts of a gateway's DataPlane the compacted routes use, on a real
+    connection to one site (every token accepted: the auth rules are tested elsewhere)."""
+
+    def __init__(self, nc: Any, cfg: Any) -> None:
+        self.nc, self.js, self.cfg = nc, nc.jetstream(), cfg
+        self.counters: Counter[str] = Counter()
+        self.access = SimpleNamespace(authenticate=lambda token: None)
+
+    async def stream(self, name: str, token: str | None) -> tuple[StreamRef, None]:
+        return StreamRef(public=name, js=name, kv=False), None
+
+    def count(self, p: object) -> None:
+        self.counters["refused"] += 1
+
+
+async def _route(routes: CompactedRoutes, path: str) -> tuple[int, Any]:
+    """GET `path` (…/latest?key= or …/keys) through the gateway's handlers."""
+    req = make_mocked_request("GET", path, match_info={"stream": STREAM})
+    handler = routes.keys if "/keys" in path else routes.latest
+    resp = await handler(req)
+    return resp.status, msgspec.json.decode(resp.body)
 
 
 async def _subjects(url: str) -> dict[str, int]:
@@ -107,6 +141,16 @@ async def test_every_site_answers_the_newest_value_of_every_key_from_every_origi
             # each key once, its count over the origins
             counts = await key_counts(nc, "$JS.API", STREAM, list_filters(sc))
             assert counts == {"N1": 2, "=42": 1}
+            # the same through the gateway's routes on this site
+            routes = CompactedRoutes(_Plane(nc, cfg), plain_latest=None)  # type: ignore[arg-type]
+            status, body = await _route(routes, f"/v1/streams/{STREAM}/latest?key=N1")
+            assert status == 200 and body["data"]["v"] == "b2" and body["key"] == "N1"
+            status, body = await _route(routes, f"/v1/streams/{STREAM}/latest?key_json=42")
+            assert status == 200 and body["data"]["v"] == "a-only"
+            status, body = await _route(routes, f"/v1/streams/{STREAM}/keys")
+            assert status == 200 and body["next"] is None
+            assert body["keys"] == [{"key": 42, "token": "=42", "count": 1},
+                                    {"key": "N1", "token": "N1", "count": 2}]  # fmt: skip
     finally:
         await nca.close()
         await ncb.close()
