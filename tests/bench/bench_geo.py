@@ -9,6 +9,11 @@ event's arrival time. The lag of an event is its arrival on B minus its acknowle
 A (what a reader of B waits after the producer was told "stored"). One machine, one clock.
 Also sampled: JetStream's own figure, the source's lag in events.
 
+Then the `site-loss` scenario through the pipeline (a tierflow runtime on each site, HTTP
+load into both collectors; cluster/chaos/site_loss_pipeline.py) at 20,000 events: kill to
+the first acknowledgement on B, acknowledged events lost or duplicated, catch-up; its
+figures go under `site_loss_pipeline` (the NATS-level run stays `site_loss`).
+
 Prints numbers, asserts no speed; asserts the site-loss verdict (nothing acknowledged lost
 or duplicated). Run alone:
 `flock /tmp/tierflow-bench.lock .venv/bin/python -m pytest -s -o python_files='bench_*.py'
@@ -25,6 +30,7 @@ from typing import Any
 import pytest
 
 from cluster.chaos.site_loss import run_site_loss
+from cluster.chaos.site_loss_pipeline import run_site_loss_pipeline
 from runtime.config import validate
 from runtime.geo import link_deny, origin_subject, replication_lag
 from runtime.nats import connect
@@ -33,7 +39,7 @@ from runtime.sites import NatsSites
 from runtime.waiting import await_until
 from tests.bench.common import summary, write_report
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)
 
 STREAM, SUBJECT = "geo", "raw.geo"
 RATE, SECONDS, BATCH = 1000, 20, 20
@@ -120,5 +126,16 @@ def test_geo(tmp_path: Path) -> None:
         f"A's producer acked by B {loss.failover_ack_s} s after the kill, "
         f"A caught up in {loss.catch_up_s} s"
     )
-    write_report("geo", {"lag": lag, "site_loss": data})
+    piped = asyncio.run(
+        run_site_loss_pipeline(events=SITE_LOSS_EVENTS, rate=1000.0, workdir=tmp_path / "pipe")
+    )
+    piped_data = piped.to_dict()
+    print(
+        f"geo: site-loss (pipeline) {piped.acked:,} acked, lost {piped.lost}, "
+        f"duplicated {piped.duplicated}, kill -> first ack on B {piped.kill_to_first_ack_s} s, "
+        f"{piped.missing_on_b_during_outage} acked events not on B while A was down, "
+        f"A caught up in {piped.catch_up_s} s"
+    )
+    write_report("geo", {"lag": lag, "site_loss": data, "site_loss_pipeline": piped_data})
     assert loss.ok, data
+    assert piped.ok, piped_data
