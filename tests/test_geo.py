@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.js.errors
 import pytest
 
 from cluster.chaos.site_loss import judge, read_copy, run_site_loss
@@ -159,6 +160,18 @@ async def test_sites_are_separate_domains_joined_by_leaf_links(sites: NatsSites)
     assert all(len(s["pids"]) == 3 for s in state["sites"])
 
 
+async def _publish_retrying_in_process(js: Any, data: bytes, msg_id: str) -> Any:
+    """Publish, retrying while the server says the same id is being stored (err 10158)."""
+    for _ in range(50):
+        try:
+            return await js.publish(SUBJECT, data, headers={"Nats-Msg-Id": msg_id})
+        except nats.js.errors.APIError as err:
+            if err.err_code != 10158:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{msg_id} still in process after 50 tries")
+
+
 async def test_replicated_stream_is_copied_both_ways_and_dedups_across_sites(
     sites: NatsSites, tmp_path: Path
 ) -> None:
@@ -177,10 +190,16 @@ async def test_replicated_stream_is_copied_both_ways_and_dedups_across_sites(
             await jsa.publish(SUBJECT, b"A%d" % i, headers={"Nats-Msg-Id": f"a-{i}"})
         for i in range(30):
             await jsb.publish(SUBJECT, b"B%d" % i, headers={"Nats-Msg-Id": f"b-{i}"})
-        # the same id published on both sites: a producer's retry after a failover
+        # the same id published on both sites: a producer's retry after a failover. A's
+        # write may already be arriving on B through the source: B then answers 10158 ("in
+        # process", retried) or a duplicate ack, and stores it once either way
+        local_on_b = True
         for js in (jsa, jsb):
-            ack = await js.publish(SUBJECT, b"same", headers={"Nats-Msg-Id": "both-1"})
-            assert not ack.duplicate  # each site stores it once locally...
+            ack = await _publish_retrying_in_process(js, b"same", "both-1")
+            if js is jsa:
+                assert not ack.duplicate
+            else:
+                local_on_b = not ack.duplicate
 
         async def converged() -> bool:
             sa, sb = await _subjects(a.url, "a"), await _subjects(b.url, "b")
@@ -188,8 +207,12 @@ async def test_replicated_stream_is_copied_both_ways_and_dedups_across_sites(
 
         await await_until(converged, 20, 0.1, "both copies hold all 71 events")
         # ...and each copy holds it once: the sourced copy was dropped as a duplicate
+        on_b = 1 if local_on_b else 0  # where B holds both-1: its own write or A's copy
         assert await _subjects(a.url, "a") == {SUBJECT: 41, "geo.site-b.raw.orders": 30}
-        assert await _subjects(b.url, "b") == {SUBJECT: 31, "geo.site-a.raw.orders": 40}
+        assert await _subjects(b.url, "b") == {
+            SUBJECT: 30 + on_b,
+            "geo.site-a.raw.orders": 41 - on_b,
+        }
         for site in (a, b):
             ids = Counter(i for i, _ in await read_copy(site.url, STREAM))
             assert ids["both-1"] == 1 and len(ids) == 71 and set(ids.values()) == {1}
@@ -370,7 +393,9 @@ async def test_site_promote_after_site_a_is_lost_then_a_catches_up(
             return True
 
         # A gets B's write; B gets A's last write if A died before it was copied
-        await await_until(both_have_both, 30, 0.2, "both copies caught up", swallow=True)
+        # a source whose origin was lost retries with a growing backoff (10 s per failed
+        # attempt, at most 2 minutes: docs/geo.md), so catch-up may start that late
+        await await_until(both_have_both, 150, 0.5, "both copies caught up", swallow=True)
         for site in (a, b):
             ids = Counter(i for i, _ in await read_copy(site.url, STREAM))
             assert ids["f-before"] == ids["f-dur"] == 1 and set(ids.values()) == {1}

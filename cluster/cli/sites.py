@@ -22,8 +22,7 @@ from cluster.failover import Promotion, plan_promotion, site_url
 from cluster.tables import build, print_tables
 from runtime.config import Config
 from runtime.geo import replication_lag
-from runtime.nats import connect
-from runtime.services import ensure_streams, nats_store_dir
+from runtime.services import connect_nats, ensure_streams, nats_store_dir
 from runtime.sites import SITES_FILE
 
 app = typer.Typer(help="Sites of geo replication: lag and failover.", no_args_is_help=True)
@@ -51,7 +50,7 @@ async def promote_site(cfg: Config, site: str, url: str) -> Promotion:
     if not url:
         return plan_promotion(cfg, site, url, [])
     cfg = msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, url=url))
-    nc = await connect(url, name="tierflow-site-promote")
+    nc = await connect_nats(cfg, url=url, name="tierflow-site-promote")
     try:
         here = (await nc.jetstream(timeout=2).account_info()).domain
         if here and here != site:
@@ -111,7 +110,7 @@ def status_(
         raise typer.Exit(2)
 
     async def rows() -> list[dict[str, Any]]:
-        nc = await connect(target, name="tierflow-site-status")
+        nc = await connect_nats(cfg, url=target, name="tierflow-site-status")
         try:
             return await replication_lag(nc, cfg)
         finally:
