@@ -11,6 +11,18 @@ batch id and the log lists only one attempt, so a reader that goes through the l
 would also see a killed attempt's partial files: always read an archive through
 `read_archive` (or Spark's `spark.read.parquet(<root>/stream=<name>)`, which uses the log).
 
+Copies (geo replication, docs/geo.md): the archive's position is a sequence of the copy it
+reads, and sequences differ between copies. The checkpoint records its copy
+(jobs/copies.py), and the driver refuses to resume an archive on another copy (the query
+fails to start with an error naming both copies and the fix) rather than apply A's position
+to B. Why refuse rather than carry on: carrying on in the same directory needs a fresh
+checkpoint, whose batch ids restart at 0 while the file sink's log already lists batches
+up to N, and the sink silently skips the batches it believes committed (events lost); and
+mapping the position by event id is not possible in general, because B interleaves its own
+writes with A's and no single B sequence means "everything A had archived". Meanwhile the
+stream is not purged for that archive (retention needs its position) and readers given the
+current copy (`archive_position(..., copy=)`) read the copy's own retained events instead.
+
 Each stream has its own directory (and so its own log) because two file sinks cannot share
 one. The root may be any filesystem URI Spark's Hadoop layer accepts (``s3a://``,
 ``hdfs://``); a local directory by default.
@@ -26,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from jobs.checkpoints import committed
+from jobs.copies import CopyId, read_copy
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
 
@@ -208,10 +221,18 @@ def _empty_schema() -> str:
     return f"{SCHEMA_DDL}, date DATE"
 
 
-def archive_position(checkpoint_root: str | Path, stream: str) -> ArchivePosition | None:
+def archive_position(
+    checkpoint_root: str | Path, stream: str, copy: CopyId | None = None
+) -> ArchivePosition | None:
     """The archive's committed position from its checkpoint; None before the first
-    committed batch."""
-    done = committed(Path(checkpoint_root) / archive_query_name(stream))
+    committed batch, and None when `copy` (the copy the caller reads) is given and the
+    archive's positions are of another copy (nothing of it is a position on this one)."""
+    ckpt = Path(checkpoint_root) / archive_query_name(stream)
+    if copy is not None:
+        recorded = read_copy(ckpt)
+        if recorded is not None and recorded != copy:
+            return None
+    done = committed(ckpt)
     if done is None or done[1] is None:
         return None
     batch, offset = done

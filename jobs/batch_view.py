@@ -17,7 +17,11 @@ high-water sequence + 1 with fresh state, as a new *generation* of the job:
 Merging, per kind: counts add (`count`); exact item counts add per item and the top list
 of the merged counts is exact because merged counts only grow (`topn`, jobs/topn.py
 `TopBase`); HyperLogLog sketches union, register by register (`distinct`). A reservoir
-`sample` and `custom` functions do not merge and cannot be recomputed.
+`sample` and `custom` functions do not merge and cannot be recomputed; a generation of
+theirs (`fresh_generation`) starts over from the stream's first sequence with nothing merged,
+which is what the driver does when such a job moves to another copy of a replicated stream.
+A view records the copy (jobs/copies.py) its high-water sequence belongs to: sequences of
+one copy mean nothing on another.
 
 The view is one msgpack file per job under ``<checkpoint root>/views/``, written atomically
 before anything is served, so it is the record of which generation is current.
@@ -31,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from jobs.copies import MERGEABLE, CopyId
 from jobs.errors import JobError
 from jobs.sketches import Distinct
 from jobs.specs import JobSpec
@@ -38,7 +43,6 @@ from jobs.topn import TopBase
 from runtime.files import write_atomic
 
 VIEWS_DIR = "views"
-MERGEABLE = ("topn", "count", "distinct")
 
 
 class BatchView(msgspec.Struct, kw_only=True):
@@ -55,6 +59,7 @@ class BatchView(msgspec.Struct, kw_only=True):
     top: TopBase | None = None  # topn
     sketches: dict[str, bytes] = {}  # distinct: result key -> HLL sketch
     served: bool = False  # rows are in KV and on the results stream
+    copy: CopyId | None = None  # the copy `high_water` is a sequence of (None: not recorded)
 
     @property
     def name(self) -> str:
@@ -82,6 +87,14 @@ def check_mergeable(spec: JobSpec) -> None:
             f"job {spec.name!r}: a {spec.kind} job cannot be recomputed (its batch view and "
             f"live view do not merge; kinds that do: {', '.join(MERGEABLE)})"
         )
+
+
+def fresh_generation(spec: JobSpec, generation: int, copy: CopyId | None) -> BatchView:
+    """A generation with nothing merged, read from the stream's first sequence: for kinds
+    that do not merge, moved to another copy (their results start over on it)."""
+    return BatchView(
+        spec=spec, generation=generation, high_water=0, computed_at_ms=generation, copy=copy
+    )
 
 
 def generation_name(name: str, generation: int) -> str:

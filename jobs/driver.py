@@ -21,6 +21,15 @@ job's streaming query, runs the spec as a batch job over the stream's history up
 sequence, saves and serves the view, and the reconcile thread starts the job's next
 generation from there, merged with the view.
 
+Copies (geo replication, docs/geo.md): sequences are per copy of a stream, so every
+checkpoint has the copy it reads recorded next to it (jobs/copies.py) when its query first
+starts, and each start compares it with the copy the driver reads now. On another copy a
+job never resumes its positions: a job that merges (count, topn, distinct) is recomputed as
+a batch view over the new copy and continues as its next generation from there; a sample or
+custom job starts a fresh generation from the new copy's first sequence; a dead-letter
+query starts over on the new copy; the archive refuses to start (`archive_copy_error` says
+why and what to do) and nothing is purged or read from it meanwhile.
+
 The CLI's side (``tierflow jobs list|start|stop|recompute``) is `cluster/analysis.py`.
 """
 
@@ -32,6 +41,7 @@ import datetime as dt
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,11 +63,23 @@ from jobs.batch_view import (
     BatchView,
     check_mergeable,
     checkpoint_dir,
+    fresh_generation,
     load_view,
     retire_checkpoints,
     save_view,
 )
 from jobs.checkpoints import committed
+from jobs.copies import (
+    MERGEABLE,
+    Action,
+    CopyError,
+    CopyId,
+    acurrent_copy,
+    current_copy,
+    decide,
+    read_copy,
+    record_copy,
+)
 from jobs.errors import JobError
 from jobs.recompute import recompute as recompute_view
 from jobs.recompute import serve_view
@@ -66,6 +88,7 @@ from jobs.running import start_deadletters, start_job
 from jobs.sink import BatchReport
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
+from runtime.clock import now_ms
 from runtime.config import Config, validate
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
@@ -87,6 +110,7 @@ DEFAULT_MASTER = "local[2]"
 RECONCILE_S = 1.0
 BACKOFF_MAX_S = 30.0
 RETENTION_S = 10.0  # how often archived streams are trimmed (jobs/retention.py)
+COPY_CHECK_S = 5.0  # how often running queries' copies are compared with the streams'
 
 
 class JobsError(RuntimeError):
@@ -131,6 +155,19 @@ def default_master(cfg: Config) -> str:
     return DEFAULT_MASTER if cfg.spark.master == "local[*]" else cfg.spark.master
 
 
+def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: str) -> str:
+    """Why an archive does not resume on another copy, and the fix."""
+    return (
+        f"archive of {stream}: its checkpoint holds sequences of copy {recorded.describe()}, "
+        f"the driver reads copy {current.describe()}; sequences differ between copies, so "
+        "resuming would skip or repeat events. Either run the driver on the archive's copy "
+        "again, or archive this copy from its start: move aside both the archive's "
+        f"checkpoint (archive-{stream} under the checkpoint root) and its directory "
+        f"{archive}/stream={stream} (or set a new [streams.{stream}.archive] path); the old "
+        "archive stays readable on its own, and the new one holds the events again (same ids)"
+    )
+
+
 # --------------------------------------------------------------------------- the actor
 
 
@@ -151,6 +188,7 @@ class _Query:
     last_batch: int | None = None
     results: int = 0
     duplicates: int = 0
+    copy: CopyId | None = None  # the copy this query reads (recorded in its checkpoint)
 
     def count(self, batch_id: int, report: BatchReport) -> None:
         """A batch's results are durable (called from Spark's foreachBatch thread)."""
@@ -206,7 +244,9 @@ class AnalysisDriver(SupervisedActor):
         self.checkpoint_root = queries_root(self.cfg, state_dir)
         self.purges: dict[str, Purge] = {}
         self._views: dict[str, BatchView | None] = {}
+        self.copy_changes: dict[str, dict[str, Any]] = {}  # query -> the last copy change
         self._next_retention = 0.0
+        self._next_copy_check = 0.0
         self.spark: SparkSession | None = None
         self.late: Any = None
         self.state = "starting"
@@ -314,6 +354,9 @@ class AnalysisDriver(SupervisedActor):
                 self._ensure(name, stream, "archive", lambda st=stream: self._start_archive(st))
         for name in [n for n in self._w.queries if n not in keep]:
             self._stop_query(name)
+        if time.monotonic() >= self._next_copy_check:
+            self._next_copy_check = time.monotonic() + COPY_CHECK_S
+            self._check_copies()
         if time.monotonic() >= self._next_retention:
             self._next_retention = time.monotonic() + RETENTION_S
             self._retention()
@@ -363,17 +406,129 @@ class AnalysisDriver(SupervisedActor):
 
         assert self.spark is not None
         view = self._view(spec.name)
-        if view is not None:
-            if view.spec != spec:
-                raise JobError(
-                    f"job {spec.name!r} has a batch view of another spec: recompute it, or "
-                    "give the changed job a new name"
-                )
-            if not view.served:  # the driver died between saving and serving it
-                self._serve(view)
+        if view is not None and view.spec != spec:
+            raise JobError(
+                f"job {spec.name!r} has a batch view of another spec: recompute it, or "
+                "give the changed job a new name"
+            )
+        view = self._on_copy(spec, view)
+        q.checkpoint = checkpoint_dir(self.checkpoint_root, spec.name, view)
+        if view is not None and not view.served:  # the driver died between saving and serving
+            self._serve(view)
+        if view is not None and spec.kind not in MERGEABLE:
+            return self._start_fresh(spec, view, on_batch)
         return start_job(
             self.spark, spec, self.nats, self.checkpoint_root, on_batch=on_batch, view=view
         )
+
+    def _on_copy(self, spec: JobSpec, view: BatchView | None) -> BatchView | None:
+        """The job's current generation on the copy the driver reads now: the same one when
+        its positions are of this copy; else a new one over this copy (recomputed for kinds
+        that merge, started over for the others). Never the old positions on a new copy."""
+        here = current_copy(self.nats, spec.stream)
+        ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
+        recorded = read_copy(ckpt) or (view.copy if view is not None else None)
+        action = decide(spec.kind, recorded, here)
+        self._w.queries[spec.name].copy = here
+        if action in (Action.RECORD, Action.RESUME):
+            if action is Action.RECORD and committed(ckpt) is not None:
+                log.warning(
+                    "analysis driver: job %s: its checkpoint names no copy (older than copy "
+                    "tracking): taken to be of %s",
+                    spec.name,
+                    here.describe(),
+                )
+            if read_copy(ckpt) is None:
+                record_copy(ckpt, here)
+            return view
+        assert recorded is not None
+        log.warning(
+            "analysis driver: job %s: its positions are of copy %s, the driver reads copy %s: %s",
+            spec.name,
+            recorded.describe(),
+            here.describe(),
+            "recomputing it over this copy" if action is Action.RECOMPUTE else "starting over",
+        )
+        if action is Action.RECOMPUTE:
+            new = self._rebuild(spec, here)
+        else:
+            new = fresh_generation(spec, now_ms(), here)
+            save_view(self.checkpoint_root, new)
+            self._views[spec.name] = new
+            self._serve(new)  # no rows: the old copy's results are retired
+        keep = checkpoint_dir(self.checkpoint_root, spec.name, new)
+        retire_checkpoints(self.checkpoint_root, spec.name, keep)
+        record_copy(keep, here)
+        self.copy_changes[spec.name] = {
+            "from": recorded.describe(),
+            "to": here.describe(),
+            "action": "recomputed" if action is Action.RECOMPUTE else "started over",
+            "generation": new.generation,
+            "high_water": new.high_water,
+            "at_ms": now_ms(),
+        }
+        log.warning("analysis driver: job %s: %s", spec.name, self.copy_changes[spec.name])
+        return new
+
+    def _rebuild(self, spec: JobSpec, here: CopyId) -> BatchView:
+        """Recompute `spec` over copy `here` up to its last sequence now; saved and served:
+        from here on it is the job's current generation."""
+        assert self.spark is not None
+        view = recompute_view(
+            self.spark,
+            self.nats,
+            spec,
+            self._table(spec.stream, here),
+            high_water=_stream_end(self.nats, spec.stream) - 1,
+            copy=here,
+        )
+        save_view(self.checkpoint_root, view)
+        self._views[spec.name] = view
+        self._serve(view)
+        return view
+
+    def _table(self, stream: str, here: CopyId) -> StreamTable:
+        """The stream's table on copy `here`: with its archive only if the archive is of
+        this copy (an archive's position is a sequence of the copy it archived)."""
+        table = tables_for(self.cfg, self.checkpoint_root).get(stream) or StreamTable(stream)
+        if table.archive_root is not None and not self._archive_of(stream, here):
+            return StreamTable(stream, schema=table.schema)
+        return table
+
+    def _archive_of(self, stream: str, here: CopyId) -> bool:
+        """Whether the stream's archive positions are of copy `here` (or none recorded)."""
+        recorded = read_copy(self.checkpoint_root / archive_query_name(stream))
+        return recorded is None or recorded == here
+
+    def _start_fresh(self, spec: JobSpec, view: BatchView, on_batch: Any) -> StreamingQuery:
+        """A generation of a job that does not merge: its query under the generation's
+        checkpoint and result ids, from the stream's first sequence, nothing merged."""
+        from jobs.plans import build_plan
+        from jobs.running import JobWriter, in_pool, read_stream
+        from jobs.sink import ResultSink
+
+        assert self.spark is not None
+        source = read_stream(
+            self.spark, self.nats, spec.stream, spec.subject, spec.max_events_per_trigger
+        )
+        plan = build_plan(spec, source)
+        ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
+        sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
+        writer = JobWriter(sink, plan.batch_rows(ckpt), on_batch, ckpt)
+        trigger = (
+            {"processingTime": f"{max(1, round(spec.trigger_s * 1000))} milliseconds"}
+            if spec.trigger_s > 0
+            else {}
+        )
+        with in_pool(self.spark, spec.name):
+            return (
+                plan.df.writeStream.queryName(spec.name)
+                .outputMode(plan.output_mode)
+                .foreachBatch(writer)
+                .option("checkpointLocation", str(ckpt))
+                .trigger(**trigger)
+                .start()
+            )
 
     def _serve(self, view: BatchView) -> None:
         serve_view(self.nats, view)
@@ -389,6 +544,30 @@ class AnalysisDriver(SupervisedActor):
             q.count(batch_id, report)
 
         assert self.spark is not None
+        ckpt = self.checkpoint_root / deadletter_query_name(stream)
+        here = current_copy(self.nats, stream)
+        q.copy = here
+        recorded = read_copy(ckpt)
+        action = decide("deadletter", recorded, here)
+        if action is Action.FRESH:  # another copy's positions (and dead-letter ids by seq)
+            assert recorded is not None
+            log.warning(
+                "analysis driver: dead letters of %s: positions of copy %s, reading copy %s: "
+                "starting over on this copy",
+                stream,
+                recorded.describe(),
+                here.describe(),
+            )
+            shutil.rmtree(ckpt, ignore_errors=True)
+            self._dl_ns.delete(stream.encode())  # its count is per batch id: starts over too
+            self.copy_changes[q.name] = {
+                "from": recorded.describe(),
+                "to": here.describe(),
+                "action": "started over",
+                "at_ms": now_ms(),
+            }
+        if action is not Action.RESUME:
+            record_copy(ckpt, here)
         return start_deadletters(
             self.spark,
             stream,
@@ -401,6 +580,18 @@ class AnalysisDriver(SupervisedActor):
     def _start_archive(self, stream: str) -> StreamingQuery:
         archive = self.cfg.streams[stream].archive
         assert self.spark is not None and archive is not None
+        ckpt = self.checkpoint_root / archive_query_name(stream)
+        here = current_copy(self.nats, stream)
+        self._w.queries[archive_query_name(stream)].copy = here
+        recorded = read_copy(ckpt)
+        action = decide("archive", recorded, here)
+        if action is Action.REFUSE:
+            assert recorded is not None
+            raise CopyError(
+                archive_copy_error(stream, recorded, here, self.cfg.archive_root(stream))
+            )
+        if action is Action.RECORD:
+            record_copy(ckpt, here)
         settings = ArchiveSettings(
             path=self.cfg.archive_root(stream),
             partitioning=archive.partitioning,
@@ -408,6 +599,26 @@ class AnalysisDriver(SupervisedActor):
             retention_days=archive.retention_days,
         )
         return start_archive(self.spark, stream, self.nats, settings, self.checkpoint_root)
+
+    def _check_copies(self) -> None:
+        """Stop a running query whose stream is now another copy (deleted and made again
+        under it): its next start decides what to do (jobs/copies.py), as after a restart."""
+        running = {n: q for n, q in list(self._w.queries.items()) if q.query is not None and q.copy}
+        for stream in {q.stream for q in running.values()}:
+            try:
+                here = current_copy(self.nats, stream)
+            except Exception as err:  # NATS away or the stream gone: the queries say so
+                log.debug("analysis driver: copy of %s: %r", stream, err)
+                continue
+            for name, q in running.items():
+                if q.stream == stream and q.copy != here:
+                    log.warning(
+                        "analysis driver: %s reads %s, which is now copy %s: restarting it",
+                        name,
+                        q.copy.describe() if q.copy else "?",
+                        here.describe(),
+                    )
+                    self._stop_query(name)
 
     def _retention(self) -> None:
         """Trim each archived stream to its limits, never past what is archived; a stream
@@ -432,6 +643,8 @@ class AnalysisDriver(SupervisedActor):
             try:
                 js = nc.jetstream()
                 for name, s in limited.items():
+                    if not self._archive_of(name, await acurrent_copy(nc, name)):
+                        continue  # its positions are another copy's: purge nothing here
                     pos = archive_position(self.checkpoint_root, name)
                     done = await enforce(
                         js,
@@ -496,6 +709,10 @@ class AnalysisDriver(SupervisedActor):
             if view is not None:
                 row["view_high_water"] = view.high_water
                 row["generation"] = view.generation
+            if q.copy is not None:
+                row["copy"] = q.copy.describe()
+            if name in self.copy_changes:
+                row["copy_change"] = self.copy_changes[name]
             if sq is not None:
                 with contextlib.suppress(Exception):
                     row.update(progress_summary(sq.lastProgress))
@@ -554,11 +771,15 @@ class AnalysisDriver(SupervisedActor):
             return {"status": 503, "error": f"the analysis driver's Spark is {self.state}"}
         allow = set(allowed) if allowed is not None else None
         try:
+            tables = tables_for(self.cfg, self.checkpoint_root)
+            for stream, table in tables.items():  # an archive of another copy is left out
+                if table.archive_root is not None:
+                    tables[stream] = self._table(stream, current_copy(self.nats, stream))
             result = run_sql(
                 self.spark,
                 self.nats,
                 sql,
-                tables_for(self.cfg, self.checkpoint_root),
+                tables,
                 limit=limit,
                 timeout_s=timeout_s,
                 allowed=lambda stream: allow is None or stream in allow,
@@ -580,12 +801,17 @@ class AnalysisDriver(SupervisedActor):
                 continue
             pos = archive_position(self.checkpoint_root, name)
             purge = self.purges.get(name)
+            copy = read_copy(self.checkpoint_root / archive_query_name(name))
+            q = self._w.queries.get(archive_query_name(name))
             out[name] = {
                 "path": self.cfg.archive_root(name),
                 "next_seq": pos.next_seq if pos else 1,
                 "skipped": pos.skipped if pos else 0,
                 "purged_below": purge.below if purge else None,
                 "warning": purge.warning if purge else None,
+                "copy": copy.describe() if copy else None,
+                # a position of another copy: not resumed (the error says what to do)
+                "copy_error": q.error if q and q.error and "sequences of copy" in q.error else None,
             }
         return out
 
@@ -611,21 +837,22 @@ class AnalysisDriver(SupervisedActor):
         try:
             if self._wait_for(name, lambda row: row is None, wait_s) is not None:
                 raise JobsError(f"job {name!r}: its streaming query did not stop in {wait_s} s")
+            here = current_copy(self.nats, spec.stream)
             high_water = _stream_end(self.nats, spec.stream) - 1
-            table = tables_for(self.cfg, self.checkpoint_root).get(spec.stream)
             view = recompute_view(
                 self.spark,
                 self.nats,
                 spec,
-                table or StreamTable(spec.stream),
+                self._table(spec.stream, here),
                 high_water=high_water,
+                copy=here,
             )
             save_view(self.checkpoint_root, view)  # from here on, this generation is current
             self._views[name] = view
             self._serve(view)
-            retire_checkpoints(
-                self.checkpoint_root, name, checkpoint_dir(self.checkpoint_root, name, view)
-            )
+            keep = checkpoint_dir(self.checkpoint_root, name, view)
+            retire_checkpoints(self.checkpoint_root, name, keep)
+            record_copy(keep, here)
         finally:
             with self._lock:
                 self._w.paused.discard(name)

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from jobs.batch_view import BatchView, check_mergeable
+from jobs.copies import CopyId
 from jobs.event_time import iso_ms
 from jobs.plans import ALL, build_plan
 from jobs.sink import BatchReport, ResultSink
@@ -75,9 +76,11 @@ def recompute(
     *,
     high_water: int,
     generation: int = 0,
+    copy: CopyId | None = None,
 ) -> BatchView:
     """The job's batch view over its stream up to `high_water` (inclusive), as generation
-    `generation` (default: now, in epoch ms)."""
+    `generation` (default: now, in epoch ms); `copy` is the copy of the stream `nats` reads
+    (recorded in the view: its `high_water` is a sequence of that copy)."""
     spec = check_spec(spec)
     check_mergeable(spec)
     started = time.monotonic()
@@ -91,6 +94,7 @@ def recompute(
         high_water=high_water,
         computed_at_ms=now_ms(),
         rows=rows,
+        copy=copy,
     )
     windowed = spec.window is not None
     if spec.kind == "topn":
