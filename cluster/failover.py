@@ -75,7 +75,9 @@ def plan_promotion(
     if not problems:
         notes.append(
             f"point producers and the runtime at {site}: TIERFLOW_NATS__URL={url}; "
-            "analysis positions are sequences of one copy and do not carry over (docs/geo.md)"
+            "the analysis driver started there recomputes count, topn and distinct jobs over "
+            f"{site}'s copy, starts the others over on it, and leaves an archive of the other "
+            "copy alone until you move it aside (docs/geo.md, Analysis on another copy)"
         )
     return Promotion(site=site, url=url, streams=streams, problems=problems, notes=notes)
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.archive import archive_position, queries_root
+from jobs.archive import archive_position, archive_query_name, queries_root
+from jobs.copies import CopyError, acurrent_copy, current_copy, read_copy
 from jobs.sql import SqlResult, StreamTable, run_sql, tables_for
 from runtime import runstate
 from runtime.config import Config
@@ -43,6 +46,20 @@ def sql_tables(cfg: Config) -> dict[str, StreamTable]:
     return tables_for(cfg, queries_root(cfg))
 
 
+def on_this_copy(tables: dict[str, StreamTable], nats: NatsEndpoint) -> dict[str, StreamTable]:
+    """`tables` with every archive whose positions are another copy's left out: its
+    sequences mean nothing on the copy `nats` reads (docs/geo.md), so such a table is the
+    copy's own retained events, as the driver's /v1/sql reads it."""
+    out = dict(tables)
+    for name, t in tables.items():
+        if t.archive_root is None or t.checkpoint_root is None:
+            continue
+        recorded = read_copy(Path(t.checkpoint_root) / archive_query_name(name))
+        if recorded is not None and recorded != current_copy(nats, name):
+            out[name] = dataclasses.replace(t, archive_root=None, checkpoint_root=None)
+    return out
+
+
 def query(
     cfg: Config,
     text: str,
@@ -58,6 +75,7 @@ def query(
     tables = sql_tables(cfg)
     check_select(text, tables)  # a refusal costs no Spark start
     nats = endpoint(cfg, "analysis", "tierflow-sql")
+    tables = on_this_copy(tables, nats)
     own = spark is None
     session = spark if spark is not None else spark_session(cfg, app_name="tierflow-sql")
     try:
@@ -81,8 +99,8 @@ def archive_rows(
     for name, s in cfg.streams.items():
         if s.archive is None:
             continue
-        pos = archive_position(ckpt, name)
         st = states.get(name, {})
+        pos = archive_position(ckpt, name, copy=st.get("copy"))
         next_seq = pos.next_seq if pos else 1
         last = int(st.get("last_seq", 0))
         oldest: dt.datetime | None = st.get("oldest_unarchived")
@@ -97,6 +115,7 @@ def archive_rows(
                 "lag_s": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
                 "lost_before_archive": pos.skipped if pos else 0,
                 "batches": pos.batch_id + 1 if pos else 0,
+                "other_copy": bool(st.get("other_copy")),
             }
         )
     return rows
@@ -115,7 +134,12 @@ async def _stream_states(nc: Client, cfg: Config) -> dict[str, Any]:
             state = (await js.stream_info(name)).state
         except NotFoundError:
             continue
-        pos = archive_position(ckpt, name)
+        try:
+            copy = await acurrent_copy(nc, name)
+        except CopyError:
+            copy = None
+        recorded = read_copy(ckpt / archive_query_name(name))
+        pos = archive_position(ckpt, name, copy=copy)
         next_seq = max(pos.next_seq if pos else 1, state.first_seq)
         oldest = None
         if next_seq <= state.last_seq:
@@ -126,6 +150,8 @@ async def _stream_states(nc: Client, cfg: Config) -> dict[str, Any]:
             "first_seq": state.first_seq,
             "last_seq": state.last_seq,
             "oldest_unarchived": oldest,
+            "copy": copy,
+            "other_copy": recorded is not None and copy is not None and recorded != copy,
         }
     return out
 

@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from cluster.cli.sites import promote_site
+from cluster.history import archive_status, endpoint, on_this_copy, sql_tables
 from jobs.archive import archive_position, archive_query_name
 from jobs.batch_view import BatchView, fresh_generation, load_view, save_view
 from jobs.copies import (
@@ -335,6 +336,9 @@ def test_recreated_stream_is_another_copy_and_jobs_are_recomputed_over_it(
         assert _assert_results_exact(url) == 200
         _committed(driver, [archive_query_name(STREAM)], 201)  # the old stream, archived
         first = with_nats(lambda nc: acurrent_copy(nc, STREAM), url)
+        nats = endpoint(cfg, "analysis", "tierflow-sql")
+        assert not archive_status(cfg)[0]["other_copy"]  # `tierflow archive status`
+        assert on_this_copy(sql_tables(cfg), nats)[STREAM].archive_root is not None
         for spec in jobs:
             ray.get(driver.stop.remote(spec["name"], 60.0), timeout=90)
         with_nats(lambda nc: nc.jetstream().delete_stream(STREAM), url)
@@ -358,3 +362,8 @@ def test_recreated_stream_is_another_copy_and_jobs_are_recomputed_over_it(
         )
         assert first.created in archive and second.created in archive, archive
         assert f"stream={STREAM}" in archive
+        # the operator's tools agree: the archive is marked, `tierflow sql` reads the new
+        # stream's own events instead of the old stream's archive
+        (row,) = archive_status(cfg)
+        assert row["other_copy"] and row["archived_to_seq"] == 0 and row["lag_events"] == 180
+        assert on_this_copy(sql_tables(cfg), nats)[STREAM].archive_root is None

@@ -88,3 +88,10 @@ def archive_status(
     print_tables(
         lambda w: [build(ARCHIVE_COLUMNS, rows, wide=wide, width=w, title="archive")], wide=wide
     )
+    for row in rows:
+        if row.get("other_copy"):
+            err_console.print(
+                f"[yellow]{row['stream']}: the archive holds positions of another copy of the "
+                "stream (another site, or the stream was recreated); the driver will not resume "
+                "it here (docs/geo.md, Analysis on another copy)[/yellow]"
+            )
