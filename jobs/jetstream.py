@@ -88,8 +88,39 @@ FORMAT = "jetstream"
 
 
 def register(spark: SparkSession) -> None:
-    """Make ``spark.read.format("jetstream")`` and ``readStream.format("jetstream")`` work."""
-    spark.dataSource.register(JetStreamDataSource)
+    """Make ``spark.read.format("jetstream")`` and ``readStream.format("jetstream")`` work.
+
+    As `spark.dataSource.register` does, but with the worker interpreter of
+    `jobs.spark_session.worker_python`: Spark starts a new Python process for every query's
+    offsets (and one to plan each read), and importing pyspark from the installed package
+    instead of Spark's zip halves that start (docs/benchmarks.md)."""
+    from pyspark.core.rdd import _prepare_for_python_RDD
+
+    from jobs.spark_session import installed_like_spark, worker_python
+
+    sc = spark.sparkContext
+    jvm = sc._jvm
+    assert jvm is not None
+    worker = worker_python(
+        sc.pythonExec,
+        jvm.PythonUtils.sparkPythonPath(),
+        local=sc.master.startswith("local"),
+        same_packages=installed_like_spark(sc.pythonExec, sc.version),
+    )
+    command, broadcasts, env, includes = _prepare_for_python_RDD(sc, JetStreamDataSource)
+    function = jvm.SimplePythonFunction(
+        bytearray(command),
+        {**env, **worker.env},
+        includes,
+        worker.exec,
+        sc.pythonVer,
+        broadcasts,
+        sc._javaAccumulator,
+    )
+    source = getattr(
+        jvm, "org.apache.spark.sql.execution.datasources.v2.python.UserDefinedPythonDataSource"
+    )(function)
+    spark._jsparkSession.dataSource().registerPython(FORMAT, source)
 
 
 # --------------------------------------------------------------------------- Spark API

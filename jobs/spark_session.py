@@ -17,7 +17,12 @@ it sets), measured with the Meetup queries on local[2] (docs/benchmarks.md):
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 RAW_LOCAL_FS = {
     "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
@@ -38,3 +43,58 @@ def analysis_conf(
 def query_pool(name: str) -> str:
     """The FAIR scheduler pool of query `name` (one per query; ignored under FIFO)."""
     return f"query-{name}"
+
+
+# --------------------------------------------------------------------------- worker Python
+
+WORKER_PYTHON = Path(__file__).with_name("worker_python.sh")
+WORKER_PYTHON_ENV = "TIERFLOW_WORKER_PYTHON"
+WORKER_DROP_ENV = "TIERFLOW_WORKER_DROP_PATH"
+
+
+@dataclass(frozen=True)
+class WorkerPython:
+    """What Spark runs as a Python source's worker: `exec` with `env` added."""
+
+    exec: str
+    env: dict[str, str]
+
+
+def worker_python(
+    python_exec: str,
+    spark_python_path: str,
+    *,
+    local: bool,
+    same_packages: bool,
+    wrapper: Path = WORKER_PYTHON,
+) -> WorkerPython:
+    """The worker interpreter for a Python data source: `python_exec` itself, or, when the
+    workers run on this machine (`local`) with the same pyspark and py4j as the zips Spark
+    puts first on their path (`same_packages`), `python_exec` through `wrapper`, which
+    takes those zips out of PYTHONPATH so the installed packages and their bytecode caches
+    are imported (jobs/worker_python.sh). Anything else keeps Spark's own launch."""
+    drop = [
+        entry
+        for entry in spark_python_path.split(os.pathsep)
+        if entry.endswith(".zip") and Path(entry).name.startswith(("pyspark", "py4j"))
+    ]
+    usable = local and same_packages and drop and os.access(wrapper, os.X_OK)
+    if not usable:
+        return WorkerPython(python_exec, {})
+    return WorkerPython(
+        str(wrapper),
+        {WORKER_PYTHON_ENV: python_exec, WORKER_DROP_ENV: os.pathsep.join(drop)},
+    )
+
+
+def installed_like_spark(python_exec: str, spark_version: str) -> bool:
+    """Whether `python_exec` is this interpreter and imports pyspark (of Spark's version) and
+    py4j from files, not zips: then a worker without the zips imports the same code."""
+    import py4j
+    import pyspark
+
+    found = shutil.which(python_exec)
+    if found is None or Path(found).absolute() != Path(sys.executable).absolute():
+        return False
+    from_files = all(m.__file__ is not None and Path(m.__file__).is_file() for m in (pyspark, py4j))
+    return from_files and pyspark.__version__ == spark_version

@@ -14,8 +14,9 @@ that has arrived, here the whole backlog in one batch), from each source; it run
 has counted every event and its time ends with the batch that did. That row, not the fixed
 batches of 5,000, is the measure of "events/s for one topn job" in issue 13's goals: it is
 what a job does when it starts behind. Its wall clock includes the query's start, which
-for the jetstream source means Spark starting a Python process for the source's offsets
-(pyspark imported from its zip, then this source's modules) before the first batch.
+for the jetstream source means Spark starting new Python processes for the source (its
+offsets, the plan of its reads) before the first batch; they import pyspark from the
+installed package rather than Spark's zip (`jobs.spark_session.worker_python`).
 
 The sources alone, with no query, show how far each is from the query's rate: the same
 micro-batches written to Spark's ``noop`` sink (every column of every row materialised,
