@@ -314,18 +314,7 @@ class _RangeFetcher:
     async def open(self) -> None:
         opts, part = self._opts, self._part
         self._nc = nc = await self._shared.client()
-        # the bounds and the consumer in one round trip; both are done before either
-        # outcome is acted on, so a failure leaves no half-made consumer behind close()
-        got = await asyncio.gather(
-            stream_bounds(nc, opts.stream, opts.timeout),
-            self._start_consumer(),
-            return_exceptions=True,
-        )
-        for outcome in got:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        bounds = got[0]
-        assert isinstance(bounds, Bounds)
+        bounds = await stream_bounds(nc, opts.stream, opts.timeout)
         if bounds.aged_out(part.start):
             if opts.on_aged_out != "skip":
                 raise AgedOutError(opts.stream, part.start, bounds.first)
@@ -336,6 +325,7 @@ class _RangeFetcher:
                 self.skipped,
                 part.start,
             )
+        await self._start_consumer()
 
     async def _start_consumer(self) -> None:
         """A consumer from the next wanted sequence, its own inbox, and the first pull."""
@@ -373,9 +363,7 @@ class _RangeFetcher:
         self._shared.register(self._sid, self._take)
         await self._pull()
 
-    async def _drop_consumer(self, wait: bool = True) -> None:
-        """Stop taking the consumer's deliveries and delete it; with `wait` false the delete
-        is sent without waiting for its answer (the read is over: nothing depends on it)."""
+    async def _drop_consumer(self) -> None:
         sub, name, self._sub, self._consumer = self._sub, self._consumer, None, None
         if self._sid is not None:
             self._shared.unregister(self._sid)
@@ -383,16 +371,10 @@ class _RangeFetcher:
         try:
             if sub is not None:
                 await sub.unsubscribe()
-        except Exception as err:  # the connection is gone, and the subscription with it
-            log.debug("jetstream source: unsubscribe %s: %r", name, err)
-        if name and self._nc is not None:
-            delete = _delete_consumer(self._nc, self._opts.stream, name)
-            if wait:
-                await delete
-            else:
-                task = asyncio.ensure_future(delete)
-                _DELETES.add(task)
-                task.add_done_callback(_DELETES.discard)
+            if name and self._nc is not None:
+                await self._nc.jetstream().delete_consumer(self._opts.stream, name)
+        except Exception as err:  # the inactive threshold removes it anyway
+            log.debug("jetstream source: drop consumer %s: %r", name, err)
 
     async def _pull(self) -> None:
         assert self._nc is not None and self._sub is not None
@@ -482,20 +464,10 @@ class _RangeFetcher:
     async def close(self) -> None:
         """Drop the consumer; the connection stays open for the process's next read
         (closed only when this fetcher made its own)."""
-        await self._drop_consumer(wait=self._owns_client)
+        await self._drop_consumer()
         self._nc = None
         if self._owns_client:
             await self._shared.close()
-
-
-_DELETES: set[asyncio.Future[None]] = set()  # deletes in flight, kept from the collector
-
-
-async def _delete_consumer(nc: Client, stream: str, name: str) -> None:
-    try:
-        await nc.jetstream().delete_consumer(stream, name)
-    except Exception as err:  # the inactive threshold removes it anyway
-        log.debug("jetstream source: drop consumer %s: %r", name, err)
 
 
 # --------------------------------------------------------------------------- off the wire
