@@ -339,6 +339,73 @@ def batch_headers(ev: Outgoing, batch_id: str, seq: int, *, commit: bool = False
     return headers
 
 
+# What `batch_wire` sends as it is: printable ASCII without spaces (nats-py would send such
+# a subject or header value unchanged; anything else goes through nats-py's own checks).
+_PLAIN = re.compile(r"[\x21-\x7e]+\Z").match
+
+
+def batch_wire(
+    evs: Sequence[Outgoing], batch_id: str, reply: str, max_payload: int
+) -> bytes | None:
+    """Atomic batch `batch_id` as NATS protocol bytes: the HPUB of each event with the
+    headers `batch_headers` gives it (the last with the commit and `reply`), byte for byte
+    what nats-py's `publish` would send one call at a time. None when any event needs
+    nats-py's own checks: headers of its own, a subject or id that is not printable ASCII
+    without spaces, a payload over `max_payload`."""
+    n = len(evs)
+    bid = batch_id.encode()
+    commit_reply = reply.encode() + b" "
+    subjects: dict[str, bytes] = {}
+    parts: list[bytes] = []
+    add = parts.append
+    for j, ev in enumerate(evs, 1):
+        subject = subjects.get(ev.subject)
+        if subject is None:
+            if not _PLAIN(ev.subject):
+                return None
+            subject = subjects[ev.subject] = ev.subject.encode()
+        if ev.headers or not _PLAIN(ev.id) or (0 < max_payload < len(ev.data)):
+            return None
+        last = j == n
+        hdr = (
+            b"NATS/1.0\r\nNats-Msg-Id: %b\r\nNats-Batch-Id: %b\r\nNats-Batch-Sequence: %d\r\n%b"
+            % (
+                ev.id.encode(),
+                bid,
+                j,
+                b"Nats-Batch-Commit: 1\r\n\r\n" if last else b"\r\n",
+            )
+        )
+        size = len(hdr)
+        add(
+            b"HPUB %b %b%d %d\r\n"
+            % (subject, commit_reply if last else b"", size, size + len(ev.data))
+        )
+        add(hdr)
+        add(ev.data)
+        add(b"\r\n")
+    return b"".join(parts)
+
+
+def _can_send_raw(nc: Any) -> bool:
+    """nats-py's client (2.x) with the pending buffer `_send_raw` writes into."""
+    return isinstance(nc, Client) and hasattr(nc, "_send_command") and hasattr(nc, "_flush_pending")
+
+
+async def _send_raw(nc: Client, data: bytes, messages: int, payload_bytes: int) -> None:
+    """Queue protocol bytes on nats-py's connection as its `publish` does (same buffer,
+    same flush, same refusals while closed or draining), for many messages at once."""
+    if nc.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if nc.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    nc.stats["out_msgs"] += messages
+    nc.stats["out_bytes"] += payload_bytes
+    await nc._send_command(data)
+    if nc._flush_queue is not None and nc._flush_queue.empty():
+        await nc._flush_pending()
+
+
 def batch_limit_from(description: str) -> int | None:
     """The server's batch size limit named in a 10199 error ("... too large: 1000")."""
     found = re.search(r"(\d+)\s*$", description)
@@ -709,7 +776,19 @@ class JetStreamPublisher:
             return [Failed(ev.id, error, True) for ev in evs]
 
         sent_at = loop.time()
-        for j, ev in enumerate(evs, 1):
+        wire = batch_wire(evs, batch_id, reply, nc.max_payload) if _can_send_raw(nc) else None
+        if wire is not None:  # the whole batch in one write: no per-message nats-py call
+            if self._closed:
+                return fail_all("publisher closed")
+            if not nc.is_connected:
+                what = "NATS connection closed" if nc.is_closed else "not connected to NATS"
+                return fail_all(f"{what} (atomic batch not committed)")
+            try:
+                await _send_raw(nc, wire, n, sum(len(ev.data) for ev in evs))
+            except Exception as err:  # noqa: BLE001 - the connection: reported, not raised
+                message, _ = _classify_send_error(err)
+                return fail_all(f"{message} (atomic batch not committed)")
+        for j, ev in enumerate(evs if wire is None else (), 1):
             if self._closed:
                 return fail_all("publisher closed")
             if not nc.is_connected:
@@ -879,6 +958,7 @@ __all__ = [
     "api_error_retryable",
     "batch_headers",
     "batch_limit_from",
+    "batch_wire",
     "blind_retry_horizon",
     "duplicate_window_for",
     "find_stored",

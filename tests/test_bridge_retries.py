@@ -188,6 +188,27 @@ async def test_past_horizon_unprovable_is_parked_not_resent(
     assert (await stream_ids(nc, "s"))[ev.id] == 0
 
 
+async def test_handoff_answer_is_counts_and_the_work_is_the_same(
+    rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
+) -> None:
+    """`detail=False` (the collector's background hand-off): the answer holds counts, not
+    a dict of every id, while publishing, dead-lettering and forgetting are unchanged."""
+    bridge, group, _ = rig
+    good = [event(b'{"n": %d}' % i) for i in range(30)]
+    poison = event(b"p" * (nc.max_payload - 16))
+    batch = good[:10] + [poison] + good[10:]
+    await group.append(batch)
+    answer = await bridge.publish(encode_batch(batch), group.name, False)
+    assert answer == {"published": 30, "failed": 0, "deadlettered": 1}
+    stored = await stream_ids(nc, "s")
+    assert all(stored[e.id] == 1 for e in good) and stored[poison.id] == 0
+    await bridge.flush_forgets()
+    logged = {e.id for e in await group.pending(0, now_ms() + 60_000, 100_000)}
+    assert not logged & {e.id for e in good}  # acked: forgotten
+    fe = await failed_entry(group, poison)
+    assert fe is not None and fe["error"].startswith(PARKED), fe
+
+
 async def test_poison_event_mid_batch_is_dead_lettered_others_land_once(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
 ) -> None:

@@ -34,7 +34,8 @@ def _collector(max_bridge_calls: int, max_handoff_calls: int) -> tuple[Collector
     calls: list[Any] = []
     state = {"now": 0, "peak": 0}
 
-    async def call_bridge(events: list[Event]) -> dict[str, Any]:
+    async def call_bridge(events: list[Event], *, detail: bool = True) -> dict[str, Any]:
+        assert not detail  # a hand-off reads no per-id answer
         state["now"] += 1
         state["peak"] = max(state["peak"], state["now"])
         calls.append([e.id for e in events])

@@ -538,3 +538,17 @@ def test_settle_parked_without_keys_settles_every_parked_entry(tmp_path: Path) -
             assert s.where(("s", "e3")) == "failed"
         finally:
             s.close()
+
+
+@pytest.mark.unit
+def test_forget_wire_round_trip() -> None:
+    """A forget crosses Ray as one blob: keys in order, and only the known sequences."""
+    from actors.queue.logger.records import decode_forget, encode_forget
+
+    keys = [("s", "a"), ("s", "b\x00c"), ("t", "a"), ("s", "é ")]
+    seqs = {("s", "a"): ("S", 7), ("t", "a"): None, ("s", "é "): ("S", 2**40)}
+    assert decode_forget(encode_forget(keys, seqs)) == (
+        keys,
+        {("s", "a"): ("S", 7), ("s", "é "): ("S", 2**40)},
+    )
+    assert decode_forget(encode_forget(keys, None)) == (keys, {})

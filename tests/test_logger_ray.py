@@ -23,6 +23,7 @@ from actors.queue.logger import (
     key_of,
     replace_replica,
 )
+from actors.queue.logger.group import PUT_ONCE_BYTES
 from cluster.deploy.logger import start_logger_group
 from runtime.events import Event, encode_batch
 from runtime.replication import FencedError, ReplicaGroup
@@ -86,6 +87,11 @@ async def test_appends_and_forgets_agree_on_both_replicas(ray_local: None, tmp_p
         events = [ev(i, token=f"T{i // 500}" if i < 1000 else "") for i in range(10_000)]
         for b in range(0, len(events), 500):
             await client.append(events[b : b + 500])
+        pad = b'{"pad": "%s"}' % (b"x" * 1000)
+        big = [Event(f"big{i}", "s", "s.raw", pad, 1_000) for i in range(200)]
+        assert len(encode_batch(big)) > PUT_ONCE_BYTES  # one object-store copy for both
+        await client.append(big)
+        await client.forget([key_of(e) for e in big])
         acked = [key_of(e) for e in events[::2]]
         for b in range(0, len(acked), 1000):
             part = acked[b : b + 1000]

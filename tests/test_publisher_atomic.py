@@ -20,6 +20,7 @@ from runtime.publisher import (
     Published,
     batch_headers,
     batch_limit_from,
+    batch_wire,
 )
 from runtime.waiting import await_until
 from tests.test_publisher import by_id, cfg, events, fresh_stream, nc, stream_ids
@@ -67,6 +68,40 @@ def test_batch_headers_and_limit_parsing() -> None:
     assert batch_headers(ev, "b1", 4, commit=True)["Nats-Batch-Commit"] == "1"
     assert batch_limit_from("atomic publish batch is too large: 1000") == 1000
     assert batch_limit_from("atomic publish batch is too large") is None
+
+
+def nats_py_wire(evs: list[Outgoing], batch_id: str, reply: str) -> bytes:
+    """What nats-py's `publish` sends for each message of the batch (its header block and
+    `hpub_cmd`), the control line's empty reply written as one space, as the server reads it."""
+    from nats.protocol.command import hpub_cmd
+
+    out = b""
+    for j, ev in enumerate(evs, 1):
+        last = j == len(evs)
+        headers = batch_headers(ev, batch_id, j, commit=last)
+        hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+        cmd = hpub_cmd(ev.subject, reply if last else "", hdr + b"\r\n", ev.data)
+        out += cmd.replace(b"  ", b" ", 1) if not last else cmd
+    return out
+
+
+@pytest.mark.unit
+def test_batch_wire_is_what_nats_py_sends_or_none() -> None:
+    evs = [Outgoing(id=f"id-{i}", subject="raw.t", data=b"{}" * i) for i in range(1, 4)]
+    evs.append(Outgoing(id="last~", subject="raw.u", data=b""))
+    assert batch_wire(evs, "b-1", "_INBOX.x.7", 1 << 20) == nats_py_wire(evs, "b-1", "_INBOX.x.7")
+    one = [Outgoing(id="a", subject="s", data=b"x")]
+    assert batch_wire(one, "b", "r", 0) == nats_py_wire(one, "b", "r")  # 0: no limit known
+    # left to nats-py's checks: headers of its own, a space or line break, a big payload
+    for odd in (
+        Outgoing(id="a", subject="s", data=b"", headers={"X": "1"}),
+        Outgoing(id="a b", subject="s", data=b""),
+        Outgoing(id="a\r\nPUB x 1", subject="s", data=b""),
+        Outgoing(id="a", subject="s t", data=b""),
+        Outgoing(id="\u00e9", subject="s", data=b""),
+        Outgoing(id="a", subject="s", data=b"x" * 11),
+    ):
+        assert batch_wire([*evs, odd], "b", "r", 10) is None, odd
 
 
 # ---- against the server -------------------------------------------------------------------

@@ -270,6 +270,8 @@ class Collector(SupervisedActor):
             "mode": self.mode,
             "in_flight": self._in_flight(),
             "requests_in_flight": self._requests_in_flight,
+            # group commit: log flushes so far (accepted / flushes = events a flush)
+            "log_flushes": self._committer.flushes if hasattr(self, "_committer") else 0,
             **self.off,
         }
 
@@ -626,11 +628,15 @@ class Collector(SupervisedActor):
         async with self._bridge_slots:
             return await self._call_bridge(events)
 
-    async def _call_bridge(self, events: list[Event]) -> dict[str, Any] | None:
-        """The Ray call itself; the caller holds a bridge slot."""
+    async def _call_bridge(
+        self, events: list[Event], *, detail: bool = True
+    ) -> dict[str, Any] | None:
+        """The Ray call itself; the caller holds a bridge slot. `detail=False`: the answer
+        is counts only (a hand-off reads none of it)."""
         try:
             self.counters["handoffs"] += 1
-            return await self._bridge().publish.remote(encode_batch(events), self.logger.name)
+            batch = encode_batch(events)
+            return await self._bridge().publish.remote(batch, self.logger.name, detail)
         except Exception as err:
             self.counters["bridge_errors"] += 1
             log.warning("bridge call failed; the replayer will publish: %r", err)
@@ -663,7 +669,7 @@ class Collector(SupervisedActor):
                     if not events:  # another sender took them meanwhile
                         break
                     try:
-                        await self._call_bridge(events)
+                        await self._call_bridge(events, detail=False)
                     finally:
                         self._handoff_events -= len(events)
         finally:

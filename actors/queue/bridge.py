@@ -251,7 +251,7 @@ class BrokerBridge(SupervisedActor):
 
     # ------------------------------------------------------------------ the data path
 
-    async def publish(self, batch: bytes, logger: str) -> dict[str, Any]:
+    async def publish(self, batch: bytes, logger: str, detail: bool = True) -> dict[str, Any]:
         """Publish one logged batch; answer each id's stream sequence or error.
 
         One Ray call per batch (never per event). Events the collector already processed
@@ -259,24 +259,36 @@ class BrokerBridge(SupervisedActor):
         Returns once JetStream answered for every event, so a caller that answers
         `?wait=queued` after it tells the truth; failures are in the failed store by then,
         acked entries are forgotten shortly after (`Forgetter`, `flush_forgets`).
+
+        `detail=False` (a background hand-off, which reads no answer): the same work, and
+        the answer holds only counts (`{"published": n, "failed": n, "deadlettered": n}`),
+        so no dict of every id is built and sent back through Ray.
         """
         self.counters["batches"] += 1
-        work = self._process_and_publish(self.loggers[logger], decode_batch(batch))
+        work = self._process_and_publish(self.loggers[logger], decode_batch(batch), detail)
         return await self._dataplane.run(work)
 
-    async def _publish_events(self, events: list[Event], group: LoggerGroup) -> dict[str, Any]:
+    async def _publish_events(
+        self, events: list[Event], group: LoggerGroup, detail: bool = True
+    ) -> dict[str, Any]:
         assert self._pub is not None
         out: dict[str, Any] = {"published": {}, "failed": {}, "deadlettered": {}}
+        counts = dict.fromkeys(out, 0)
         for part in _one_stream_per_id(events):
             send, found, unproven, parked = await self._check_horizon(part)
             published, failed = await self._publish_atomic(send)
             published += found
             failed += unproven
             dead = await self._complete(group, part, published, failed, parked)
+            if not detail:
+                counts["published"] += len(published)
+                counts["failed"] += sum(1 for f in failed + parked if f.id not in dead)
+                counts["deadlettered"] += len(dead)
+                continue
             out["published"].update({p.id: [p.stream, p.seq, p.duplicate] for p in published})
             out["failed"].update({f.id: f.error for f in failed + parked if f.id not in dead})
             out["deadlettered"].update(dead)
-        return out
+        return out if detail else counts
 
     async def _publish_atomic(
         self, events: Sequence[Event]
@@ -524,7 +536,7 @@ class BrokerBridge(SupervisedActor):
         return total
 
     async def _process_and_publish(
-        self, group: LoggerGroup, entries: list[Event]
+        self, group: LoggerGroup, entries: list[Event], detail: bool = True
     ) -> dict[str, Any]:
         """Run the logic on raw entries (RBML/HML log before it), settle rejects, publish."""
         ready: list[Event] = [e for e in entries if e.processed]
@@ -541,8 +553,8 @@ class BrokerBridge(SupervisedActor):
             ready.extend(result.kept)
             await self._settle_rejects(group, result)
         if not ready:
-            return {"published": {}, "failed": {}}
-        return await self._publish_events(ready, group)
+            return {"published": {}, "failed": {}} if detail else {"published": 0, "failed": 0}
+        return await self._publish_events(ready, group, detail)
 
     async def _settle_rejects(self, group: LoggerGroup, result: LogicResult) -> None:
         """Filtered events are done; invalid ones go to the dead-letter subject first."""

@@ -414,3 +414,31 @@ def test_ingest_per_logging_mode(bench_ray: Any, tmp_path: Path) -> None:
             "profiles": profiles,
         },
     )
+
+
+@pytest.mark.skipif(
+    os.environ.get("TIERFLOW_BENCH_INGEST_AB", "0") == "0",
+    reason="issue 13's goal figure alone, for A/B runs: set TIERFLOW_BENCH_INGEST_AB=1",
+)
+@pytest.mark.timeout(900)
+def test_ingest_hml_k1_against_the_atomic_ceiling(bench_ray: Any, tmp_path: Path) -> None:
+    """Queued/s of HML k=1 against nats-py's atomic batches of 1000 measured just before and
+    just after it, on one server: the goal figure of issue 13 without the other rows, so old
+    and new code can be alternated on a noisy machine. Prints one `AB {json}` line and
+    writes no report (`make bench` skips it)."""
+    with NatsServer(store_dir=tmp_path / "nats").start() as server:
+        first = asyncio.run(atomic_ceiling(server.url, EVENTS, max(ATOMIC_SIZES), "a"))
+        hml = run_mode(server, tmp_path, "hml", 1)
+        last = asyncio.run(atomic_ceiling(server.url, EVENTS, max(ATOMIC_SIZES), "b"))
+    ceiling = (first["rate"] + last["rate"]) / 2
+    figures = {
+        "events": EVENTS,
+        "accepted": round(hml["rate"]),
+        "queued": round(hml["queued_rate"]),
+        "ack_p50_ms": round(hml["p50_ms"], 1),
+        "ack_p99_ms": round(hml["p99_ms"], 1),
+        "atomic_ceiling": round(ceiling),
+        "atomic_runs": [round(first["rate"]), round(last["rate"])],
+        "queued_vs_atomic": round(hml["queued_rate"] / ceiling, 3),
+    }
+    print("AB", json.dumps(figures))

@@ -9,6 +9,7 @@ migration so far, see `LogStore._migrate_keys`). Records are msgpack arrays
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -122,6 +123,26 @@ def _log_key(key: LogKey) -> bytes:
         if isinstance(stream, str) and isinstance(id_, str):
             return stream.encode() + b"\x00" + id_.encode()
     raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
+
+
+# A forget as it crosses Ray: one msgpack blob, ([(stream, id)], [(stream, id, js, seq)]),
+# decoded in one call on each replica instead of unpickling a tuple per key.
+_ForgetWire = tuple[list[tuple[str, str]], list[tuple[str, str, str, int]]]
+_forget_dec = msgspec.msgpack.Decoder(_ForgetWire)
+
+
+def encode_forget(
+    keys: Sequence[LogKey], seqs: Mapping[LogKey, tuple[str, int] | None] | None
+) -> bytes:
+    """The wire form of a forget: its keys in order and the sequences that are known."""
+    known = [(k[0], k[1], s[0], s[1]) for k, s in (seqs or {}).items() if s is not None]
+    return _enc.encode(([(k[0], k[1]) for k in keys], known))
+
+
+def decode_forget(blob: bytes) -> tuple[list[LogKey], dict[LogKey, tuple[str, int]]]:
+    """`encode_forget`'s keys and sequences back."""
+    keys, known = _forget_dec.decode(blob)
+    return keys, {(stream, id_): (js, seq) for stream, id_, js, seq in known}
 
 
 def _seq(value: Any) -> tuple[str, int] | None:

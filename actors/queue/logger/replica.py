@@ -17,7 +17,13 @@ from typing import Any
 import pykka
 
 from actors.queue.logger.errors import LogUnavailable
-from actors.queue.logger.records import CATCHING_UP_KEY, FENCE_KEY, PARKED_MS, LogKey
+from actors.queue.logger.records import (
+    CATCHING_UP_KEY,
+    FENCE_KEY,
+    PARKED_MS,
+    LogKey,
+    decode_forget,
+)
 from actors.queue.logger.writer import WriterClient, WriterOp, _Crash
 from runtime.events import decode_batch, encode_batch
 from runtime.ray_supervisor import SupervisedActor
@@ -209,10 +215,14 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
     async def forget(
         self,
         epoch: int,
-        keys: Sequence[LogKey],
+        keys: Sequence[LogKey] | bytes,
         seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
     ) -> int:
-        """Drop (stream, id) keys (acked); returns how many this replica held."""
+        """Drop (stream, id) keys (acked); returns how many this replica held. `keys` may be
+        `encode_forget`'s blob (keys and sequences in one, as `LoggerGroup.forget` sends)."""
+        if isinstance(keys, bytes):
+            listed, known = decode_forget(keys)
+            return await self._op("forget", listed, known, epoch=epoch)
         return await self._op("forget", [tuple(k) for k in keys], dict(seqs or {}), epoch=epoch)
 
     async def fail(
