@@ -17,6 +17,10 @@ machine, one clock). Each phase waits until both clients saw everything before t
 A profile pass (py-spy on the Spark driver with its Python workers, the gateway and the
 collection tier) follows, not measured.
 
+With TIERFLOW_BENCH_SPARK_EVENTS=<dir>, Spark writes its event log there and each phase
+prints, per query, how long its Spark jobs waited for a task slot against how long their
+tasks ran (`Pipeline.slot_profile`).
+
 Run alone: `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_e2e.py`
 """
 
@@ -138,6 +142,7 @@ async def phase(
         "raw": summary(raw_ms),
         "updates": len(frames),
         "batches": await asyncio.get_running_loop().run_in_executor(None, p.batch_profile, wall0),
+        "slots": await asyncio.get_running_loop().run_in_executor(None, p.slot_profile, wall0),
     }
 
 
@@ -192,6 +197,17 @@ def print_batches(label: str, batches: dict[str, dict[str, Any]]) -> None:
         )
 
 
+def print_slots(label: str, slots: dict[str, dict[str, Any]]) -> None:
+    """Per query, its Spark jobs' wait for one of local[n]'s task slots against their run
+    (medians, ms; from the event log with TIERFLOW_BENCH_SPARK_EVENTS)."""
+    for name, j in sorted(slots.items()):
+        print(
+            f"  {label} {name}: {j['jobs']} Spark jobs; ms p50: wall {j['wall']:,.0f}, "
+            f"waiting for a task slot {j['slot_wait']:,.0f}, tasks running {j['run']:,.0f} "
+            f"(JVM CPU {j['cpu']:,.0f})"
+        )
+
+
 def pids_of(p: Pipeline) -> dict[str, int]:
     group = p.tier.logger_groups[0]
     return {
@@ -226,6 +242,7 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
     print("shown/s: events over the time until the top-N counted them all")
     for r in rows:
         print_batches(f"{r['rate']:,.0f}/s", r["batches"])
+        print_slots(f"{r['rate']:,.0f}/s", r["slots"])
     if profiles:
         print_profile(f"e2e at {RATES[len(RATES) // 2]:,} events/s, {PROFILE_S:g} s", profiles)
     write_report(
@@ -266,4 +283,5 @@ def test_demo_dashboard_lag(bench_ray: Any, tmp_path: Path) -> None:
         f"{w['p50_ms']:,.0f} ms, p99 {w['p99_ms']:,.0f} ms"
     )
     print_batches("demo", row["batches"])
+    print_slots("demo", row["slots"])
     write_report("demo", {"jobs": 5, **row})

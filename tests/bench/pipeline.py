@@ -31,6 +31,7 @@ class Pipeline:
     gateways: list[str]
     gateway_url: str
     driver: Any
+    spark_events: Path | None = None
 
     def actor(self, name: str) -> Any:
         import ray
@@ -45,6 +46,13 @@ class Pipeline:
 
         progress = ray.get(self.driver.progress.remote(since), timeout=60)
         return {name: durations_summary(rows) for name, rows in progress.items()}
+
+    def slot_profile(self, since: float) -> dict[str, dict[str, Any]]:
+        """Per query, from Spark's event log (TIERFLOW_BENCH_SPARK_EVENTS set): how long its
+        Spark jobs since `since` (epoch s) waited for a free task slot and ran; {} without."""
+        if self.spark_events is None:
+            return {}
+        return slot_waits(self.spark_events, since)
 
     def pid(self, handle: Any) -> int:
         import ray
@@ -75,6 +83,77 @@ def durations_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def event_log_conf(root: Path, namespace: str) -> tuple[Path, dict[str, str]]:
+    """Spark settings writing one plain event log under `root` (its directory returned)."""
+    where = root / f"{namespace}-{time.strftime('%Y%m%dT%H%M%S')}"
+    where.mkdir(parents=True, exist_ok=True)
+    return where, {
+        "spark.eventLog.enabled": "true",
+        "spark.eventLog.dir": where.resolve().as_uri(),
+        "spark.eventLog.compress": "false",
+        "spark.eventLog.rolling.enabled": "false",
+    }
+
+
+def slot_waits(events: Path, since: float) -> dict[str, dict[str, Any]]:
+    """Per scheduler pool (one per query), over its Spark jobs submitted since `since`
+    (epoch s): jobs, and medians (ms) of a job's wall time, its wait for task slots (per
+    stage, first task launch minus stage submission, summed), its tasks' run time and
+    their JVM CPU time (a Python source's worker not included)."""
+    pools: dict[int, str] = {}
+    submitted: dict[int, int] = {}
+    job_stages: dict[int, list[int]] = {}
+    stage_job: dict[int, int] = {}
+    stage_at: dict[int, int] = {}
+    ended: dict[int, int] = {}
+    first_launch: dict[int, int] = {}
+    run: dict[int, float] = {}
+    cpu: dict[int, float] = {}
+    for path in events.glob("*"):
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:  # the line being written
+                    continue
+                kind = e.get("Event")
+                if kind == "SparkListenerJobStart":
+                    job = e["Job ID"]
+                    pools[job] = (e.get("Properties") or {}).get("spark.scheduler.pool", "?")
+                    submitted[job] = e["Submission Time"]
+                    job_stages[job] = e["Stage IDs"]
+                    stage_job.update({s: job for s in e["Stage IDs"]})
+                elif kind == "SparkListenerJobEnd":
+                    ended[e["Job ID"]] = e["Completion Time"]
+                elif kind == "SparkListenerStageSubmitted":
+                    info = e["Stage Info"]
+                    stage_at[info["Stage ID"]] = info.get("Submission Time", 0)
+                elif kind == "SparkListenerTaskEnd":
+                    stage, info = e["Stage ID"], e["Task Info"]
+                    metrics = e.get("Task Metrics") or {}
+                    launch = first_launch.get(stage)
+                    first_launch[stage] = min(launch or info["Launch Time"], info["Launch Time"])
+                    run[stage] = run.get(stage, 0) + metrics.get("Executor Run Time", 0)
+                    cpu[stage] = cpu.get(stage, 0) + metrics.get("Executor CPU Time", 0) / 1e6
+    rows: dict[str, list[dict[str, float]]] = {}
+    for job, pool in pools.items():
+        if job not in ended or submitted[job] < since * 1000:
+            continue
+        ran = [s for s in job_stages[job] if s in first_launch and s in stage_at]
+        rows.setdefault(pool.removeprefix("query-"), []).append(
+            {
+                "wall": ended[job] - submitted[job],
+                "slot_wait": sum(first_launch[s] - stage_at[s] for s in ran),
+                "run": sum(run[s] for s in ran),
+                "cpu": sum(cpu[s] for s in ran),
+            }
+        )
+    return {
+        pool: {"jobs": len(jobs), **{k: median([j[k] for j in jobs]) for k in jobs[0]}}
+        for pool, jobs in rows.items()
+    }
+
+
 def median(values: list[float]) -> float | None:
     data = sorted(values)
     return data[len(data) // 2] if data else None
@@ -98,15 +177,23 @@ def pipeline(
     from cluster.deploy.gateway import start_gateways, stop_gateways
     from runtime.services import ensure_streams
 
-    # TIERFLOW_BENCH_SPARK_CONF: extra Spark settings as JSON (to compare settings A/B)
+    # TIERFLOW_BENCH_SPARK_CONF: extra Spark settings as JSON, TIERFLOW_BENCH_SPARK_MASTER
+    # another master than local[2] (to compare settings A/B)
     spark_conf = json.loads(os.environ.get("TIERFLOW_BENCH_SPARK_CONF") or "{}")
+    master = os.environ.get("TIERFLOW_BENCH_SPARK_MASTER") or "local[2]"
+    # TIERFLOW_BENCH_SPARK_EVENTS: a directory for Spark's event log (`slot_profile`)
+    events_root = os.environ.get("TIERFLOW_BENCH_SPARK_EVENTS")
+    events = None
+    if events_root:
+        events, log_conf = event_log_conf(Path(events_root), namespace)
+        spark_conf = {**log_conf, **spark_conf}
     cfg = load(
         environ={},
         overrides={
             "state_dir": str(state / "state"),
             "ray": {"namespace": namespace},
             "roles": {"collector": {"port": 0}, "gateway": {"port": 0}},
-            "spark": {"master": "local[2]", "conf": spark_conf},
+            "spark": {"master": master, "conf": spark_conf},
             **(overrides or {}),
         },
     )
@@ -130,7 +217,7 @@ def pipeline(
             driver = start_driver(cfg, server.url, jobs=jobs)
             status = wait_running(driver, 180)
             assert status.get("state") == "running", status
-            yield Pipeline(cfg, server, tier, gateways, ends["url"], driver)
+            yield Pipeline(cfg, server, tier, gateways, ends["url"], driver, events)
         finally:
             if driver is not None:
                 stop_driver(driver)

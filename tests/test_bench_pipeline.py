@@ -1,0 +1,65 @@
+"""The e2e bench's slot profile: Spark's event log -> per query, slot wait against run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.bench.pipeline import event_log_conf, slot_waits
+
+
+def _job(job: int, pool: str, at: int, end: int, stages: dict[int, tuple[int, list[int]]]) -> list:
+    """A job's events: stages {id: (submitted, [task launch times])}, each task running
+    100 ms with 10 ms of CPU."""
+    out: list[dict] = [
+        {
+            "Event": "SparkListenerJobStart",
+            "Job ID": job,
+            "Submission Time": at,
+            "Stage IDs": list(stages),
+            "Properties": {"spark.scheduler.pool": pool},
+        }
+    ]
+    for stage, (submitted, launches) in stages.items():
+        out.append(
+            {
+                "Event": "SparkListenerStageSubmitted",
+                "Stage Info": {"Stage ID": stage, "Submission Time": submitted},
+            }
+        )
+        for launch in launches:
+            out.append(
+                {
+                    "Event": "SparkListenerTaskEnd",
+                    "Stage ID": stage,
+                    "Task Info": {"Launch Time": launch},
+                    "Task Metrics": {"Executor Run Time": 100, "Executor CPU Time": 10_000_000},
+                }
+            )
+    out.append({"Event": "SparkListenerJobEnd", "Job ID": job, "Completion Time": end})
+    return out
+
+
+def test_slot_waits_per_query(tmp_path: Path) -> None:
+    events = [
+        # before `since`: not counted
+        *_job(0, "query-topn", 500, 900, {0: (500, [600])}),
+        # waited 300 ms for its first stage's slot and 50 for its second's
+        *_job(1, "query-topn", 2000, 2600, {1: (2000, [2300, 2400]), 2: (2450, [2500])}),
+        *_job(2, "query-panel", 2000, 5000, {3: (2000, [2000])}),
+    ]
+    log = tmp_path / "app-1.inprogress"
+    log.write_text("\n".join(json.dumps(e) for e in events) + '\n{"Event": "SparkListenerJo')
+    got = slot_waits(tmp_path, since=1.0)
+    assert got == {
+        "topn": {"jobs": 1, "wall": 600, "slot_wait": 350, "run": 300, "cpu": 30.0},
+        "panel": {"jobs": 1, "wall": 3000, "slot_wait": 0, "run": 100, "cpu": 10.0},
+    }
+
+
+def test_event_log_conf_writes_one_plain_file(tmp_path: Path) -> None:
+    where, conf = event_log_conf(tmp_path, "bench-x")
+    assert where.is_dir() and where.parent == tmp_path
+    assert conf["spark.eventLog.dir"] == where.resolve().as_uri()
+    assert conf["spark.eventLog.compress"] == "false"
+    assert conf["spark.eventLog.rolling.enabled"] == "false"
