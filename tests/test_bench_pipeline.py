@@ -52,8 +52,22 @@ def test_slot_waits_per_query(tmp_path: Path) -> None:
     log.write_text("\n".join(json.dumps(e) for e in events) + '\n{"Event": "SparkListenerJo')
     got = slot_waits(tmp_path, since=1.0)
     assert got == {
-        "topn": {"jobs": 1, "wall": 600, "slot_wait": 350, "run": 300, "cpu": 30.0},
-        "panel": {"jobs": 1, "wall": 3000, "slot_wait": 0, "run": 100, "cpu": 10.0},
+        "topn": {
+            "jobs": 1,
+            "wall": 600,
+            "slot_wait": 350,
+            "run": 300,
+            "cpu": 30.0,
+            "slot_wait_max": 350,
+        },
+        "panel": {
+            "jobs": 1,
+            "wall": 3000,
+            "slot_wait": 0,
+            "run": 100,
+            "cpu": 10.0,
+            "slot_wait_max": 0,
+        },
     }
 
 

@@ -203,8 +203,8 @@ def print_slots(label: str, slots: dict[str, dict[str, Any]]) -> None:
     for name, j in sorted(slots.items()):
         print(
             f"  {label} {name}: {j['jobs']} Spark jobs; ms p50: wall {j['wall']:,.0f}, "
-            f"waiting for a task slot {j['slot_wait']:,.0f}, tasks running {j['run']:,.0f} "
-            f"(JVM CPU {j['cpu']:,.0f})"
+            f"waiting for a task slot {j['slot_wait']:,.0f} (max {j['slot_wait_max']:,.0f}), "
+            f"tasks running {j['run']:,.0f} (JVM CPU {j['cpu']:,.0f})"
         )
 
 

@@ -99,7 +99,7 @@ def slot_waits(events: Path, since: float) -> dict[str, dict[str, Any]]:
     """Per scheduler pool (one per query), over its Spark jobs submitted since `since`
     (epoch s): jobs, and medians (ms) of a job's wall time, its wait for task slots (per
     stage, first task launch minus stage submission, summed), its tasks' run time and
-    their JVM CPU time (a Python source's worker not included)."""
+    their JVM CPU time (a Python source's worker not included); the longest slot wait."""
     pools: dict[int, str] = {}
     submitted: dict[int, int] = {}
     job_stages: dict[int, list[int]] = {}
@@ -149,7 +149,11 @@ def slot_waits(events: Path, since: float) -> dict[str, dict[str, Any]]:
             }
         )
     return {
-        pool: {"jobs": len(jobs), **{k: median([j[k] for j in jobs]) for k in jobs[0]}}
+        pool: {
+            "jobs": len(jobs),
+            **{k: median([j[k] for j in jobs]) for k in jobs[0]},
+            "slot_wait_max": max(j["slot_wait"] for j in jobs),
+        }
         for pool, jobs in rows.items()
     }
 
