@@ -133,10 +133,17 @@ def duplicate_window_for(retry_horizon_s: float) -> float:
     return max(2.0 * retry_horizon_s, 120.0)
 
 
-def api_error_retryable(code: int) -> bool:
+# 409 "duplicate message id is in process": another message with the same Nats-Msg-Id is
+# being stored right now (a resend racing its original, or the same id arriving from another
+# site's copy); a resend gets the duplicate ack once it is stored
+ERR_ID_IN_PROCESS = 10158
+
+
+def api_error_retryable(code: int, err_code: int = 0) -> bool:
     """JetStream API errors with a 5xx (or 429) code are conditions of the server, not of the
-    event (store failure, limits with discard-new, no quorum): a resend may succeed."""
-    return code >= 500 or code == 429
+    event (store failure, limits with discard-new, no quorum): a resend may succeed. So is
+    an id still in process (`ERR_ID_IN_PROCESS`): the resend is answered as a duplicate."""
+    return code >= 500 or code == 429 or err_code == ERR_ID_IN_PROCESS
 
 
 def blind_retry_horizon(duplicate_window_s: float) -> float:
@@ -884,7 +891,7 @@ class JetStreamPublisher:
                     outcome = Failed(
                         ev_id,
                         f"JetStream API error {e.code} (err_code {e.err_code}): {e.description}",
-                        api_error_retryable(e.code),
+                        api_error_retryable(e.code, e.err_code),
                     )
                 elif ack.seq <= 0:
                     outcome = Failed(ev_id, f"JetStream ack without sequence: {msg.data!r}", True)

@@ -141,6 +141,8 @@ def test_duplicate_window_exceeds_retry_horizon() -> None:
 def test_api_error_classification() -> None:
     assert api_error_retryable(503) and api_error_retryable(429)
     assert not api_error_retryable(400) and not api_error_retryable(404)
+    assert not api_error_retryable(409, 10071)  # wrong last sequence: the event's fault
+    assert api_error_retryable(409, 10158)  # the same id being stored: resend, get a dup
 
 
 @pytest.mark.unit
