@@ -155,6 +155,25 @@ def start_ray(cfg: Config, **kwargs: Any) -> str:
     return ctx.address_info["gcs_address"]
 
 
+def local_ray(namespace: str, num_cpus: int = 2, **kwargs: Any) -> bool:
+    """A local Ray instance for tools and tests, unless this process already has one: True
+    when started here (the caller shuts it down). ``address="local"``, as `start_ray` says
+    why; no dashboard, workers' logs not copied to the driver."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        log_to_driver=False,
+        **kwargs,
+    )
+    return True
+
+
 def join_ray(address: str, namespace: str, auth_mode: str = "") -> None:
     """Join a running Ray as another driver (the CLI joining `tierflow up`'s instance).
 

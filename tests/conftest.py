@@ -17,7 +17,7 @@ import pytest
 
 from runtime.config import Config, load
 from runtime.nats import NatsServer
-from runtime.services import spark_session
+from runtime.services import local_ray, spark_session
 from tests.support import NatsFactory
 
 
@@ -62,14 +62,7 @@ def ray_module() -> Iterator[object]:
     may shut it down, so each module asks again rather than holding a session handle)."""
     import ray  # seconds of import time: only the modules that use Ray pay it
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=2,
-            namespace="tierflow-tests",
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    local_ray("tierflow-tests")
     yield ray
 
 

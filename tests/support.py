@@ -14,7 +14,7 @@ from typing import Any
 
 from runtime.config import Config, load
 from runtime.nats import NatsServer
-from runtime.services import start_nats
+from runtime.services import local_ray, start_nats
 
 
 class NatsFactory:
@@ -60,13 +60,7 @@ def fresh_ray(namespace: str) -> Iterator[None]:
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace=namespace,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    local_ray(namespace)
     try:
         yield
     finally:

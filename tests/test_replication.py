@@ -29,6 +29,7 @@ from runtime.replication import (
     count_fitting_nodes,
     placement_plan,
 )
+from runtime.services import local_ray as start_local_ray
 
 # Workers cannot import this test module: ship the replica class by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -236,14 +237,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="class")
 def local_ray() -> Iterator[None]:
     _fresh_driver()
-    ray.init(
-        address="local",
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(NAMESPACE, _node_ip_address="127.0.0.1")
     try:
         yield
     finally:

@@ -58,6 +58,7 @@ from jobs.sink import results_by_query
 from jobs.sketches import Distinct
 from runtime.config import default_streams, load
 from runtime.nats import NatsCluster, NatsServer, connect
+from runtime.services import local_ray
 from runtime.waiting import await_until
 
 log = logging.getLogger(__name__)
@@ -170,14 +171,7 @@ def _start_ray(scn: Scenario, namespace: str, stack: _Stack) -> Any:
     (started here if none is up and left up for the next scenario)."""
 
     if scn.ray_nodes <= 1:
-        if not ray.is_initialized():
-            ray.init(
-                address="local",
-                num_cpus=2,
-                namespace=namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+        local_ray(namespace)
         return None
 
     if ray.is_initialized():

@@ -44,6 +44,7 @@ from cluster.verify import payload_digest
 from runtime.config import Config, load
 from runtime.geo import link_deny, replication_lag
 from runtime.nats import connect
+from runtime.services import local_ray
 from runtime.sites import NatsSites
 from runtime.waiting import await_until
 
@@ -93,19 +94,7 @@ def site_config(work: Path, site: str, url: str, namespace: str) -> Config:
 
 def _init_ray(namespace: str) -> bool:
     """A local Ray for both runtimes (True when started here: shut down at the end)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace=namespace,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    return True
+    return local_ray(namespace, _node_ip_address="127.0.0.1")
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from runtime.services import local_ray
+
 NAMESPACE = "tierflow-bench"
 
 
@@ -28,14 +30,7 @@ def bench_ray() -> Iterator[Any]:
     """A local Ray for every bench (2 CPUs as on the target machine; actors ask for none)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            namespace=NAMESPACE,
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    local_ray(NAMESPACE)
     yield ray
     ray.shutdown()
 
