@@ -186,6 +186,21 @@ async def _supervisor_escalated(d: Deployment) -> bool:
         return False
 
 
+async def _resolve_unless_escalated(d: Deployment, target: str) -> tuple[str, int, str] | None:
+    """`_resolve`, or None once the supervisor has escalated: a slow machine can let the
+    escalation land after a round's check, and then the target never comes back."""
+
+    async def found() -> tuple[str, int, str] | str:
+        if await _supervisor_escalated(d):
+            return "escalated"
+        return await target_process(d, target)
+
+    got = await await_until(
+        found, timeout=BACK_TIMEOUT_S, interval=0.2, what=f"{target} reachable", swallow=True
+    )
+    return None if got == "escalated" else got  # type: ignore[return-value]
+
+
 async def _kill_repeat(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -> None:
     """Up to `count` kills; "collection" kills every collector and bridge each round (the
     restarts of all its children count toward the supervisor's intensity, so several per
@@ -195,7 +210,15 @@ async def _kill_repeat(d: Deployment, f: s.Fault, rec: FaultRecord, t0: float) -
     targets = [*d.tier.collectors, *d.tier.bridges] if whole else [f.target]
     kills, escalated = 0, False
     while kills < f.count and not escalated:
-        victims = [await _resolve(d, t) for t in targets[: f.count - kills]]
+        victims = []
+        for t in targets[: f.count - kills]:
+            found = await _resolve_unless_escalated(d, t)
+            if found is None:  # escalated since the last round: the tier is stopped
+                escalated = True
+                break
+            victims.append(found)
+        if escalated:
+            break
         for _, pid, _ in victims:
             _signal(pid, signal.SIGKILL)
         kills += len(victims)
