@@ -75,7 +75,7 @@ def _head_processes(temp_dir: str) -> list[psutil.Process]:
     return list(found.values())
 
 
-def _stop_processes(procs: list[psutil.Process], grace_s: float = 30.0) -> list[int]:
+def _stop_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> list[int]:
     """SIGTERM these pids, SIGKILL what outlives the grace; returns the pids still alive."""
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
