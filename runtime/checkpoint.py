@@ -21,7 +21,7 @@ import os
 import pathlib
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,8 +120,15 @@ class CheckpointStore:
     """One LevelDB directory, opened by exactly one handle at a time (LevelDB's LOCK file)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, sync: bool = True, create: bool = True
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sync: bool = True,
+        create: bool = True,
+        write_buffer_size: int | None = None,
     ) -> None:
+        """`write_buffer_size`: LevelDB's memtable bytes (default 4 MiB). A store whose
+        entries mostly die young (the message log) compacts less with a bigger one."""
         self.path = pathlib.Path(path)
         self.sync = sync
         self.closed = True
@@ -133,7 +140,10 @@ class CheckpointStore:
         elif not self.path.is_dir():
             raise CheckpointError(f"checkpoint store {self.path} does not exist (create=False)")
         try:
-            self._db = plyvel.DB(str(self.path), create_if_missing=create, paranoid_checks=True)
+            extra = {} if write_buffer_size is None else {"write_buffer_size": write_buffer_size}
+            self._db = plyvel.DB(
+                str(self.path), create_if_missing=create, paranoid_checks=True, **extra
+            )
         except (plyvel.Error, OSError) as exc:
             raise _translate(exc, self.path) from exc
         self._guard_cm = _Guard(self.path)
@@ -162,6 +172,12 @@ class CheckpointStore:
         yield batch
         with self._guard():
             wb.write()
+
+    def batch(self, *, sync: bool | None = None) -> Batch:
+        """A batch committed only by its `write()` (one fsync if synced); dropping it unwritten
+        discards it. For callers that decide at the end whether to write at all."""
+        with self._guard():
+            return Batch(self, self._db.write_batch(sync=self._sync(sync)))
 
     def close(self) -> None:
         """Release the LOCK so another handle (e.g. a restarted replica) can open the store."""
@@ -338,6 +354,10 @@ class Batch:
     def __init__(self, store: CheckpointStore, wb: Any) -> None:
         self._store = store
         self._wb = wb
+        # stored keys (`Namespace.key`) straight to LevelDB's batch: hot loops call these
+        # once or twice per entry, so they are the native methods themselves
+        self.put_stored: Callable[[bytes, Any], None] = wb.put
+        self.delete_stored: Callable[[bytes], None] = wb.delete
 
     def _key(self, ns: Namespace | str, key: bytes) -> bytes:
         if isinstance(ns, Namespace):
@@ -351,6 +371,11 @@ class Batch:
 
     def delete(self, ns: Namespace | str, key: bytes) -> None:
         self._wb.delete(self._key(ns, key))
+
+    def write(self) -> None:
+        """Commit a batch from `CheckpointStore.batch()`: all of it or none."""
+        with self._store._guard():
+            self._wb.write()
 
     def apply(self, ops: Iterable[tuple[bytes, bytes | None]]) -> None:
         """Many writes at once: (stored key, value) puts, (stored key, None) deletes, in

@@ -130,6 +130,7 @@ def test_a_store_keyed_by_id_alone_is_migrated_at_open(tmp_path: Path) -> None:
         assert [e.id for e in s.due_failed(1_000, 10)] == ["e2"]
         scan = s.scan_counts()
         assert scan["by_time"] == 1 and scan["by_retry"] == 1
+        assert scan["index_mismatches"] == 0
         assert {k: scan[k] for k in ("transient", "failed", "bytes")} == {
             "transient": 1,
             "failed": 1,

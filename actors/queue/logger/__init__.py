@@ -7,7 +7,8 @@ one module each:
   and `LogUnavailable`, what the log answers instead of an acknowledgement.
 - `store.LogStore` (with `txn._Txn`): the LevelDB data path, no Ray. Every mutating call is
   ONE synced write batch (group commit), counters included, so a crash leaves all of a call
-  or none of it.
+  or none of it. An in-memory index of the entries, read from disk at open, spares appends
+  and forgets their reads.
 - `writer.LogWriter`: a pykka actor owning one `LogStore`, so blocking LevelDB work runs off
   the Ray actor's event loop; a `LocalSupervisor` restarts it (reopening the store) when it
   fails.

@@ -85,10 +85,43 @@ _MAX64 = (1 << 64) - 1
 PARKED_MS = _MAX64
 
 
+class _Head(msgspec.Struct, frozen=True, array_like=True):
+    """An encoded `Event` read for the in-memory index: the same fields in the same order
+    (a test keeps them so), the subject and data left undecoded."""
+
+    id: str
+    stream: str
+    subject: msgspec.Raw
+    data: msgspec.Raw
+    received_ms: int
+    processed: bool = False
+    token: str = ""
+
+
+# The store's in-memory index (`LogStore`): storage key -> what forgetting the entry needs
+# without reading it. A transient entry is `_meta(received_ms, size, token)`: the int
+# `received_ms << _SHIFT | size` (received_ms clamped as `_be` does, size the encoded
+# event's length), paired with the token when it has one; a failed entry is `_FAILED`.
+_SHIFT = 40
+_SIZE = (1 << _SHIFT) - 1
+_FAILED = -1
+IndexMeta = int | tuple[int, str]
+
+
+def _meta(received_ms: int, size: int, token: str) -> IndexMeta:
+    if not 0 <= received_ms <= _MAX64:
+        received_ms = min(max(received_ms, 0), _MAX64)
+    m = received_ms << _SHIFT | size
+    return (m, token) if token else m
+
+
 _enc = msgspec.msgpack.Encoder()
 _counts_dec = msgspec.msgpack.Decoder(_Counts)
 _failed_dec = msgspec.msgpack.Decoder(FailedEntry)
 _token_dec = msgspec.msgpack.Decoder(TokenState)
+_head_dec = msgspec.msgpack.Decoder(_Head)
+# a batch (`encode_batch`) as its events' encodings, each the bytes `encode_event` gives
+_raws_dec = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def _be(n: int) -> bytes:

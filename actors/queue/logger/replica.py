@@ -209,8 +209,9 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
     # -- writes (fenced) -----------------------------------------------------------------
 
     async def append(self, epoch: int, batch: bytes) -> int:
-        """Log an encoded batch; returns how many events were new here."""
-        return await self._op("append", decode_batch(batch), epoch=epoch)
+        """Log an encoded batch; returns how many events were new here. The store decodes
+        it on the writer's thread and keeps each event in the bytes it came in."""
+        return await self._op("append", batch, epoch=epoch)
 
     async def forget(
         self,

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from actors.queue.logger.records import (
     _BE64,
+    _FAILED,
+    _SHIFT,
+    _SIZE,
     NS_BY_RETRY,
     NS_BY_TIME,
     NS_DONE,
@@ -20,99 +23,115 @@ from actors.queue.logger.records import (
     NS_TOKENS,
     NS_TRANSIENT,
     FailedEntry,
+    IndexMeta,
     TokenState,
     _be,
     _enc,
     _failed_dec,
-    _key,
+    _meta,
     _token_dec,
 )
-from runtime.events import Event, decode_event
 
 if TYPE_CHECKING:  # the store hands itself in; importing it would be a cycle
     from actors.queue.logger.store import LogStore
+    from runtime.checkpoint import Batch
 
 _MISSING: Any = object()
 
 
-class _Txn:
-    """Changes of one call: reads see the call's own earlier changes; applied as one batch."""
+def _time_of(m: IndexMeta) -> bytes:
+    """The by_time prefix (be64 of received_ms) of a transient entry's index meta."""
+    if m.__class__ is tuple:
+        m = m[0]  # type: ignore[index]
+    return _BE64.pack(m >> _SHIFT)  # type: ignore[operator]
 
-    def __init__(self, store: LogStore) -> None:
+
+class _Txn:
+    """Changes of one call: reads see the call's own earlier changes; applied as one batch.
+
+    Entry changes go straight into the store's in-memory index (`LogStore._idx`) as they
+    are made: `LogStore._txn` rebuilds it from disk if the call does not end in a write.
+    """
+
+    def __init__(self, store: LogStore, batch: Batch) -> None:
         self.s = store
         self.c = copy.copy(store._c)
-        # (stored key, value) puts and (stored key, None) deletes, for `Batch.apply`
-        self.ops: list[tuple[bytes, bytes | None]] = []
+        self.batch = batch
+        self.put_stored = batch.put_stored
+        self.delete_stored = batch.delete_stored
+        self.writes = 0  # LevelDB writes in `batch`: none, and the call writes nothing
+        self.touched = False  # the index was changed (it must be rebuilt if not written)
+        self.idx = store._idx
         self._prefix = store._prefix
-        self._t_prefix = store._prefix[NS_TRANSIENT]
-        self._time_prefix = store._prefix[NS_BY_TIME]
-        self._entries: dict[bytes, tuple[str, Any] | None] = {}  # by storage key
+        self.t_prefix = store._prefix[NS_TRANSIENT]
+        self.time_prefix = store._prefix[NS_BY_TIME]
+        # full values this call read or wrote: ("t", raw) | ("f", FailedEntry) | None
+        self._entries: dict[bytes, tuple[str, Any] | None] = {}
         self._tokens: dict[str, TokenState | None] = {}
 
     def put(self, ns: str, key: bytes, value: bytes = b"") -> None:
-        self.ops.append((self._prefix[ns] + key, value))
+        self.put_stored(self._prefix[ns] + key, value)
+        self.writes += 1
 
     def delete(self, ns: str, key: bytes) -> None:
-        self.ops.append((self._prefix[ns] + key, None))
+        self.delete_stored(self._prefix[ns] + key)
+        self.writes += 1
 
     # entries -------------------------------------------------------------------
 
     def lookup(self, k: bytes) -> tuple[str, Any] | None:
         """("t", raw) | ("f", FailedEntry) | None for storage key `k`, as of this call's
-        changes so far."""
-        if k not in self._entries:
-            self.prefetch((k,))
-        return self._entries[k]
-
-    def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Read what the store holds under `keys` (those this call has not touched yet).
-
-        The `failed` namespace is read only when the store's counters say it holds
-        something: they are written in the same synced batch as the entries they count
-        (and recounted by a scan when a store has none), so `failed == 0` means empty.
-        """
+        changes so far. Reads LevelDB only for an entry the index says is there."""
         entries = self._entries
-        todo = [k for k in dict.fromkeys(keys) if k not in entries]
-        if not todo:
-            return
-        missing = []
-        for k, raw in zip(todo, self.s._ns[NS_TRANSIENT].get_many(todo), strict=True):
-            if raw is not None:
-                entries[k] = ("t", raw)
-            else:
-                entries[k] = None
-                missing.append(k)
-        if missing and self.s._c.failed:
-            for k, fraw in zip(missing, self.s._ns[NS_FAILED].get_many(missing), strict=True):
-                if fraw is not None:
-                    entries[k] = ("f", _failed_dec.decode(fraw))
+        if k in entries:
+            return entries[k]
+        m = self.idx.get(k)
+        cur: tuple[str, Any] | None = None
+        if m is None:
+            pass
+        elif m == _FAILED:
+            fraw = self.s._ns[NS_FAILED].get(k)
+            cur = None if fraw is None else ("f", _failed_dec.decode(fraw))
+        else:
+            raw = self.s._ns[NS_TRANSIENT].get(k)
+            cur = None if raw is None else ("t", raw)
+        entries[k] = cur
+        return cur
 
-    def add_transient(self, ev: Event, raw: bytes, k: bytes | None = None) -> None:
-        """Log `ev` (encoded as `raw`) under its storage key `k` (computed if not given)."""
-        if k is None:
-            k = _key(ev.stream, ev.id)
-        ops = self.ops
-        ops.append((self._t_prefix + k, raw))
-        ops.append((self._time_prefix + _be(ev.received_ms) + k, b""))
+    def add_transient(self, k: bytes, raw: bytes, received_ms: int, token: str) -> None:
+        """Log an event (encoded as `raw`) under its storage key `k`."""
+        m = _meta(received_ms, len(raw), token)
+        self.put_stored(self.t_prefix + k, raw)
+        self.put_stored(self.time_prefix + _time_of(m) + k, b"")
+        self.writes += 2
         self.c.transient += 1
         self.c.bytes += len(raw)
+        self.touched = True
+        self.idx[k] = m
         self._entries[k] = ("t", raw)
 
-    def drop_transient(self, ev: Event, raw: bytes, k: bytes | None = None) -> None:
-        if k is None:
-            k = _key(ev.stream, ev.id)
-        ops = self.ops
-        ops.append((self._t_prefix + k, None))
-        ops.append((self._time_prefix + _be(ev.received_ms) + k, None))
+    def drop_transient(self, k: bytes, m: IndexMeta) -> str:
+        """Drop the transient entry `k` whose index meta is `m`; returns its token."""
+        token = ""
+        if m.__class__ is tuple:
+            m, token = m  # type: ignore[misc]
+        self.delete_stored(self.t_prefix + k)
+        self.delete_stored(self.time_prefix + _BE64.pack(m >> _SHIFT) + k)  # type: ignore[operator]
+        self.writes += 2
         self.c.transient -= 1
-        self.c.bytes -= len(raw)
+        self.c.bytes -= m & _SIZE  # type: ignore[operator]
+        self.touched = True
+        del self.idx[k]
         self._entries[k] = None
+        return token
 
     def add_failed(self, k: bytes, fe: FailedEntry) -> None:
         self.put(NS_FAILED, k, _enc.encode(fe))
         self.put(NS_BY_RETRY, _be(fe.next_retry_ms) + k)
         self.c.failed += 1
         self.c.bytes += len(fe.raw)
+        self.touched = True
+        self.idx[k] = _FAILED
         self._entries[k] = ("f", fe)
 
     def drop_failed(self, k: bytes, fe: FailedEntry) -> None:
@@ -120,20 +139,27 @@ class _Txn:
         self.delete(NS_BY_RETRY, _be(fe.next_retry_ms) + k)
         self.c.failed -= 1
         self.c.bytes -= len(fe.raw)
+        self.touched = True
+        self.idx.pop(k, None)
         self._entries[k] = None
 
-    def drop_entry(self, k: bytes) -> Event | None:
-        """Remove whatever the log holds under storage key `k`; returns the event it held."""
-        cur = self.lookup(k)
-        if cur is None:
+    def drop_entry(self, k: bytes) -> str | None:
+        """Remove whatever the log holds under storage key `k`; returns the token of the
+        event it held ("" for none), None if it held nothing. A transient entry is dropped
+        from its index meta alone, unread."""
+        if k in self._entries and self._entries[k] is None:
             return None
-        kind, val = cur
-        if kind == "t":
-            ev = decode_event(val)
-            self.drop_transient(ev, val, k)
-            return ev
-        self.drop_failed(k, val)
-        return val.event
+        m = self.idx.get(k)
+        if m is None:
+            return None
+        if m == _FAILED:
+            cur = self.lookup(k)
+            if cur is None:
+                return None
+            fe: FailedEntry = cur[1]
+            self.drop_failed(k, fe)
+            return fe.event.token
+        return self.drop_transient(k, m)
 
     # tokens --------------------------------------------------------------------
 

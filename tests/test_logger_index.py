@@ -1,0 +1,143 @@
+"""LogStore's in-memory index and encoded appends: the index always agrees with the disk
+(after reopen, after a call that failed before writing; after a SIGKILL in
+test_logger_crash), and an append of
+`encode_batch` bytes logs exactly what an append of the events does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from actors.queue.logger import LogFull, LogStore
+from actors.queue.logger.records import NS_TRANSIENT, _Head
+from runtime.checkpoint import CheckpointError
+from runtime.events import Event, encode_batch, encode_event
+
+pytestmark = pytest.mark.unit
+
+BIG = 1 << 40
+
+
+def ev(i: int, *, token: str = "", ms: int = 1_000, stream: str = "s") -> Event:
+    return Event(f"e{i}", stream, f"{stream}.raw", b'{"x":%d}' % i, ms, token=token)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[LogStore]:
+    s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
+    yield s
+    s.close()
+
+
+def test_the_index_head_reads_the_fields_of_an_event() -> None:
+    assert _Head.__struct_fields__ == Event.__struct_fields__
+    e = ev(1, token="T", ms=123)
+    head = msgspec.msgpack.decode(encode_event(e), type=_Head)
+    assert (head.id, head.stream, head.received_ms, head.token) == ("e1", "s", 123, "T")
+
+
+def test_an_encoded_batch_is_logged_as_the_events_would_be(tmp_path: Path) -> None:
+    events = [ev(1), ev(2, token="T"), ev(1, ms=9), ev(3, stream="t")]  # e1 twice: the first
+    a = LogStore(tmp_path / "a", max_events=10, max_bytes=BIG)
+    b = LogStore(tmp_path / "b", max_events=10, max_bytes=BIG)
+    try:
+        assert a.append(events) == b.append(encode_batch(events)) == 3
+        assert a.append(encode_batch(events)) == b.append(events) == 0  # all held already
+        assert (
+            a.counts()
+            == b.counts()
+            == {
+                "transient": 3,
+                "failed": 0,
+                "bytes": sum(
+                    len(encode_event(e)) for e in (ev(1), ev(2, token="T"), ev(3, stream="t"))
+                ),
+                "tokens": 1,
+            }
+        )
+        assert list(a._ns[NS_TRANSIENT].scan()) == list(b._ns[NS_TRANSIENT].scan())
+        assert b.pending(0, 10_000, 10) == [ev(1), ev(2, token="T"), ev(3, stream="t")]
+        assert b.token_status("T")["state"] == "logged"
+        assert b.forget([("s", "e2")], {("s", "e2"): ("S", 7)}) == 1
+        assert b.token_status("T")["seqs"] == {"e2": ["S", 7]}
+        assert b.scan_counts()["index_mismatches"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_encoded_batch_past_the_bound_is_refused_whole(tmp_path: Path) -> None:
+    s = LogStore(tmp_path / "log", max_events=3, max_bytes=BIG)
+    try:
+        s.append(encode_batch([ev(1), ev(2)]))
+        with pytest.raises(LogFull):
+            s.append(encode_batch([ev(2), ev(3), ev(4)]))  # e2 held: two new, one too many
+        assert s.counts()["transient"] == 2 and s.where(("s", "e3")) is None
+        assert s.scan_counts()["index_mismatches"] == 0
+    finally:
+        s.close()
+
+
+def test_a_malformed_encoded_batch_logs_nothing(store: LogStore) -> None:
+    bad = msgspec.msgpack.encode([["e1", "s", "s.raw", "not bytes", 1]])
+    with pytest.raises(msgspec.ValidationError):
+        store.append(bad)
+    assert store.counts()["transient"] == 0 and store.where(("s", "e1")) is None
+
+
+def test_the_index_is_read_back_from_disk_at_open(tmp_path: Path) -> None:
+    s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    s.append(
+        [ev(1), ev(2, token="T"), ev(3, ms=-5), ev(4, ms=(1 << 64) - 1), ev(5), ev(6, token="U")]
+    )
+    s.fail([(ev(5), "nak")], 1_000, lambda n: 10)
+    s.fail([(ev(6), "nak")], 1_000, lambda n: 10)
+    s.forget([("s", "e1")])
+    before = dict(s._idx)
+    s.close()
+    again = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    try:
+        assert again._idx == before
+        assert again.scan_counts()["index_mismatches"] == 0
+        assert [again.where(("s", f"e{i}")) for i in range(1, 7)] == [
+            None,
+            "transient",
+            "transient",
+            "transient",
+            "failed",
+            "failed",
+        ]
+        # entries known only from the reopened index are forgotten with their time keys
+        assert again.forget([("s", f"e{i}") for i in range(1, 7)]) == 5
+        scan = again.scan_counts()
+        assert scan["transient"] == scan["failed"] == scan["by_time"] == scan["by_retry"] == 0
+        assert again.token_status("T")["state"] == "queued"
+        assert again.token_status("U")["state"] == "queued"
+    finally:
+        again.close()
+
+
+def test_a_call_that_fails_before_writing_leaves_the_index_as_the_disk(
+    tmp_path: Path, store: LogStore
+) -> None:
+    store.append([ev(1), ev(2)])
+    fault = store.path.with_name(store.path.name + ".fault")
+    fault.write_text("io")
+    with pytest.raises(CheckpointError):
+        store.forget([("s", "e1")])
+    with pytest.raises(CheckpointError):
+        store.append(encode_batch([ev(3)]))
+    fault.unlink()
+    assert store.where(("s", "e1")) == "transient" and store.where(("s", "e3")) is None
+
+    def boom(attempts: int) -> int:
+        raise RuntimeError("delay policy failed")
+
+    with pytest.raises(RuntimeError):
+        store.fail([(ev(1), "x"), (ev(2), "y")], 5, boom)
+    assert store.where(("s", "e1")) == store.where(("s", "e2")) == "transient"
+    assert store.scan_counts()["index_mismatches"] == 0
+    assert store.forget([("s", "e1"), ("s", "e2"), ("s", "e3")]) == 2
