@@ -9,10 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import pykka
 import pytest
 
 from actors.queue.logger import LogFull, LogStore
 from actors.queue.logger.records import NS_TRANSIENT, _Head
+from actors.queue.logger.replica import _answers
+from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp
 from runtime.checkpoint import CheckpointError
 from runtime.events import Event, encode_batch, encode_event
 
@@ -141,3 +144,81 @@ def test_a_call_that_fails_before_writing_leaves_the_index_as_the_disk(
     assert store.where(("s", "e1")) == store.where(("s", "e2")) == "transient"
     assert store.scan_counts()["index_mismatches"] == 0
     assert store.forget([("s", "e1"), ("s", "e2"), ("s", "e3")]) == 2
+
+
+def test_pending_finds_an_entry_older_than_any_it_saw_before(store: LogStore) -> None:
+    """`pending` scans from the oldest time it knows to be live; an append, an import or
+    a reopen with an older entry must still be seen."""
+    store.append([ev(1, ms=100), ev(2, ms=200)])
+    store.forget([("s", "e1")])
+    assert [e.id for e in store.pending(0, 1_000, 10)] == ["e2"]
+    store.append(encode_batch([ev(3, ms=50)]))
+    assert [e.id for e in store.pending(0, 1_000, 10)] == ["e3", "e2"]
+    store.forget([("s", "e2"), ("s", "e3")])
+    assert store.pending(0, 1_000, 10) == []
+    store.append([ev(4, ms=10)])
+    assert [e.id for e in store.pending(0, 1_000, 10)] == ["e4"]
+    exported, _ = store.export(None, 10)
+    store.forget([("s", "e4")])
+    assert store.pending(0, 2_000, 10) == []
+    store.import_(exported)
+    assert [e.id for e in store.pending(0, 2_000, 1)] == ["e4"]
+
+
+def test_pending_after_reopen_starts_from_the_beginning(tmp_path: Path) -> None:
+    s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    s.append([ev(1, ms=5_000)])
+    assert s.pending(0, 9_000, 10) == [ev(1, ms=5_000)]
+    s.forget([("s", "e1")])
+    assert s.pending(0, 9_000, 10) == []
+    s.close()
+    # written by another handle behind this one's back: a new store's floor is 0
+    other = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    other.append([ev(2, ms=1)])
+    other.close()
+    again = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    try:
+        assert [e.id for e in again.pending(0, 9_000, 10)] == ["e2"]
+    finally:
+        again.close()
+
+
+# ------------------------------------------------------------------- the writer's answers
+
+
+def test_a_waking_future_wakes_once_whether_set_before_or_after() -> None:
+    calls: list[str] = []
+    before = WakingFuture()
+    before.set(1)
+    before.when_set(lambda: calls.append("before"))
+    after = WakingFuture()
+    after.when_set(lambda: calls.append("after"))
+    assert calls == ["before"]
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        after.set_exception()
+    assert calls == ["before", "after"]
+    assert before.get(timeout=0) == 1
+    with pytest.raises(ValueError, match="boom"):
+        after.get(timeout=0)
+
+
+async def test_answers_are_awaited_without_an_executor(tmp_path: Path) -> None:
+    client = WriterClient(tmp_path / "log", {"max_events": 10, "max_bytes": BIG})
+    try:
+        ref = client.current(10.0)
+        futures = [
+            ref.ask(WriterOp("append", (encode_batch([ev(1), ev(2)]),)), block=False),
+            ref.ask(WriterOp("counts"), block=False),
+        ]
+        assert all(isinstance(f, WakingFuture) for f in futures)
+        assert await _answers(futures, 10.0) == [2, client.call("counts")]
+        refused = ref.ask(WriterOp("append", ([ev(i) for i in range(20)],)), block=False)
+        with pytest.raises(LogFull):
+            await _answers([refused], 10.0)
+        ref.stop()  # a dead writer answers ActorDeadError, awaited the same way
+        with pytest.raises(pykka.ActorDeadError):
+            await _answers([ref.ask(WriterOp("counts"), block=False)], 10.0)
+    finally:
+        client.stop()

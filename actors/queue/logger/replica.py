@@ -7,6 +7,7 @@ fence is persisted in the store's `meta`, handed to the `LogWriter` ahead of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pathlib
@@ -24,7 +25,7 @@ from actors.queue.logger.records import (
     LogKey,
     decode_forget,
 )
-from actors.queue.logger.writer import WriterClient, WriterOp, _Crash
+from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp, _Crash
 from runtime.events import decode_batch, encode_batch
 from runtime.ray_supervisor import SupervisedActor
 from runtime.replication import Fence, ReplicaMixin
@@ -39,6 +40,34 @@ def _park_delay(attempts: int) -> int:
 
 
 def _wait_all(futures: Sequence[pykka.Future[Any]], timeout: float) -> list[Any]:
+    return [f.get(timeout=timeout) for f in futures]
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+async def _answers(futures: Sequence[pykka.Future[Any]], timeout: float) -> list[Any]:
+    """The writer's answers to `futures`, awaited on this loop: the writer's thread wakes it
+    when the last is set (it answers in order, so the others are set by then), with no
+    executor thread blocked in `get` meanwhile. Raises what `get` raises; pykka.Timeout
+    after `timeout`."""
+    loop = asyncio.get_running_loop()
+    last = futures[-1]
+    if not isinstance(last, WakingFuture):
+        return await loop.run_in_executor(None, _wait_all, futures, timeout)
+    done: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:  # on the writer's thread
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_resolve, done)
+
+    last.when_set(wake)
+    try:
+        await asyncio.wait_for(done, timeout)
+    except TimeoutError:
+        raise pykka.Timeout(f"{timeout} seconds") from None
     return [f.get(timeout=timeout) for f in futures]
 
 
@@ -187,7 +216,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
             if not futures:
                 return None
             try:
-                results = await loop.run_in_executor(None, _wait_all, futures, self._op_timeout_s)
+                results = await _answers(futures, self._op_timeout_s)
             except pykka.ActorDeadError:
                 self._fence_dirty = self._fence_dirty or sent_fence
                 continue

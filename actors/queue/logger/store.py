@@ -121,6 +121,9 @@ class LogStore:
             self._migrate_keys()
         self._idx: dict[bytes, IndexMeta] = self._read_index()
         self._idx_stale = False
+        # no transient entry was received before this (ms): `pending` scans the time index
+        # from here, not over the deletes of every entry forgotten since the last compaction
+        self._time_floor = 0
         raw = self._ns[NS_META].get(COUNTS_KEY)
         if raw is not None:
             self._c = _counts_dec.decode(raw)
@@ -179,6 +182,7 @@ class LogStore:
         if self._idx_stale:
             self._idx = self._read_index()
             self._idx_stale = False
+            self._time_floor = 0
         return self._idx
 
     def close(self) -> None:
@@ -247,10 +251,13 @@ class LogStore:
             pack = _BE64.pack
             by_token: dict[str, list[str]] = {}
             tx.touched = True
+            low = self._time_floor
             for k, (h, raw) in fresh.items():
                 ms = h.received_ms
                 if not 0 <= ms <= _MAX64:
                     ms = min(max(ms, 0), _MAX64)
+                if ms < low:
+                    low = ms
                 put(t_prefix + k, raw)
                 put(time_prefix + pack(ms) + k, b"")
                 token = h.token
@@ -259,6 +266,7 @@ class LogStore:
                     by_token.setdefault(token, []).append(h.id)
                 else:
                     idx[k] = ms << _SHIFT | len(raw)
+            self._time_floor = low  # lowered before the write: a bound either way
             tx.writes += 2 * n
             tx.c.transient += n
             tx.c.bytes += nbytes
@@ -389,12 +397,23 @@ class LogStore:
         cutoff = now_ms - older_than_ms
         if cutoff <= 0:
             return []
+        self._index()  # (a rebuild resets the floor)
         t_ns = self._ns[NS_TRANSIENT]
         out = []
-        for key in self._ns[NS_BY_TIME].keys(stop=_be(cutoff), limit=limit):
+        first: int | None = None  # received_ms of the oldest entry found
+        scanned = 0
+        start = _be(self._time_floor)
+        for key in self._ns[NS_BY_TIME].keys(start=start, stop=_be(cutoff), limit=limit):
+            scanned += 1
             raw = t_ns.get(key[8:])
             if raw is not None:
+                if first is None:
+                    first = _BE64.unpack_from(key)[0]
                 out.append(decode_event(raw))
+        if first is not None:  # nothing live between the floor and it
+            self._time_floor = first
+        elif scanned < limit:  # nothing live before the cutoff
+            self._time_floor = max(self._time_floor, min(cutoff, _MAX64))
         return out
 
     def due_failed(self, now_ms: int, limit: int) -> list[Event]:

@@ -101,6 +101,8 @@ class _Txn:
     def add_transient(self, k: bytes, raw: bytes, received_ms: int, token: str) -> None:
         """Log an event (encoded as `raw`) under its storage key `k`."""
         m = _meta(received_ms, len(raw), token)
+        if received_ms < self.s._time_floor:
+            self.s._time_floor = max(received_ms, 0)
         self.put_stored(self.t_prefix + k, raw)
         self.put_stored(self.time_prefix + _time_of(m) + k, b"")
         self.writes += 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,41 @@ class WriterOp:
 @dataclass(frozen=True)
 class _Crash:
     reason: str
+
+
+class WakingFuture(pykka.ThreadingFuture[Any]):
+    """The writer's answer: a pykka future that also calls a waker once it is set (value,
+    error, or pykka's ActorDeadError for a message a dying writer never handled), so an
+    asyncio caller can await it without a thread blocked in `get`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wake_lock = threading.Lock()
+        self._waker: Callable[[], None] | None = None
+        self._is_set = False
+
+    def set(self, value: Any | None = None) -> None:
+        super().set(value)
+        self._fire()
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        super().set_exception(exc_info if exc_info is not None else sys.exc_info())
+        self._fire()
+
+    def _fire(self) -> None:
+        with self._wake_lock:
+            self._is_set = True
+            waker = self._waker
+        if waker is not None:
+            waker()
+
+    def when_set(self, waker: Callable[[], None]) -> None:
+        """Call `waker` (from the setting thread, or here if already set) exactly once."""
+        with self._wake_lock:
+            self._waker = waker
+            done = self._is_set
+        if done:
+            waker()
 
 
 _WRITER_METHODS = frozenset(
@@ -72,6 +109,10 @@ class LogWriter(Supervised, pykka.ThreadingActor):
     (`CheckpointError`) also makes the actor crash right after answering, so its
     `LocalSupervisor` starts a new one that reopens the store from disk.
     """
+
+    @staticmethod
+    def _create_future() -> WakingFuture:  # pykka's hook for an actor type's futures
+        return WakingFuture()
 
     def __init__(self, path: str, store_kwargs: Mapping[str, Any]) -> None:
         super().__init__()
