@@ -10,8 +10,8 @@ whatever the stream retains.
 Partitions are sequence ranges, each read on an executor through its own pull consumer on
 a connection its Python worker keeps across tasks (jobs/jetstream_read.py); the options, the
 schema and the offset policy, all decided without I/O, are jobs/jetstream_options.py.
-Every event becomes a row; a malformed one has ``valid`` false, ``error`` saying why and
-``raw`` its bytes.
+Every event becomes a row (only the malformed ones with ``invalidOnly``); a malformed one
+has ``valid`` false, ``error`` saying why and ``raw`` its bytes.
 
 Options (names are case-insensitive):
 
@@ -32,9 +32,12 @@ onAgedOut            ``fail`` (default): a start sequence below the stream's fir
                      stream with no other limit (`only_compaction`) gaps are superseded
                      events, never aged out: sequences have gaps there by design
 validate             ``json`` (default), ``utf8``, or ``none``
+invalidOnly          ``true``: only the malformed events become rows (``false``, default: every
+                     event); the worker drops valid ones before they become Arrow, so a
+                     dead-letter query converts and hands over only what it keeps
 partitionSize        sequences per partition at most (default 20000)
-minPartitions        partitions a range is cut into at least, each of 1000 sequences or more,
-                     so Spark's cores read one micro-batch together (default 2)
+minPartitions        partitions a range is cut into at least, each of 5000 sequences or more,
+                     so Spark's cores read a big micro-batch together (default 2)
 fetchBatch           messages per pull request (default 2000)
 timeout              seconds for a NATS request (default 10)
 ==================== ==========================================================================

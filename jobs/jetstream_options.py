@@ -7,7 +7,9 @@ Partitions are sequence ranges (`SeqRange`). The options are listed in jobs/jets
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -15,7 +17,36 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, ReadMinRows
 from pyspark.sql.types import StructType
 
-from runtime.nats_endpoint import NatsEndpoint
+
+def _nats_without_aiohttp() -> None:
+    """Import nats-py without aiohttp in a process that has imported neither yet.
+
+    nats-py imports aiohttp (100-400 ms) for its websocket transport only, and Spark starts
+    a fresh process for every query's offsets and for new workers; the source connects
+    over TCP. `websocket_ready` brings aiohttp back for a ``ws://`` / ``wss://`` URL."""
+    if "nats.aio.transport" in sys.modules or "aiohttp" in sys.modules:
+        return
+    sys.modules["aiohttp"] = None  # type: ignore[assignment]  # import aiohttp: ImportError
+    try:
+        importlib.import_module("nats.aio.transport")
+    finally:
+        if sys.modules.get("aiohttp", 0) is None:
+            del sys.modules["aiohttp"]
+
+
+def websocket_ready(url: str) -> None:
+    """Give nats-py its websocket transport back when `url` names a websocket server and
+    `_nats_without_aiohttp` left it out of this process."""
+    if "ws://" not in url and "wss://" not in url:
+        return
+    transport = importlib.import_module("nats.aio.transport")
+    if getattr(transport, "aiohttp", None) is None:
+        transport.aiohttp = importlib.import_module("aiohttp")  # type: ignore[attr-defined]
+
+
+_nats_without_aiohttp()
+
+from runtime.nats_endpoint import NatsEndpoint  # noqa: E402  (after the guard above)
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +56,10 @@ SCHEMA_DDL = (
 )
 DEFAULT_PARTITION_SIZE = 20_000
 DEFAULT_MIN_PARTITIONS = 2
-MIN_SPLIT = 1_000  # a range is not cut below this many sequences: each partition costs ~15 ms
+# A range is not cut below this many sequences: each partition costs a consumer (created,
+# pulled from, deleted) and a Python task; read one after another, a micro-batch of 5,000
+# in two partitions took about twice as long as in one (docs/benchmarks.md)
+MIN_SPLIT = 5_000
 DEFAULT_FETCH_BATCH = 2_000
 DEFAULT_TIMEOUT = 10.0
 AGED_OUT_MODES = ("fail", "skip")
@@ -88,6 +122,7 @@ class SourceOptions:
     max_events: int | None = None
     on_aged_out: str = "fail"
     validate: str = "json"
+    invalid_only: bool = False
     partition_size: int = DEFAULT_PARTITION_SIZE
     min_partitions: int = DEFAULT_MIN_PARTITIONS
     fetch_batch: int = DEFAULT_FETCH_BATCH
@@ -111,6 +146,12 @@ class SourceOptions:
             raise SourceError(
                 f"jetstream source: validate must be one of {VALIDATE_MODES}, not {validate!r}"
             )
+        invalid_only = _flag(options, "invalidOnly")
+        if invalid_only and validate == "none":
+            raise SourceError(
+                "jetstream source: invalidOnly needs validate json or utf8 (with none no "
+                "event is malformed)"
+            )
         max_events = options.get("maxEventsPerTrigger")
         return cls(
             nats=NatsEndpoint.from_options(options),
@@ -121,11 +162,19 @@ class SourceOptions:
             max_events=_positive_int(options, "maxEventsPerTrigger", 0) if max_events else None,
             on_aged_out=on_aged_out,
             validate=validate,
+            invalid_only=invalid_only,
             partition_size=_positive_int(options, "partitionSize", DEFAULT_PARTITION_SIZE),
             min_partitions=_positive_int(options, "minPartitions", DEFAULT_MIN_PARTITIONS),
             fetch_batch=_positive_int(options, "fetchBatch", DEFAULT_FETCH_BATCH),
             timeout=_positive_float(options, "timeout", DEFAULT_TIMEOUT),
         )
+
+
+def _flag(options: Mapping[str, str], key: str) -> bool:
+    raw = (options.get(key) or "false").strip().lower()
+    if raw in ("true", "false"):
+        return raw == "true"
+    raise SourceError(f"jetstream source: option {key!r} must be true or false, not {raw!r}")
 
 
 def _positive_int(options: Mapping[str, str], key: str, default: int) -> int:
@@ -307,6 +356,7 @@ __all__ = [
     "SourceError",
     "SourceOptions",
     "make_offset",
+    "websocket_ready",
     "next_offset",
     "only_compaction",
     "schema",

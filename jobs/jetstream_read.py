@@ -41,6 +41,7 @@ from jobs.jetstream_options import (
     SourceError,
     SourceOptions,
     only_compaction,
+    websocket_ready,
 )
 from runtime.loop_thread import LoopThread
 from runtime.nats_endpoint import NatsEndpoint
@@ -86,6 +87,7 @@ class StreamControl:
 
     async def _bounds(self) -> Bounds:
         if self._nc is None or self._nc.is_closed:
+            websocket_ready(self._opts.nats.url)
             self._nc = await self._opts.nats.connect(name=f"jetstream-source-{self._opts.stream}")
         return await stream_bounds(self._nc, self._opts.stream, self._opts.timeout)
 
@@ -149,6 +151,7 @@ class _SharedClient:
             log.info("jetstream source: replacing a NATS connection that is not connected")
             await _close_quietly(nc)
         self._takers.clear()
+        websocket_ready(self.endpoint.url)
         nc = await self.endpoint.connect(
             name=f"jetstream-read-{os.getpid()}",
             max_reconnect_attempts=SHARED_RECONNECTS,
@@ -273,6 +276,15 @@ class Chunk:
 
     def last_reply(self) -> tuple[int, int, int]:
         return _parse_reply(self.replies[-1].decode("utf-8", "replace"))
+
+    def select(self, indices: list[int]) -> Chunk:
+        """The deliveries at `indices` (rising), in order."""
+        out = Chunk()
+        out.subjects = [self.subjects[i] for i in indices]
+        out.replies = [self.replies[i] for i in indices]
+        out.headers = [self.headers[i] for i in indices]
+        out.payloads = [self.payloads[i] for i in indices]
+        return out
 
 
 class _RangeFetcher:
@@ -617,37 +629,31 @@ def _as_text(values: pa.Array) -> pa.Array:
         )
 
 
-def payload_columns(
-    payloads: list[bytes], validate: str
-) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array]:
-    """(data, valid, error, raw) for a chunk's payloads: exactly `check_payload` per event.
+def payload_errors(
+    payloads: list[bytes], validate: str, binary: pa.Array | None = None
+) -> tuple[dict[int, str], pa.Array]:
+    """(why each malformed payload is, by index; the payloads as text, null where not
+    UTF-8): exactly `check_payload` per event (`binary`: the payloads as an Arrow column).
 
     UTF-8 is checked by one Arrow cast of the whole column and JSON by msgspec's C decoder
-    in one loop; only a chunk holding a bad payload pays a per-event pass, and only its
-    malformed events carry `error` and `raw`."""
+    in one loop; only a chunk holding a payload that is not UTF-8 pays a per-event pass."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    n = len(payloads)
-    binary = pa.array(payloads, pa.binary())
-    if validate == "none":
-        return (
-            _as_text(binary),
-            pa.repeat(True, n),
-            pa.nulls(n, pa.string()),
-            pa.nulls(n, pa.binary()),
-        )
+    if binary is None:
+        binary = pa.array(payloads, pa.binary())
     errors: dict[int, str] = {}
+    if validate == "none":
+        return errors, _as_text(binary)
     try:
-        data = binary.cast(pa.string())
+        text = binary.cast(pa.string())
     except pa.ArrowInvalid:  # some payload is not UTF-8: find which, per event
         texts: list[str | None] = []
         for i, payload in enumerate(payloads):
-            text, err = check_payload(payload, "utf8")
-            texts.append(text)
+            one, err = check_payload(payload, "utf8")
+            texts.append(one)
             if err is not None:
                 errors[i] = err
-        data = pa.array(texts, pa.string())
+        text = pa.array(texts, pa.string())
     if validate == "json":
         decode = _RAW.decode
         for i, payload in enumerate(payloads):
@@ -656,6 +662,20 @@ def payload_columns(
             except msgspec.DecodeError as err:
                 if i not in errors:
                     errors[i] = f"payload is not JSON: {err}"
+    return errors, text
+
+
+def payload_columns(
+    payloads: list[bytes], validate: str
+) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array]:
+    """(data, valid, error, raw) for a chunk's payloads: exactly `check_payload` per event
+    (`payload_errors`); only the malformed events carry `error` and `raw`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(payloads)
+    binary = pa.array(payloads, pa.binary())
+    errors, data = payload_errors(payloads, validate, binary)
     if not errors:
         return data, pa.repeat(True, n), pa.nulls(n, pa.string()), pa.nulls(n, pa.binary())
     valid = pa.array([i not in errors for i in range(n)], pa.bool_())
@@ -689,12 +709,23 @@ def _reply_columns(replies: list[bytes]) -> tuple[pa.Array, pa.Array]:
 
 
 def chunk_to_batch(
-    chunk: Chunk, validate: str, arrow_schema: pa.Schema, end: int | None = None
+    chunk: Chunk,
+    validate: str,
+    arrow_schema: pa.Schema,
+    end: int | None = None,
+    invalid_only: bool = False,
 ) -> pa.RecordBatch:
-    """A chunk as one Arrow record batch in the source's schema, cut before sequence `end`."""
+    """A chunk as one Arrow record batch in the source's schema, cut before sequence `end`;
+    with `invalid_only`, of its malformed events alone (the valid ones never become Arrow
+    rows: a dead-letter query reads every event to find the few it wants)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if invalid_only:
+        errors, _ = payload_errors(chunk.payloads, validate)
+        if not errors:
+            return pa.RecordBatch.from_pylist([], schema=arrow_schema)
+        chunk = chunk.select(sorted(errors))
     seq, ts_ns = _reply_columns(chunk.replies)
     n = len(chunk)
     if end is not None and n and seq[n - 1].as_py() >= end:
@@ -732,7 +763,7 @@ def read_range(opts: SourceOptions, part: SeqRange) -> Iterator[pa.RecordBatch]:
             chunk = _run(lt, fetcher.next_chunk(), call_timeout)
             if chunk is None:
                 break
-            batch = chunk_to_batch(chunk, opts.validate, arrow_schema, part.end)
+            batch = chunk_to_batch(chunk, opts.validate, arrow_schema, part.end, opts.invalid_only)
             if batch.num_rows:
                 yield batch
     finally:
@@ -750,6 +781,7 @@ __all__ = [
     "take_deliveries",
     "chunk_to_batch",
     "payload_columns",
+    "payload_errors",
     "read_range",
     "stream_bounds",
 ]

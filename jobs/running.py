@@ -73,9 +73,11 @@ def read_stream(
     subject: str = "",
     max_events: int = 0,
     start_seq: int = 0,
+    invalid_only: bool = False,
 ) -> DataFrame:
     """The jetstream source over `stream` (the format must be registered), from the
-    beginning or, on a fresh checkpoint, from `start_seq`."""
+    beginning or, on a fresh checkpoint, from `start_seq`; with `invalid_only`, its
+    malformed events alone (the source's ``invalidOnly``)."""
     reader = spark.readStream.format("jetstream").options(**nats.to_options())
     reader = reader.option("stream", stream)
     if start_seq:
@@ -84,6 +86,8 @@ def read_stream(
         reader = reader.option("subject", subject)
     if max_events:
         reader = reader.option("maxEventsPerTrigger", str(max_events))
+    if invalid_only:
+        reader = reader.option("invalidOnly", "true")
     return reader.load()
 
 
@@ -164,14 +168,17 @@ def start_deadletters(
 
     This query reads every event of the stream a second time, so it runs at most every
     `DEADLETTER_TRIGGER_S` (fewer, bigger batches: each batch's fixed cost would otherwise
-    compete for the cores with the jobs' own); dead letters are not a live result.
+    compete for the cores with the jobs' own); dead letters are not a live result. Its
+    source keeps only the malformed events (``invalidOnly``): the workers validate every
+    event anyway and drop the valid ones before Arrow, so Spark receives, converts and
+    filters only the few it publishes (its progress' input rows count those).
     """
     name = deadletter_query_name(stream)
     trigger_s = max(trigger_s, DEADLETTER_TRIGGER_S)
     writer = DeadLetterBatch(ResultSink.for_query(nats, name), stream, on_batch)
     with in_pool(spark, name):
         return (
-            read_stream(spark, nats, stream)
+            read_stream(spark, nats, stream, invalid_only=True)
             .writeStream.queryName(name)
             .foreachBatch(writer)
             .option("checkpointLocation", str(Path(checkpoint_root) / name))

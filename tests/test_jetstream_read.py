@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from nats.protocol.parser import Parser
 
-from jobs.jetstream_options import SourceError, SourceOptions, split_range
+from jobs.jetstream_options import MIN_SPLIT, SourceError, SourceOptions, split_range
 from jobs.jetstream_read import (
     Chunk,
     _arrow_schema,
@@ -114,6 +114,28 @@ def test_chunk_columns_from_replies_and_headers() -> None:
     bad.append(b"s", b"_INBOX.abc", None, b"{}")
     with pytest.raises(SourceError, match="_INBOX.abc"):
         chunk_to_batch(bad, "json", _arrow_schema())
+
+
+@pytest.mark.unit
+@given(
+    st.lists(payloads, min_size=1, max_size=40),
+    st.sampled_from(["json", "utf8"]),
+    st.integers(0, 45),
+)
+@settings(max_examples=200, deadline=None)
+def test_invalid_only_keeps_exactly_the_malformed_rows_of_the_full_batch(
+    batch: list[bytes], validate: str, cut: int
+) -> None:
+    """`invalidOnly` (the dead-letter query's source): the rows are those of the full
+    conversion with ``valid`` false, unchanged and in order, cut at the range's end too."""
+    chunk = Chunk()
+    for i, payload in enumerate(batch):
+        chunk.append(b"raw.%d" % (i % 3), v1(10 + 2 * i), None, payload)
+    end = 10 + 2 * cut
+    full = chunk_to_batch(chunk, validate, _arrow_schema(), end=end).to_pylist()
+    only = chunk_to_batch(chunk, validate, _arrow_schema(), end=end, invalid_only=True)
+    assert only.schema == _arrow_schema()
+    assert only.to_pylist() == [r for r in full if not r["valid"]]
 
 
 # ---- the wire parser's fast lane ------------------------------------------------------------
@@ -257,8 +279,36 @@ def test_a_range_over_several_partitions_delivers_every_retained_seq_once_in_ord
 
     # a range starting and ending inside gaps, cut in two by minPartitions
     two = SourceOptions.parse({"url": nats_url, "stream": "gappy", "minPartitions": "2"})
-    assert len(split_range(3, 4002, two.partition_size, two.min_partitions)) == 2
-    assert [r["seq"] for r in read_all(two, 3, 4002)] == [m[0] for m in gappy if 3 <= m[0] < 4002]
+    assert len(split_range(3, N, two.partition_size, two.min_partitions)) == 2
+    assert [r["seq"] for r in read_all(two, 3, N)] == [m[0] for m in gappy if 3 <= m[0] < N]
+
+
+def test_invalid_only_reads_the_malformed_events_of_the_range_alone(
+    nats_url: str, gappy: list[tuple[int, str, str | None, bytes]]
+) -> None:
+    opts = SourceOptions.parse(
+        {"url": nats_url, "stream": "gappy", "invalidOnly": "true", "fetchBatch": "900"}
+    )
+    bad = [m for m in gappy if m[3] == b"\xff bad"]
+    assert len(bad) > 3
+    rows = read_all(opts, 1, N + 1)
+    assert [(r["seq"], r["subject"], r["msg_id"], r["raw"]) for r in rows] == bad
+    assert all(not r["valid"] and "not UTF-8" in r["error"] and r["data"] is None for r in rows)
+    # a range holding none of them yields nothing; one ending right after one yields it
+    assert read_all(opts, bad[0][0] + 1, bad[1][0]) == []
+    assert [r["seq"] for r in read_all(opts, bad[1][0], bad[1][0] + 1)] == [bad[1][0]]
+
+
+@pytest.mark.unit
+def test_invalid_only_option_parses_and_refuses_what_cannot_hold_an_invalid_event() -> None:
+    base = {"url": "nats://127.0.0.1:4222", "stream": "s"}
+    assert SourceOptions.parse(base).invalid_only is False
+    assert SourceOptions.parse({**base, "invalidOnly": "TRUE"}).invalid_only is True
+    assert SourceOptions.parse({**base, "invalidOnly": "false"}).invalid_only is False
+    with pytest.raises(SourceError, match="invalidOnly"):
+        SourceOptions.parse({**base, "invalidOnly": "yes"})
+    with pytest.raises(SourceError, match="invalidOnly"):
+        SourceOptions.parse({**base, "invalidOnly": "true", "validate": "none"})
 
 
 def test_a_filter_subject_reads_only_its_events_across_partitions(
@@ -293,7 +343,28 @@ def test_split_range_covers_the_range_once_and_honours_min_partitions(
     assert [p.start for p in parts[1:]] == [p.end for p in parts[:-1]]  # consecutive
     assert (parts[0].start, parts[-1].end) == (start, start + span) if span else parts == []
     assert all(0 < p.end - p.start <= size for p in parts)
-    if span >= min_parts * 1000:
+    if span >= min_parts * MIN_SPLIT:
         assert len(parts) >= min_parts
-    if 0 < span < 2000 and span <= size:
-        assert len(parts) == 1  # never cut below 1000 sequences a part
+    if 0 < span < 2 * MIN_SPLIT and span <= size:
+        assert len(parts) == 1  # never cut below MIN_SPLIT sequences a part
+
+
+def test_the_source_imports_nats_without_aiohttp_and_brings_it_back_for_websockets() -> None:
+    """Spark starts fresh processes for the source; nats-py's websocket transport (aiohttp)
+    is left out of them unless a ws:// URL asks for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jobs.jetstream, jobs.jetstream_read\n"
+        "import nats.aio.transport as t\n"
+        "print('aiohttp' in sys.modules, t.aiohttp is None)\n"
+        "jobs.jetstream_options.websocket_ready('nats://127.0.0.1:4222')\n"
+        "print('aiohttp' in sys.modules)\n"
+        "jobs.jetstream_options.websocket_ready('nats://a:1,ws://127.0.0.1:8080')\n"
+        "print('aiohttp' in sys.modules, t.aiohttp is sys.modules.get('aiohttp'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split("\n")[:3] == ["False True", "False", "True True"]

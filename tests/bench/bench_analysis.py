@@ -22,6 +22,10 @@ The sources alone, with no query, show how far each is from the query's rate: th
 micro-batches written to Spark's ``noop`` sink (every column of every row materialised,
 nothing computed), and one batch ``spark.read`` of the whole stream (``count`` over every
 row's ``data``), which reads its partitions in parallel.
+The dead-letter query (`jobs.running.start_deadletters`, which reads every event to find
+the malformed ones) runs over a stream of the same RSVPs with a few malformed payloads
+among them, in one batch each time (a new checkpoint each); its ``addBatch`` is the time
+it takes from the cores the jobs share.
 A profile pass (py-spy on this process and its Spark Python workers, reading JetStream)
 follows, not measured.
 
@@ -45,7 +49,7 @@ import pytest
 from cluster.demo.meetup import meetup_jobs, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
-from jobs.running import start_job
+from jobs.running import start_deadletters, start_job
 from jobs.specs import JobSpec
 from runtime.config import load
 from runtime.nats import NatsEndpoint, NatsServer, connect
@@ -57,19 +61,26 @@ PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
 BATCH = int(os.environ.get("TIERFLOW_BENCH_BATCH", "5000"))
 WARM = 2000
+DL_EVENTS = int(os.environ.get("TIERFLOW_BENCH_DL_EVENTS", "10000"))  # ~5 s at 2k events/s
+DL_RUNS = 3
+DL_BAD = (b'{"rsvp": ', b"\xff not utf-8", b"not json")
 
 
-async def publish(url: str, rsvps: list[bytes], warm: list[bytes]) -> float:
-    """Fill streams `meetup` and `warm`; returns the seconds `meetup` took (not measured)."""
+async def publish(url: str, rsvps: list[bytes], warm: list[bytes], dl: list[bytes]) -> float:
+    """Fill streams `meetup`, `warm` and `dl`; returns the seconds `meetup` took (not
+    measured)."""
     nc = await connect(url)
     js = nc.jetstream()
     for name, subjects in (
         ("meetup", ["raw.meetup"]),
         ("warm", ["raw.warm"]),
+        ("dl", ["raw.dl"]),
         ("results", ["results.>"]),
+        ("deadletter", ["deadletter.>"]),
     ):
         await js.add_stream(name=name, subjects=subjects)
     await asyncio.gather(*[await js.publish_async("raw.warm", body) for body in warm])
+    await asyncio.gather(*[await js.publish_async("raw.dl", body) for body in dl])
     t = time.perf_counter()
     for start in range(0, len(rsvps), 1000):
         acks = [
@@ -166,7 +177,10 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         )
 
     with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
-        publish_s = asyncio.run(publish(server.url, bodies, bodies[:WARM]))
+        dl_bodies = bodies[:DL_EVENTS]
+        for i, bad in enumerate(DL_BAD):
+            dl_bodies.insert((i + 1) * DL_EVENTS // (len(DL_BAD) + 1), bad)
+        publish_s = asyncio.run(publish(server.url, bodies, bodies[:WARM], dl_bodies))
         nats = NatsEndpoint(server.url)
         once = {"availableNow": True}
 
@@ -221,6 +235,20 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             "partitions": batch_df.rdd.getNumPartitions(),
             "events_per_s": counted / (time.perf_counter() - t),
         }
+        dead: list[dict[str, Any]] = []
+        for i in range(DL_RUNS):
+            letters: dict[int, int] = {}
+            q = start_deadletters(
+                spark,
+                "dl",
+                nats,
+                tmp_path / f"ckpt-dl-{i}",
+                trigger=once,
+                on_batch=lambda b, r, seen=letters: seen.__setitem__(b, r.published),
+            )
+            assert q.awaitTermination(600) and q.exception() is None, q.exception()
+            (last,) = [json.loads(p.json) for p in q.recentProgress if p.numInputRows]
+            dead.append({**last["durationMs"], "letters": sum(letters.values())})
         profiles: dict[str, Any] = {}
         if PROFILE:
             spy = Profiler(
@@ -247,6 +275,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     assert from_js["events"] == from_files["events"] == EVENTS
     assert js_default["events"] == files_default["events"] == EVENTS
     assert js_alone["events"] == files_alone["events"] == js_batch["events"] == EVENTS
+    assert [d["letters"] for d in dead] == [len(DL_BAD)] * DL_RUNS
 
     print(
         f"\nanalysis: Meetup top-N (Space-Saving, capacity 100000), {EVENTS} RSVPs, "
@@ -278,6 +307,13 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         "trigger and read limit (the whole backlog in a batch), the goal's one topn job; "
         "read only: the same micro-batches into the noop sink, no query"
     )
+    adds = sorted(d["addBatch"] for d in dead)
+    trig = sorted(d["triggerExecution"] for d in dead)
+    print(
+        f"dead-letter query, one batch of {len(dl_bodies)} events ({len(DL_BAD)} malformed), "
+        f"{DL_RUNS} runs: addBatch {', '.join(f'{a:.0f}' for a in adds)} ms (median "
+        f"{adds[len(adds) // 2]:.0f}); triggerExecution median {trig[len(trig) // 2]:.0f} ms"
+    )
     if profiles:
         print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
     write_report(
@@ -293,6 +329,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             "jetstream_source": js_alone,
             "files_source": files_alone,
             "jetstream_batch_read": js_batch,
+            "deadletters": dead,
             "profiles": profiles,
         },
     )
