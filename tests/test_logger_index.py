@@ -5,12 +5,15 @@ test_logger_crash), and an append of
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pykka
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from actors.queue.logger import LogFull, LogStore
 from actors.queue.logger.records import NS_TRANSIENT, _Head
@@ -147,8 +150,9 @@ def test_a_call_that_fails_before_writing_leaves_the_index_as_the_disk(
 
 
 def test_pending_finds_an_entry_older_than_any_it_saw_before(store: LogStore) -> None:
-    """`pending` scans from the oldest time it knows to be live; an append, an import or
-    a reopen with an older entry must still be seen."""
+    """`pending` from LevelDB's time index scans from the oldest time it knows to be live;
+    an append, an import or a reopen with an older entry must still be seen."""
+    store.pending_from_index_max = 0
     store.append([ev(1, ms=100), ev(2, ms=200)])
     store.forget([("s", "e1")])
     assert [e.id for e in store.pending(0, 1_000, 10)] == ["e2"]
@@ -167,6 +171,7 @@ def test_pending_finds_an_entry_older_than_any_it_saw_before(store: LogStore) ->
 
 def test_pending_after_reopen_starts_from_the_beginning(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    s.pending_from_index_max = 0
     s.append([ev(1, ms=5_000)])
     assert s.pending(0, 9_000, 10) == [ev(1, ms=5_000)]
     s.forget([("s", "e1")])
@@ -177,6 +182,7 @@ def test_pending_after_reopen_starts_from_the_beginning(tmp_path: Path) -> None:
     other.append([ev(2, ms=1)])
     other.close()
     again = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
+    again.pending_from_index_max = 0
     try:
         assert [e.id for e in again.pending(0, 9_000, 10)] == ["e2"]
     finally:
@@ -222,3 +228,32 @@ async def test_answers_are_awaited_without_an_executor(tmp_path: Path) -> None:
             await _answers([ref.ask(WriterOp("counts"), block=False)], 10.0)
     finally:
         client.stop()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.integers(0, 50), st.sampled_from(["", "T"]))),
+    st.lists(st.integers(0, 30)),
+    st.lists(st.integers(0, 30)),
+    st.integers(0, 60),
+    st.integers(1, 12),
+)
+def test_pending_from_the_index_is_pending_from_the_time_index(
+    appended: list[tuple[int, int, str]],
+    failed: list[int],
+    forgotten: list[int],
+    cutoff: int,
+    limit: int,
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        s = LogStore(Path(tmp) / "log", max_events=100, max_bytes=BIG)
+        try:
+            s.append([ev(i, ms=ms, token=t) for i, ms, t in appended])
+            s.fail([(ev(i), "x") for i in failed], 0, lambda n: 10)
+            s.forget([("s", f"e{i}") for i in forgotten])
+            from_index = s.pending(0, cutoff, limit)
+            s.pending_from_index_max = 0
+            assert s.pending(0, cutoff, limit) == from_index
+            assert all(e.received_ms < cutoff for e in from_index)
+        finally:
+            s.close()
