@@ -126,9 +126,12 @@ class CheckpointStore:
         sync: bool = True,
         create: bool = True,
         write_buffer_size: int | None = None,
+        compression: str | None = "snappy",
     ) -> None:
         """`write_buffer_size`: LevelDB's memtable bytes (default 4 MiB). A store whose
-        entries mostly die young (the message log) compacts less with a bigger one."""
+        entries mostly die young (the message log) compacts less with a bigger one, and
+        spends less on `compression` (None: blocks written uncompressed; every block says
+        how it is stored, so a store opens whatever wrote it)."""
         self.path = pathlib.Path(path)
         self.sync = sync
         self.closed = True
@@ -142,7 +145,11 @@ class CheckpointStore:
         try:
             extra = {} if write_buffer_size is None else {"write_buffer_size": write_buffer_size}
             self._db = plyvel.DB(
-                str(self.path), create_if_missing=create, paranoid_checks=True, **extra
+                str(self.path),
+                create_if_missing=create,
+                paranoid_checks=True,
+                compression=compression,
+                **extra,
             )
         except (plyvel.Error, OSError) as exc:
             raise _translate(exc, self.path) from exc

@@ -257,3 +257,32 @@ def test_pending_from_the_index_is_pending_from_the_time_index(
             assert all(e.received_ms < cutoff for e in from_index)
         finally:
             s.close()
+
+
+def test_a_store_written_with_compressed_blocks_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Log stores are now written uncompressed; one written before (snappy, the LevelDB
+    default), with its blocks on disk in table files, opens and reads whole."""
+    import actors.queue.logger.store as store_module
+
+    monkeypatch.setattr(store_module, "COMPRESSION", "snappy")
+    monkeypatch.setattr(store_module, "WRITE_BUFFER_BYTES", 64 << 10)  # flush to tables
+    path = tmp_path / "log"
+    old = LogStore(path, max_events=10_000, max_bytes=BIG)
+    events = [ev(i, ms=i) for i in range(3000)]
+    for i in range(0, 3000, 500):
+        old.append(encode_batch(events[i : i + 500]))
+    old.forget([("s", f"e{i}") for i in range(0, 3000, 3)])
+    old.close()
+    assert list(path.glob("*.ldb")), "nothing was flushed to a table file"
+    monkeypatch.undo()
+    s = LogStore(path, max_events=10_000, max_bytes=BIG)
+    try:
+        kept = [e for e in events if int(e.id[1:]) % 3]
+        assert s.pending(0, 10_000, 5000) == kept
+        scan = s.scan_counts()
+        assert scan["index_mismatches"] == 0 and scan["transient"] == len(kept) == scan["by_time"]
+        assert s.forget([("s", e.id) for e in kept]) == len(kept)
+    finally:
+        s.close()
