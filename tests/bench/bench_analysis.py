@@ -6,7 +6,9 @@ stream and KV) runs twice over the same synthetic RSVPs, in the same Spark sessi
 reading the JetStream stream through the ``jetstream`` source, once reading the same events
 from JSON-lines files (Spark's file source), in micro-batches of equal size. A small
 warm-up query per source first pays the Python workers' start-up, so neither measured run
-does. Micro-batch latency (p50/p99) is each batch's ``triggerExecution`` from query progress.
+does (for JetStream also a batch read in two partitions, so both cores' source workers
+are started). Micro-batch latency (p50/p99) is each batch's ``triggerExecution`` from query
+progress.
 
 The same top-N job also runs with its own default scheduling over the same backlog (the
 spec's trigger, every 0.5 s, and no ``maxEventsPerTrigger``: a micro-batch takes every event
@@ -60,7 +62,7 @@ EVENTS = int(os.environ.get("TIERFLOW_BENCH_ANALYSIS_EVENTS", "40000"))
 PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
 BATCH = int(os.environ.get("TIERFLOW_BENCH_BATCH", "5000"))
-WARM = 2000
+WARM = 10_000  # two partitions of a batch read: warms two source workers
 DL_EVENTS = int(os.environ.get("TIERFLOW_BENCH_DL_EVENTS", "10000"))  # ~5 s at 2k events/s
 DL_RUNS = 3
 DL_BAD = (b'{"rsvp": ', b"\xff not utf-8", b"not json")
@@ -217,6 +219,12 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
 
         run("bench_warm_files", WARM, source=files_source(warm))
         run("bench_warm_jetstream", WARM, stream="warm")
+        # micro-batches of 5,000 are one partition each: a batch read in two partitions
+        # starts the second source worker too, which the backlog ("own") rows use
+        warm_df = spark.read.format("jetstream").options(**nats.to_options())
+        warm_df = warm_df.option("stream", "warm").option("minPartitions", "2").load()
+        assert warm_df.rdd.getNumPartitions() == 2
+        assert warm_df.selectExpr("count(data)").collect()[0][0] == WARM
         from_js = run("bench_topn_jetstream")
         from_files = run("bench_topn_files", source=files_source(files))
         js_default = run_default("bench_topn_jetstream_default")
@@ -248,7 +256,13 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             )
             assert q.awaitTermination(600) and q.exception() is None, q.exception()
             (last,) = [json.loads(p.json) for p in q.recentProgress if p.numInputRows]
-            dead.append({**last["durationMs"], "letters": sum(letters.values())})
+            dead.append(
+                {
+                    **last["durationMs"],
+                    "rows": last["numInputRows"],
+                    "letters": sum(letters.values()),
+                }
+            )
         profiles: dict[str, Any] = {}
         if PROFILE:
             spy = Profiler(
@@ -312,7 +326,8 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     print(
         f"dead-letter query, one batch of {len(dl_bodies)} events ({len(DL_BAD)} malformed), "
         f"{DL_RUNS} runs: addBatch {', '.join(f'{a:.0f}' for a in adds)} ms (median "
-        f"{adds[len(adds) // 2]:.0f}); triggerExecution median {trig[len(trig) // 2]:.0f} ms"
+        f"{adds[len(adds) // 2]:.0f}); triggerExecution median {trig[len(trig) // 2]:.0f} ms; "
+        f"rows into Spark {dead[0]['rows']}"
     )
     if profiles:
         print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
