@@ -34,8 +34,11 @@ import asyncio
 import base64
 import contextlib
 import logging
+import math
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -62,6 +65,7 @@ SOURCE_SUBJECT_HEADER = "Tierflow-Source-Subject"
 SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
 RUN_HEADER = "Tierflow-Run"  # on KV values: the query's checkpoint id (see `_put_latest`)
 GENERATION_HEADER = "Tierflow-Generation"  # on KV values: the job's batch-view generation
+_RECONNECT_WAIT_S = 2.0
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: the expected last subject sequence did not match
 B64_PREFIX = "b64."
 NULL_KEY = "b64.-"  # never produced by encoding a string: base64 output is >= 2 characters
@@ -153,19 +157,96 @@ class SinkStats:
     last_batch_id: int | None = None
 
 
-def _run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine to completion from sync code, even if this thread runs a loop (then
-    on a loop thread of its own)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    lt = LoopThread("result-sink")
-    lt.start()
-    try:
-        return lt.run_sync(make(), None)
-    finally:
+class _Connection:
+    """One NATS connection kept between a sink's batches, on a loop thread of its own.
+
+    Connecting (and TLS, and authenticating) for every micro-batch cost more than the
+    batch's publishes. The connection is made on first use, made again when nats-py has
+    closed it, dropped after a call that failed (the next call starts clean, failing fast
+    if NATS is gone, as a fresh connect does) and closed after `idle_s` without a call or
+    by `close` (the driver calls `close_sinks` when a query stops).
+    """
+
+    def __init__(self, connect: Callable[[], Awaitable[Client]], name: str, idle_s: float):
+        self._connect = connect
+        self._name = name
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._lt: LoopThread | None = None
+        self._nc: Client | None = None
+        self._timer: threading.Timer | None = None
+        self._calls = 0  # an idle timer closes only if no call came after it was armed
+
+    def run(self, fn: Callable[[Client], Awaitable[T]]) -> T:
+        """`fn(client)` on the kept connection, from sync code (never the loop's thread)."""
+        with self._lock:
+            self._calls += 1
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._lt is None:
+                lt = LoopThread(f"result-sink-{self._name}")
+                lt.start()
+                self._lt = lt
+            try:
+                return self._lt.run_sync(self._on_client(fn), None)
+            except BaseException:
+                self._close_locked()
+                raise
+            finally:
+                if self._lt is not None:
+                    calls = self._calls
+                    timer = threading.Timer(self._idle_s, self._idle, (calls,))
+                    timer.daemon = True
+                    timer.start()
+                    self._timer = timer
+
+    async def _on_client(self, fn: Callable[[Client], Awaitable[T]]) -> T:
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await self._connect()
+        return await fn(self._nc)
+
+    def _idle(self, calls: int) -> None:
+        with self._lock:
+            if calls == self._calls:
+                self._close_locked()
+
+    def close(self) -> None:
+        """Close the connection and stop its loop thread; a later call opens them again."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        lt, nc, self._lt, self._nc = self._lt, self._nc, None, None
+        if lt is None:
+            return
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):
+                lt.run_sync(nc.close(), 10.0)
         lt.stop()
+
+    @property
+    def open(self) -> bool:
+        return self._lt is not None
+
+
+_sinks: weakref.WeakValueDictionary[int, ResultSink] = weakref.WeakValueDictionary()
+_sinks_lock = threading.Lock()
+
+
+def close_sinks(query: str) -> int:
+    """Close the kept connection of every sink of `query` in this process (its query
+    stopped or died); returns how many were open. A sink used again reconnects."""
+    with _sinks_lock:
+        sinks = [s for s in _sinks.values() if s.query_name == query]
+    closed = 0
+    for sink in sinks:
+        closed += sink.connected
+        sink.close()
+    return closed
 
 
 def _as_dict(row: Any) -> dict[str, Any]:
@@ -196,8 +277,10 @@ class ResultSink:
     kv_prefix: str = ""
     run_id: str = ""
     generation: int = 0
+    idle_close_s: float = 30.0
     stats: SinkStats = field(default_factory=SinkStats, compare=False)
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
+    _conn: _Connection = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.nats, str):
@@ -215,6 +298,9 @@ class ResultSink:
                 )
         if self.max_in_flight < 1 or self.attempts < 1:
             raise ValueError("max_in_flight and attempts must be >= 1")
+        self._conn = _Connection(self.connect, self.query_name, self.idle_close_s)
+        with _sinks_lock:
+            _sinks[id(self)] = self
 
     @classmethod
     def for_query(cls, nats: NatsEndpoint, query: str, **kwargs: Any) -> ResultSink:
@@ -256,30 +342,37 @@ class ResultSink:
         second would be dropped as a duplicate; that is refused with ValueError.
         """
         dicts = [_as_dict(r) for r in rows]
-        report = _run_sync(
-            lambda: self._with_nc(lambda nc: self.apublish_results(nc, dicts, batch_id))
-        )
-        return report
+        return self._conn.run(lambda nc: self.apublish_results(nc, dicts, batch_id))
 
     def dead_letter(self, rows: Iterable[Any], stream: str) -> BatchReport:
         """Publish malformed source rows (seq, subject, msg_id, error, raw/data) to dead letter."""
         dicts = [_as_dict(r) for r in rows]
         if not dicts:
             return BatchReport()
-        return _run_sync(lambda: self._with_nc(lambda nc: self.adead_letter(nc, dicts, stream)))
+        return self._conn.run(lambda nc: self.adead_letter(nc, dicts, stream))
+
+    def close(self) -> None:
+        """Close the NATS connection kept between batches (a later call reconnects)."""
+        self._conn.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is kept open now."""
+        return self._conn.open
 
     # ---- async API ---------------------------------------------------------------------
 
     async def connect(self) -> Client:
+        """A connection for this sink's batches: it reconnects for about `timeout` seconds
+        (what a batch waits for NATS to come back), then closes, so a kept connection to a
+        server that went away is not retried forever; the next batch connects anew."""
         assert isinstance(self.nats, NatsEndpoint)  # __post_init__ made it one
-        return await self.nats.connect(name=f"result-sink-{self.query_name}")
-
-    async def _with_nc(self, fn: Callable[[Client], Awaitable[T]]) -> T:
-        nc = await self.connect()
-        try:
-            return await fn(nc)
-        finally:
-            await nc.close()
+        return await self.nats.connect(
+            name=f"result-sink-{self.query_name}",
+            max_reconnect_attempts=max(1, math.ceil(self.timeout / _RECONNECT_WAIT_S)),
+            reconnect_time_wait=_RECONNECT_WAIT_S,
+            error_cb=_connection_error,
+        )
 
     async def apublish_results(
         self, nc: Client, rows: list[dict[str, Any]], batch_id: int
@@ -392,7 +485,7 @@ class ResultSink:
         """Delete this query's KV keys an older generation wrote that `keep` (result keys)
         does not hold: a batch view replaces the whole view. Returns how many went."""
         wanted = {kv_key(k) for k in keep}
-        return _run_sync(lambda: self._with_nc(lambda nc: self._aretire(nc, wanted)))
+        return self._conn.run(lambda nc: self._aretire(nc, wanted))
 
     async def _aretire(self, nc: Client, keep: set[str]) -> int:
         from nats.js.errors import NotFoundError
@@ -505,6 +598,12 @@ class ResultSink:
             )
 
 
+async def _connection_error(err: Exception) -> None:
+    """A kept connection's errors (a server gone between batches, reconnects): a batch that
+    cannot publish fails with a SinkError saying why, so these are only logged for debug."""
+    log.debug("result sink connection: %s: %s", type(err).__name__, err)
+
+
 def _backoff(attempt: int) -> float:
     """Seconds before resend `attempt` (1-based): 0.2, 0.4, 0.8, ..."""
     return 0.1 * 2**attempt
@@ -537,6 +636,7 @@ __all__ = [
     "ResultSink",
     "SinkError",
     "SinkStats",
+    "close_sinks",
     "key_from_kv",
     "kv_key",
     "result_id",

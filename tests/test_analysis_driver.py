@@ -188,7 +188,7 @@ def test_committed_reads_the_last_commit_and_its_offsets(tmp_path: Path) -> None
 def test_policy_helpers() -> None:
     assert [backoff_s(n) for n in (1, 2, 3, 6, 50)] == [1.0, 2.0, 4.0, 30.0, 30.0]
     cfg = load(environ={})
-    assert default_master(cfg) == "local[2]"
+    assert default_master(cfg) == "local[4]"
     assert default_master(load(environ={}, overrides={"spark": {"master": "spark://h:7077"}}))
     assert progress_summary(None) == {}
     row = progress_summary(

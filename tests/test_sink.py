@@ -38,6 +38,7 @@ from jobs.sink import (
     SOURCE_SUBJECT_HEADER,
     ResultSink,
     SinkError,
+    close_sinks,
     key_from_kv,
     kv_items,
     kv_key,
@@ -223,6 +224,38 @@ def test_publish_results_is_idempotent_per_batch_and_key(nats_url: str) -> None:
         None: {"key": None, "count": 2},
     }
     assert sink.stats.batches == 3 and sink.stats.duplicates == 3 and sink.stats.results == 7
+
+
+def test_a_sink_keeps_one_connection_across_batches_until_closed_or_idle(
+    nats_factory: NatsFactory,
+) -> None:
+    """The connection is made once for many batches (not once a batch), closed when its
+    query's sinks are closed, made again by the next batch, and closed when left idle."""
+    server = nats_factory(sync_interval="2m")
+    add_stream(server.url, "results", ["results.>"])
+
+    def names(state: str) -> list[str]:
+        status, connz = server.monitor(f"connz?state={state}&limit=1024")
+        assert status == 200
+        return [c.get("name") for c in connz.get("connections") or []]
+
+    sink = ResultSink(server.url, "results", "keep_kv", "keep")
+    for batch in range(4):
+        sink.publish_results([{"key": "a", "count": batch}], batch)
+    assert sink.connected and names("open").count("result-sink-keep") == 1
+    assert names("all").count("result-sink-keep") == 1  # one connection for four batches
+
+    assert close_sinks("keep") == 1 and not sink.connected
+    wait_until(lambda: "result-sink-keep" not in names("open"), 10, what="sink disconnected")
+    assert sink.publish_results([{"key": "a", "count": 9}], 4).published == 1  # reconnects
+    assert names("all").count("result-sink-keep") == 2
+    assert kv_values(server.url, "keep_kv") == {"a": {"key": "a", "count": 9}}
+    sink.close()
+
+    idle = ResultSink(server.url, "results", "keep_kv", "idle", idle_close_s=0.2)
+    idle.publish_results([{"key": "b", "count": 1}], 0)
+    wait_until(lambda: not idle.connected, 10, what="idle sink closed")
+    wait_until(lambda: "result-sink-idle" not in names("open"), 10, what="idle disconnect")
 
 
 def test_a_replayed_old_batch_never_overwrites_a_newer_kv_value(nats_url: str) -> None:
