@@ -4,10 +4,11 @@
 kind       result rows (``key`` always; ``window_start``/``window_end`` ISO when windowed)
 =========  ================================================================================
 topn       ``{"key","top":[{"item","count","error"}...n],"events"}``: exact counts per
-           item (per window) in Spark's own state, the top n merged on the driver
-           (jobs/topn.py); key ``"all"`` or the window start (windowed rows have no
-           ``events``). Error is 0; ties rank by item. ``capacity`` no longer bounds
-           anything: state holds one count per distinct item (per open window).
+           item (per window; per pane of sliding windows, summed into windows on the
+           driver) in Spark's own state, the top n merged on the driver (jobs/topn.py);
+           key ``"all"`` or the window start (windowed rows have no ``events``). Error is
+           0; ties rank by item. ``capacity`` no longer bounds anything: state holds one
+           count per distinct item (per open window or pane).
 distinct   ``{"key","distinct","lower","upper"}``: HyperLogLog by Spark's own
            ``hll_sketch_agg`` (JVM), bounds at 2 standard deviations.
 count      ``{"key", <by names>..., "count"}`` per key (and window): exact. The key joins the
@@ -48,7 +49,7 @@ from jobs.paths import extract
 from jobs.sketch_state import sketch_state, window_sketch_state
 from jobs.sketches import Reservoir
 from jobs.specs import JobSpec, check_spec, duration_ms, output_names
-from jobs.topn import BatchRows, as_top, topn_batches, topn_counts
+from jobs.topn import BatchRows, as_top, pane_ms, topn_batches, topn_counts
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -112,7 +113,9 @@ def _topn(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
         return {"key": iso_ms(key), **window, "top": as_top(value.top)}
 
     base = view.top if view is not None else None
-    return Plan(topn_counts(spec, events), "update", batches=topn_batches(spec, shape, base))
+    pane = pane_ms(spec, events.isStreaming)
+    batches = topn_batches(spec, shape, base, pane)
+    return Plan(topn_counts(spec, events), "update", batches=batches)
 
 
 def _window_state(spec: JobSpec, items: DataFrame, kind: Any, params: dict[str, Any]) -> Any:

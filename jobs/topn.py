@@ -18,12 +18,21 @@ the same values.
 Windowed: the same per window; the driver forgets a window once no event can reach it
 any more (its end at or before the newest window start seen minus the watermark delay:
 Spark's watermark is at least that, and events at or before it are dropped as late).
+
+Sliding windows of a streaming query are counted per *pane* (gcd of length and slide) in
+Spark's state, not per window: a 5-minute window sliding every 10 s put each event in 30
+windows, so 30 state updates per (event, item); per pane it is one (`pane_ms`). The driver
+keeps every item's count per pane while a window holding the pane is open, and a window's
+total for an item is the sum over its panes (`apply_panes`): the same exact counts, top
+lists and result rows as counting per window, with the panes' counts saved with the top
+lists. A recompute (a static DataFrame, one batch) still counts per window.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +42,7 @@ import msgspec
 from jobs.errors import JobError
 from jobs.event_time import window_column, windowed_events
 from jobs.paths import extract_values
+from jobs.sketch_state import pane_windows
 from jobs.specs import JobSpec, duration_ms
 from runtime.files import write_atomic
 
@@ -45,12 +55,24 @@ Ranked = list[tuple[str, int]]
 BatchRows = Callable[[list[dict[str, Any]], int], list[dict[str, Any]]]
 
 
+def pane_ms(spec: JobSpec, streaming: bool) -> int | None:
+    """The pane a windowed top-N counts by in Spark's state: gcd(length, slide) for sliding
+    windows of a streaming query; None to count per window (all time, tumbling windows,
+    whose panes are the windows, and a recompute's single batch)."""
+    if spec.window is None or not spec.window.slide or not streaming:
+        return None
+    length, slide = duration_ms(spec.window.length), duration_ms(spec.window.slide)
+    return math.gcd(length, slide) if slide < length else None
+
+
 def topn_counts(spec: JobSpec, events: DataFrame) -> DataFrame:
     """The running counts a top-N job keeps in Spark state, as update-mode rows:
     ``_tf_it`` (null: the per-event row, its count the events so far), ``_tf_n``, and
-    ``_tf_start``/``_tf_end`` (epoch ms) when windowed."""
+    ``_tf_start``/``_tf_end`` (epoch ms) when windowed: of the window, or of the pane when
+    `pane_ms` gives one (then the driver sums panes into windows, `apply_panes`)."""
     from pyspark.sql import functions as F
 
+    pane = pane_ms(spec, events.isStreaming)
     if spec.window is not None:
         events = windowed_events(events, spec)
     items = extract_values(events, "_tf_its", spec.field)
@@ -59,7 +81,10 @@ def topn_counts(spec: JobSpec, events: DataFrame) -> DataFrame:
     n = F.count(F.lit(1)).alias(COUNT)
     if spec.window is None:
         return items.select(exploded).groupBy(ITEM).agg(n)
-    w = window_column(spec).alias("_tf_w")
+    if pane is not None:
+        w = F.window("_tf_time", f"{pane} milliseconds").alias("_tf_w")
+    else:
+        w = window_column(spec).alias("_tf_w")
     return (
         items.select("_tf_time", exploded)
         .groupBy(w, ITEM)
@@ -108,13 +133,16 @@ class WindowTop(msgspec.Struct, array_like=True):
 
 class TopState(msgspec.Struct, kw_only=True):
     """What the driver keeps between batches: the top list (all time) or one per open
-    window, and the batch it is after."""
+    window, and the batch it is after; counting by pane, every item's count per pane
+    (`panes`, pane start -> item -> count) while a window holding the pane is open."""
 
     batch: int = -1
     events: int = 0
     top: Ranked = []
     windows: dict[int, WindowTop] = {}
     newest_start: int | None = None
+    pane_ms: int = 0  # 0: Spark counts per window (no `panes`)
+    panes: dict[int, dict[str, int]] = {}
 
 
 def apply_batch(
@@ -152,6 +180,95 @@ def apply_batch(
     if newest is not None:  # no event can reach a window ending at or before this any more
         windows = {s: w for s, w in windows.items() if still_open(w.end, newest, delay_ms)}
     return TopState(batch=batch_id, windows=windows, newest_start=newest), out
+
+
+class PaneGeometry(msgspec.Struct, frozen=True):
+    """Sliding windows of `length_ms` every `slide_ms`, counted in panes of `pane_ms`."""
+
+    length_ms: int
+    slide_ms: int
+    pane_ms: int
+
+    @classmethod
+    def of(cls, spec: JobSpec, pane: int) -> PaneGeometry:
+        assert spec.window is not None and spec.window.slide
+        return cls(duration_ms(spec.window.length), duration_ms(spec.window.slide), pane)
+
+    def windows(self, pane: int) -> list[int]:
+        """Starts of the windows holding `pane`."""
+        return pane_windows(pane, self.pane_ms, self.length_ms, self.slide_ms)
+
+
+def apply_panes(
+    state: TopState,
+    rows: list[dict[str, Any]],
+    batch_id: int,
+    n: int,
+    delay_ms: int,
+    geometry: PaneGeometry,
+    base: TopBase | None = None,
+) -> tuple[TopState, dict[int | None, Any]]:
+    """`apply_batch` for windows counted by pane: `rows` are the batch's updated (pane,
+    item) totals. Per window holding an updated pane, the updated items' window totals
+    (the sum over the window's panes, plus a batch view's `base` counts) are merged into
+    its top list: the same lists and keys as `apply_batch` over per-window rows. A pane is
+    forgotten with the last window holding it."""
+    if state.batch >= 0 and state.pane_ms != geometry.pane_ms:
+        raise JobError(
+            f"top-N: the saved state before batch {batch_id} counts "
+            f"{f'by panes of {state.pane_ms} ms' if state.pane_ms else 'per window'}, this "
+            f"job by panes of {geometry.pane_ms} ms; its checkpoint was made by another "
+            "version of this job: give the job a new name, or reset its checkpoint"
+        )
+    updated: dict[int, dict[str, int]] = {}
+    for r in rows:
+        counts = updated.setdefault(int(r[START]), {})
+        if r[ITEM] is not None:
+            counts[r[ITEM]] = int(r[COUNT])
+    panes = dict(state.panes)
+    for p, counts in updated.items():
+        panes[p] = {**panes.get(p, {}), **counts}  # new dicts: `state` stays as it was
+    item_windows: dict[str, set[int]] = {}
+    touched: set[int] = set()
+    for p, counts in updated.items():
+        starts = geometry.windows(p)
+        touched.update(starts)
+        for item in counts:
+            item_windows.setdefault(item, set()).update(starts)
+    totals: dict[int, dict[str, int]] = {s: {} for s in touched}
+    if touched:
+        step, k = geometry.pane_ms, geometry.length_ms // geometry.pane_ms
+        lo = min(touched)
+        grid = [panes.get(q) for q in range(lo, max(touched) + geometry.length_ms, step)]
+        for item, starts in item_windows.items():
+            prefix, acc = [0], 0
+            for held in grid:
+                if held is not None:
+                    acc += held.get(item, 0)
+                prefix.append(acc)
+            for s in starts:
+                i = (s - lo) // step
+                extra = base.windows.get(s, (0, {}))[1].get(item, 0) if base is not None else 0
+                totals[s][item] = prefix[i + k] - prefix[i] + extra
+    windows = dict(state.windows)
+    out: dict[int | None, Any] = {}
+    for start in sorted(touched):
+        before = windows.get(start)
+        top = merge_top(before.top if before else [], totals[start], n)
+        windows[start] = out[start] = WindowTop(start + geometry.length_ms, top)
+    starts = [*touched, *([] if state.newest_start is None else [state.newest_start])]
+    newest = max(starts) if starts else None
+    if newest is not None:  # no event can reach a window ending at or before this any more
+        windows = {s: w for s, w in windows.items() if still_open(w.end, newest, delay_ms)}
+        panes = {
+            p: c
+            for p, c in panes.items()
+            if still_open(geometry.windows(p)[-1] + geometry.length_ms, newest, delay_ms)
+        }
+    new = TopState(
+        batch=batch_id, windows=windows, newest_start=newest, pane_ms=geometry.pane_ms, panes=panes
+    )
+    return new, out
 
 
 class TopBase(msgspec.Struct, kw_only=True):
@@ -263,13 +380,17 @@ def topn_batches(
     spec: JobSpec,
     shape: Callable[[int | None, Any], dict[str, Any]],
     base: TopBase | None = None,
+    pane: int | None = None,
 ) -> Callable[[Path | None], BatchRows]:
     """The driver side of a top-N job: given the query's checkpoint directory, a function
     from a batch's updated count rows (and batch id) to its result rows; `shape` makes a
     result row from a key and its `apply_batch` value. With a batch view's `base`, the
-    rows are merged totals (`TopBase.added`) and the lists start from the batch view's."""
+    rows are merged totals (`TopBase.added`) and the lists start from the batch view's.
+    With `pane` (`pane_ms`), the rows are per pane and windows are summed from them
+    (`apply_panes`)."""
     delay = duration_ms(spec.window.watermark) if spec.window is not None else None
     windowed = spec.window is not None
+    geometry = PaneGeometry.of(spec, pane) if pane is not None else None
 
     def make(checkpoint: Path | None) -> BatchRows:
         initial = base.state(spec.n, delay) if base is not None else None
@@ -277,9 +398,14 @@ def topn_batches(
         store = TopStore(directory, initial=initial)
 
         def batch(rows: list[dict[str, Any]], batch_id: int) -> list[dict[str, Any]]:
-            if base is not None:
-                rows = base.added(rows, windowed)
-            state, out = apply_batch(store.before(batch_id), rows, batch_id, spec.n, delay)
+            before = store.before(batch_id)
+            if geometry is not None:
+                assert delay is not None
+                state, out = apply_panes(before, rows, batch_id, spec.n, delay, geometry, base)
+            else:
+                if base is not None:
+                    rows = base.added(rows, windowed)
+                state, out = apply_batch(before, rows, batch_id, spec.n, delay)
             store.save(state)
             return [shape(key, value) for key, value in out.items()]
 

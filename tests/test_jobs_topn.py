@@ -11,6 +11,7 @@ sink's idempotence is tested in test_sink.py and test_jobs_library.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -34,10 +35,14 @@ from jobs.topn import (
     ITEM,
     START,
     STATE_DIR,
+    PaneGeometry,
     TopState,
     TopStore,
+    WindowTop,
     apply_batch,
+    apply_panes,
     merge_top,
+    pane_ms,
     rank,
 )
 from tests.oracles import sliding_reference
@@ -111,6 +116,81 @@ def test_windows_are_merged_apart_and_forgotten_past_the_watermark() -> None:
     state, out = apply_batch(state, later, 1, 3, delay_ms=5)
     # newest start 40 - delay 5 = 35: windows ending at 20 and 30 can get no event any more
     assert set(out) == {40} and set(state.windows) == {40}
+
+
+def _windows_of(t: int, g: PaneGeometry) -> list[int]:
+    """Starts s (multiples of slide) with s <= t < s + length: where Spark counts t."""
+    first = (t - g.length_ms) - (t - g.length_ms) % g.slide_ms
+    return [s for s in range(first, t + 1, g.slide_ms) if s <= t < s + g.length_ms]
+
+
+timed_batches = st.lists(
+    st.lists(
+        st.tuples(st.integers(0, 400), st.lists(st.sampled_from(ITEMS[:5]), max_size=3)),
+        max_size=10,
+    ),
+    max_size=10,
+)
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(
+    timed_batches,
+    st.sampled_from([(20, 10), (30, 10), (30, 20), (50, 20), (60, 15)]),
+    st.integers(1, 4),
+    st.sampled_from([5, 30, 1000]),
+)
+def test_windows_summed_from_panes_equal_windows_counted_apart(
+    batches: list[list[tuple[int, list[str]]]],
+    length_slide: tuple[int, int],
+    n: int,
+    delay_s: int,
+) -> None:
+    """What Spark emits in update mode, counted per window (each event in every window it
+    falls in) and per pane, gives the same top lists, keys and state after every batch,
+    with late events dropped as Spark does (at or before the previous batch's watermark)."""
+    length, slide = (x * 1000 for x in length_slide)
+    g = PaneGeometry(length, slide, math.gcd(length, slide))
+    delay = delay_s * 1000
+    per_window: Counter[tuple[int, str | None]] = Counter()
+    per_pane: Counter[tuple[int, str | None]] = Counter()
+    by_window, by_pane = TopState(), TopState()
+    watermark, newest_t = None, None
+    for b, batch in enumerate(batches):
+        w_keys: set[tuple[int, str | None]] = set()
+        p_keys: set[tuple[int, str | None]] = set()
+        for t_s, items in batch:
+            t = T0 + t_s * 250
+            if watermark is not None and t <= watermark:
+                continue  # late
+            newest_t = t if newest_t is None else max(newest_t, t)
+            pane = t - t % g.pane_ms
+            for item in [None, *items]:
+                per_pane[pane, item] += 1
+                p_keys.add((pane, item))
+                for s in _windows_of(t, g):
+                    per_window[s, item] += 1
+                    w_keys.add((s, item))
+        w_rows = [{START: s, END: s + length, ITEM: i, COUNT: per_window[s, i]} for s, i in w_keys]
+        p_rows = [{START: p, ITEM: i, COUNT: per_pane[p, i]} for p, i in p_keys]
+        by_window, want = apply_batch(by_window, w_rows, b, n, delay)
+        by_pane, got = apply_panes(by_pane, p_rows, b, n, delay, g)
+        assert list(got) == list(want)
+        assert got == want and by_pane.windows == by_window.windows
+        assert by_pane.newest_start == by_window.newest_start
+        if newest_t is not None:
+            watermark = newest_t - delay
+
+
+@pytest.mark.unit
+def test_a_window_checkpoint_is_refused_by_the_pane_form() -> None:
+    g = PaneGeometry(20_000, 10_000, 10_000)
+    old = TopState(batch=4, windows={0: WindowTop(20_000, [("x", 2)])}, newest_start=0)
+    with pytest.raises(JobError, match="another version of this job"):
+        apply_panes(old, [], 5, 3, 5_000, g)
+    state, _ = apply_panes(TopState(), [{START: 0, ITEM: "x", COUNT: 1}], 0, 3, 5_000, g)
+    assert state.pane_ms == 10_000 and state.panes == {0: {"x": 1}}
 
 
 @pytest.mark.unit
@@ -279,6 +359,59 @@ def test_windowed_top_n_equals_a_recount_per_window(spark: Any, tmp_path: Path) 
     assert saved.newest_start is not None and saved.windows
     assert all(w.end > saved.newest_start - 10_000 for w in saved.windows.values())
     assert len(saved.windows) < len(latest)  # closed windows were forgotten
+
+
+def test_sliding_windows_from_panes_equal_sparks_own_window_counts(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The streaming form counts per pane (gcd of 30 s and 20 s: 10 s) in Spark's state;
+    after every micro-batch, each window it publishes has the top list of Spark's own
+    per-window counts (`window()`, a batch over the files read so far)."""
+    events = make_events(300, seed=11)
+    batches = [events[i : i + 30] for i in range(0, 300, 30)]
+    src = tmp_path / "src"
+    write_files(src, batches)
+    window = {"length": "30s", "slide": "20s", "watermark": "10s"}
+    spec = spec_of(n=3, window=window, time_field="t")
+    source = spark.readStream.option("maxFilesPerTrigger", 1).text(str(src))
+    plan = build_plan(spec, source.withColumnRenamed("value", "data"))
+    assert pane_ms(spec, True) == 10_000 and pane_ms(spec, False) is None
+    shape = plan.batch_rows(tmp_path / "ck")
+    published: dict[int, list[dict[str, Any]]] = {}
+    panes: set[int] = set()
+
+    def write(df: Any, batch_id: int) -> None:
+        rows = [r.asDict() for r in df.collect()]
+        panes.update(int(r[START]) for r in rows)
+        published[batch_id] = shape(rows, batch_id)
+
+    q = (
+        plan.df.writeStream.foreachBatch(write)
+        .outputMode(plan.output_mode)
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert q.awaitTermination(180) and q.exception() is None
+    assert panes and all(p % 10_000 == 0 for p in panes)  # Spark's rows were per pane
+    assert sorted(published)[: len(batches)] == list(range(len(batches)))  # then no-data ones
+    for b in sorted(published):
+        static = spark.read.text([str(p) for p in sorted(src.iterdir())[: b + 1]])
+        exact = build_plan(spec, static.withColumnRenamed("value", "data")).df.collect()
+        counts: dict[int, dict[str, int]] = {}
+        for r in exact:  # per window, as `window()` counts: each event in every window
+            per_item = counts.setdefault(int(r[START]), {})
+            if r[ITEM] is not None:
+                per_item[r[ITEM]] = int(r[COUNT])
+        assert published[b] or b >= len(batches), b
+        for row in published[b]:
+            start = next(s for s in counts if iso_ms(s) == row["key"])
+            assert row == {
+                "key": iso_ms(start),
+                "window_start": iso_ms(start),
+                "window_end": iso_ms(start + 30_000),
+                "top": as_top(rank(counts[start].items(), 3)),
+            }, (b, row["key"])
 
 
 def test_a_replayed_batch_publishes_the_same_and_a_restart_continues_exactly(
