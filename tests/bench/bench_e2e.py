@@ -2,9 +2,10 @@
 
 Prints numbers, asserts no speed (`make bench`). The whole Meetup pipeline as shipped (HML,
 logger k=1, one collector, bridge and gateway, JetStream `sync_interval: always`, the
-`meetup_topn` Spark query on local[2] with the trigger `TIERFLOW_BENCH_E2E_TRIGGER_S`, default
-0.5 s) on the session's Ray. Synthetic RSVPs are POSTed by the known-id producer at a fixed
-rate (1k, 5k, 10k events/s, a few seconds each); two WebSocket clients of the gateway watch:
+`meetup_topn` Spark query on the driver's default master (local[4]) with the trigger
+`TIERFLOW_BENCH_E2E_TRIGGER_S`, default 0.5 s) on the session's Ray. Synthetic RSVPs are
+POSTed by the known-id producer at a fixed rate (1k, 5k, 10k events/s, a few seconds each);
+two WebSocket clients of the gateway watch:
 
 - top-N: the `results` stream filtered to `results.meetup_topn`; each update carries the
   number of events it counts. An accepted batch counts as shown once an update counting at
@@ -225,7 +226,8 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
     with pipeline(tmp_path, "bench-e2e", trigger_s=TRIGGER_S) as p:
         rows, profiles = asyncio.run(measure(p))
     print(
-        f"\nend to end, HML k=1, Spark local[2] trigger {TRIGGER_S:g} s, batches of {BATCH}, "
+        f"\nend to end, HML k=1, Spark {p.cfg.spark.master} trigger {TRIGGER_S:g} s, "
+        f"batches of {BATCH}, "
         f"{SECONDS:g} s per rate, {os.cpu_count()} cores"
     )
     print(

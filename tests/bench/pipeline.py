@@ -179,12 +179,13 @@ def pipeline(
     from cluster.demo.meetup import meetup_jobs
     from cluster.deploy.analysis import start_driver, stop_driver, wait_running
     from cluster.deploy.gateway import start_gateways, stop_gateways
+    from jobs.driver import DEFAULT_MASTER
     from runtime.services import ensure_streams
 
     # TIERFLOW_BENCH_SPARK_CONF: extra Spark settings as JSON, TIERFLOW_BENCH_SPARK_MASTER
-    # another master than local[2] (to compare settings A/B)
+    # another master than the analysis driver's default (to compare settings A/B)
     spark_conf = json.loads(os.environ.get("TIERFLOW_BENCH_SPARK_CONF") or "{}")
-    master = os.environ.get("TIERFLOW_BENCH_SPARK_MASTER") or "local[2]"
+    master = os.environ.get("TIERFLOW_BENCH_SPARK_MASTER") or DEFAULT_MASTER
     # TIERFLOW_BENCH_SPARK_EVENTS: a directory for Spark's event log (`slot_profile`)
     events_root = os.environ.get("TIERFLOW_BENCH_SPARK_EVENTS")
     events = None
