@@ -115,7 +115,7 @@ def _topn(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     base = view.top if view is not None else None
     pane = pane_ms(spec, events.isStreaming)
     batches = topn_batches(spec, shape, base, pane)
-    return Plan(topn_counts(spec, events), "update", batches=batches)
+    return Plan(topn_counts(spec, events, pane), "update", batches=batches)
 
 
 def _window_state(spec: JobSpec, items: DataFrame, kind: Any, params: dict[str, Any]) -> Any:

@@ -65,14 +65,13 @@ def pane_ms(spec: JobSpec, streaming: bool) -> int | None:
     return math.gcd(length, slide) if slide < length else None
 
 
-def topn_counts(spec: JobSpec, events: DataFrame) -> DataFrame:
+def topn_counts(spec: JobSpec, events: DataFrame, pane: int | None = None) -> DataFrame:
     """The running counts a top-N job keeps in Spark state, as update-mode rows:
     ``_tf_it`` (null: the per-event row, its count the events so far), ``_tf_n``, and
     ``_tf_start``/``_tf_end`` (epoch ms) when windowed: of the window, or of the pane when
-    `pane_ms` gives one (then the driver sums panes into windows, `apply_panes`)."""
+    `pane` (`pane_ms`, the one `topn_batches` sums into windows with `apply_panes`)."""
     from pyspark.sql import functions as F
 
-    pane = pane_ms(spec, events.isStreaming)
     if spec.window is not None:
         events = windowed_events(events, spec)
     items = extract_values(events, "_tf_its", spec.field)
