@@ -247,7 +247,7 @@ class LogStore:
         idx = self._index()  # whose keys are every entry: absent there is absent on disk
         fresh: dict[bytes, tuple[Any, Any]] = {}
         for h, raw in zip(heads, raws, strict=True):
-            k = (h.stream + "\x00" + h.id).encode()  # = _key(stream, id)
+            k = _key(h.stream, h.id)
             if k not in idx and k not in fresh:  # the first of an id repeated in the batch
                 fresh[k] = (h, raw)
         if not fresh:
