@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from jobs.event_time import iso_ms
 from runtime import runstate
 from runtime.config import ConfigError, load, validate
 from runtime.waiting import wait_until
@@ -30,6 +31,10 @@ PRODUCER = "flights-producer-tok"
 CONSUMER = "flights-consumer-tok"
 N_EVENTS = 2000
 TOP_N = 5
+# the windowed job's event time: 40 ms apart from a start inside a slide (80 s of events),
+# so every event is in three windows of 60 s sliding every 20 s, counted by 20 s panes
+T0_MS = 1_767_225_607_000  # 2026-01-01T00:00:07Z
+STEP_MS, LENGTH_MS, SLIDE_MS, WINDOW_N = 40, 60_000, 20_000, 3
 
 # --------------------------------------------------------------------------- config only
 
@@ -92,6 +97,7 @@ def flights(n: int = N_EVENTS, seed: int = 7) -> list[dict[str, Any]]:
                 "tail": f"N{rng.randrange(80):03d}",
                 "delay_min": rng.randrange(-10, 180),
                 "response": "yes" if rng.random() < 0.7 else "no",  # on time?
+                "ts": T0_MS + i * STEP_MS,
             }
         )
     return out
@@ -123,6 +129,35 @@ def expected(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def expected_windows(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The sliding-window top-N's exact answer, by window start (ISO, as the job keys it)."""
+    windows: dict[int, Counter[str]] = {}
+    for e in events:
+        t = e["ts"]
+        for start in range(t - t % SLIDE_MS, t - LENGTH_MS, -SLIDE_MS):
+            windows.setdefault(start, Counter())[e["origin"]] += 1
+    out = {}
+    for start, counts in windows.items():
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:WINDOW_N]
+        key = iso_ms(start)
+        out[key] = {
+            "key": key,
+            "window_start": key,
+            "window_end": iso_ms(start + LENGTH_MS),
+            "top": [{"item": k, "count": c, "error": 0} for k, c in ranked],
+        }
+    return out
+
+
+def windows_of(got: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The windowed job's rows read from the results bucket, by their `key`."""
+    return {
+        v["key"]: v
+        for k, v in got.items()
+        if k.startswith("flights_origin_window.") and isinstance(v, dict) and "key" in v
+    }
+
+
 JOBS = """
 [[jobs]]
 name = "flights_top_origin"
@@ -130,6 +165,15 @@ kind = "topn"
 stream = "flights"
 field = "origin"
 n = 5
+
+[[jobs]]
+name = "flights_origin_window"
+kind = "topn"
+stream = "flights"
+field = "origin"
+n = 3
+time_field = "ts"
+window = { length = "60s", slide = "20s", watermark = "10m" }
 
 [[jobs]]
 name = "flights_tails"
@@ -218,6 +262,8 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
         ctx = client_ssl_context(cfg)
     events = flights()
     want = expected(events)
+    want_windows = expected_windows(events)
+    assert len(want_windows) == 7  # 80 s of events from :07: windows starting -40 s .. +80 s
     up = run(["up", "--detach", "--config", str(path), "--timeout", "240"], env)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
@@ -247,7 +293,7 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
             body = http(f"{gateway}/v1/kv/results", CONSUMER, ctx)
             got.clear()
             got.update({e["key"]: e["value"] for e in body["entries"]})
-            return matches(got, want)
+            return matches(got, want) and matches(windows_of(got), want_windows)
 
         def why() -> str:
             listed = run(["jobs", "list", "--json", "--config", str(path)], env)
@@ -266,11 +312,16 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
         # one result per carrier, nothing else under the count job
         carriers = {k for k in got if k.startswith("flights_by_carrier.")}
         assert carriers == {k for k in want if k.startswith("flights_by_carrier.")}
+        # a sliding window top-N under the same credentials: every window once, exact
+        windows = windows_of(got)
+        assert set(windows) == set(want_windows)
+        for key, row in want_windows.items():
+            assert row.items() <= windows[key].items(), key
         listed = run(["jobs", "list", "--json", "--config", str(path)], env)
         assert listed.returncode == 0, listed.stderr
         rows = {r["name"]: r for r in json.loads(listed.stdout)}
         names = [n for n in rows if n.startswith(("flights_", "deadletter_flights"))]
-        assert len(names) == 6, sorted(rows)  # five jobs and the stream's dead-letter query
+        assert len(names) == 7, sorted(rows)  # six jobs and the stream's dead-letter query
         for name in names:  # no batch ever failed (the flights bug: "no response from stream")
             row = rows[name]
             error = (row["error"] or "")[:3000]
