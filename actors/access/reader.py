@@ -8,22 +8,78 @@ too (`KV_<bucket>`); their messages become key changes (messages.kv_message).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
 
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
 
-__all__ = ["JetStreamReader", "delivery_position", "jetstream_opener", "stored_message"]
+__all__ = [
+    "JetStreamReader",
+    "PullCredit",
+    "delivery_position",
+    "jetstream_opener",
+    "stored_message",
+]
+
+_STATUS = "Status"
+_PENDING = "Nats-Pending-Messages"
+_GRACE_S = 0.5  # past the newest request's expiry, credit no answer accounted for is stale
+
+
+class PullCredit:
+    """How many messages the pull requests still open may deliver, and when to ask for more.
+
+    Pure but for the clock passed in. Requests overlap, so a batch stored while one request
+    is being answered flows in on the next, with no round trip between (a request per
+    fetch, answered once, cut an atomic batch in two with a round trip between the halves
+    under load). What is requested but not delivered, plus what is delivered and not yet
+    read, stays within `2 * batch`: the subscription's buffer is never asked to hold more.
+    Requests end by being filled (silently: counted by deliveries) or expiring (a 408 with
+    what it still owed); credit left past the newest request's expiry (an answer lost to
+    a reconnect) is dropped, so reading can never stall on a request that no longer exists.
+    """
+
+    def __init__(self, batch: int, expires_s: float, clock: Callable[[], float]) -> None:
+        self.batch = max(1, batch)
+        self.expires_s = expires_s
+        self._clock = clock
+        self.credit = 0
+        self._last_deadline = 0.0
+
+    def want(self, buffered: int) -> int:
+        """The batch of the request to send now (0: none), counted as open once returned."""
+        now = self._clock()
+        if self.credit and now > self._last_deadline + _GRACE_S:
+            self.credit = 0  # every request sent has ended by now: what they owe is gone
+        if buffered + self.credit >= self.batch:
+            return 0
+        self.credit += self.batch
+        self._last_deadline = now + self.expires_s
+        return self.batch
+
+    def delivered(self, n: int = 1) -> None:
+        self.credit = max(0, self.credit - n)
+
+    def ended(self, owed: int) -> None:
+        """A request expired (or was refused) owing `owed` messages."""
+        self.credit = max(0, self.credit - owed)
 
 
 class JetStreamReader:
     """An ephemeral pull consumer (no acks, memory storage, one replica) from `start_seq`,
     or of the last message per subject (a KV snapshot). Deleted with `close()`, and by the
-    server after `inactive_s` if this process dies."""
+    server after `inactive_s` if this process dies. Its pull requests overlap (`PullCredit`):
+    what is stored while one fetch's messages are handled is already on its way."""
 
     def __init__(
         self,
@@ -45,6 +101,11 @@ class JetStreamReader:
         self._sub: Any = None
         self.name = ""
         self.num_pending = 0
+        self._next = self._inbox = ""
+        self._buf: deque[Msg] = deque()
+        self._ready = asyncio.Event()
+        self._credit: PullCredit | None = None
+        self._error: Exception | None = None
 
     async def open(self) -> JetStreamReader:
         self.name = f"tf-gw-{uuid.uuid4().hex[:16]}"
@@ -64,19 +125,70 @@ class JetStreamReader:
             config.opt_start_seq = self.start_seq
         info = await self.js.add_consumer(self.stream, config)
         self.num_pending = info.num_pending or 0
-        self._sub = await self.js.pull_subscribe_bind(
-            name=self.name,
-            stream=self.stream,
+        nc = self.js._nc
+        self._next = f"{self.js._prefix}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}"
+        self._inbox = nc.new_inbox()
+        self._sub = await nc.subscribe(
+            self._inbox,
+            cb=self._on_msg,
             pending_msgs_limit=self._pending_msgs,
             pending_bytes_limit=256 << 20,
         )
         return self
 
+    async def _on_msg(self, msg: Msg) -> None:
+        """Every delivery and status of this reader's pull requests, in arrival order."""
+        status = msg.headers.get(_STATUS) if msg.headers and not msg.data else None
+        if status is None:
+            self._buf.append(msg)
+            if self._credit is not None:
+                self._credit.delivered()
+            self._ready.set()
+            return
+        if status == "100":  # idle heartbeat: nothing owed changes
+            return
+        if status in ("408", "409") and self._credit is not None:
+            owed = msg.headers.get(_PENDING) if msg.headers else None
+            self._credit.ended(int(owed) if owed and owed.isdigit() else 0)
+            if status == "409":  # too many requests waiting: the next fetch asks again
+                if "MaxWaiting" not in (msg.headers or {}).get("Description", ""):
+                    self._error = _status_error(msg)  # consumer deleted, limits, ...
+                    self._ready.set()
+                return
+            # expired: asked again at once, so a fetch waiting now does not wait for nothing
+            with contextlib.suppress(Exception):  # a closed connection: the fetch raises
+                await self._ask(self._credit.batch, self._credit.expires_s)
+            return
+        if status != "404":  # 503 no responders (consumer or stream gone), ...
+            self._error = _status_error(msg)
+            self._ready.set()
+
+    async def _ask(self, max_events: int, timeout: float) -> None:
+        """Keep pull requests open so deliveries flow without a round trip per fetch."""
+        if self._credit is None or self._credit.batch != max(1, max_events):
+            self._credit = PullCredit(max_events, max(timeout, 1.0), time.monotonic)
+        batch = self._credit.want(len(self._buf))
+        if batch:
+            expires = int(self._credit.expires_s * 1e9)
+            body = json.dumps({"batch": batch, "expires": expires}).encode()
+            await self.js._nc.publish(self._next, body, self._inbox)
+
     async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
-        try:
-            msgs = await self._sub.fetch(max_events, timeout=timeout)
-        except TimeoutError:  # nats-py raises its TimeoutError, a subclass
-            return []
+        """Up to `max_events` messages in stream order, waiting up to `timeout` for one;
+        raises what the server answered when the consumer cannot be read (the caller
+        reopens)."""
+        if self._error is not None:
+            raise self._error
+        await self._ask(max_events, timeout)
+        if not self._buf:
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            if self._error is not None:
+                raise self._error
+        buf = self._buf
+        msgs = [buf.popleft() for _ in range(min(max_events, len(buf)))]
+        await self._ask(max_events, timeout)
         out: list[StreamMessage] = []
         for m in msgs:
             position = delivery_position(m.reply)
@@ -97,6 +209,15 @@ class JetStreamReader:
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self.js.delete_consumer(self.stream, self.name)
+
+
+def _status_error(msg: Msg) -> Exception:
+    """The error nats-py raises for a status answer (its `from_msg` only raises)."""
+    try:
+        APIError.from_msg(msg)
+    except Exception as err:  # noqa: BLE001 - returned, for the next fetch to raise
+        return err
+    return APIError()  # not reached: from_msg always raises
 
 
 def delivery_position(reply: str | None) -> tuple[int, int] | None:
