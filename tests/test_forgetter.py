@@ -47,7 +47,7 @@ async def no_sleep(_: float) -> None:
 
 async def test_keys_added_while_a_forget_is_in_flight_go_together_in_the_next() -> None:
     group = FakeGroup(hold=True)
-    f = Forgetter(group.forget, max_keys=1000, max_pending=1000)
+    f = Forgetter(group.forget, max_keys=1000, max_pending=1000, linger_s=0)
     await f.add(keys(3), {k: ("S", i + 1) for i, k in enumerate(keys(3))})
     await asyncio.sleep(0)  # the first forget is now in flight, held
     for i in range(5):
@@ -63,6 +63,55 @@ async def test_keys_added_while_a_forget_is_in_flight_go_together_in_the_next() 
     }
     assert [k for c, _ in group.calls for k in c] == keys(53)  # each once, in order
     assert f.pending == 0 and f.forgotten == 53
+
+
+async def calls_reach(group: FakeGroup, n: int, timeout: float = 5.0) -> None:
+    """Bounded wait until the fake group has taken `n` forget calls."""
+    async with asyncio.timeout(timeout):
+        while len(group.calls) < n:
+            await asyncio.sleep(0.001)
+
+
+async def test_a_forget_waits_for_min_keys_then_goes_at_once() -> None:
+    group = FakeGroup()
+    f = Forgetter(group.forget, min_keys=30, linger_s=3600)  # only the size can send it
+    for i in range(2):
+        await f.add(keys(10, 10 * i))
+        for _ in range(5):  # let the sender run: it lingers, below min_keys
+            await asyncio.sleep(0)
+        assert group.calls == []
+    await f.add(keys(10, 20))  # 30 waiting: sent without waiting out the linger
+    await calls_reach(group, 1)
+    assert [len(k) for k, _ in group.calls] == [30]  # one call for the three adds
+    assert f.pending == 0 and f.forgotten == 30
+
+
+async def test_a_forget_below_min_keys_goes_once_its_oldest_key_lingered() -> None:
+    group = FakeGroup()
+    f = Forgetter(group.forget, min_keys=10_000, linger_s=0.02)
+    await f.add(keys(5))
+    await f.add(keys(5, 5))
+    await calls_reach(group, 1)  # sent by the time bound, never reaching min_keys
+    assert group.calls == [(keys(10), {})] and f.pending == 0
+
+
+async def test_flush_cuts_the_linger_short() -> None:
+    group = FakeGroup()
+    f = Forgetter(group.forget, min_keys=10_000, linger_s=3600)
+    await f.add(keys(4))
+    await asyncio.sleep(0)  # the sender is lingering
+    await asyncio.wait_for(f.flush(), 5)  # would take an hour if flush lingered
+    assert group.calls == [(keys(4), {})]
+    await f.add(keys(2, 4))  # lingers again once the flush is over
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(group.calls) == 1 and f.pending == 2
+    f.cancel()
+
+
+def test_linger_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="linger_s"):
+        Forgetter(FakeGroup().forget, linger_s=-1)
 
 
 async def test_only_added_keys_are_forgotten_and_nothing_before_add() -> None:

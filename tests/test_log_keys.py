@@ -85,6 +85,25 @@ def test_tokens_of_two_streams_with_the_same_id_complete_separately(store: LogSt
     assert b is not None and b["state"] == "logged"
 
 
+def test_forget_by_storage_keys_as_a_forget_blob_carries_them(store: LogStore) -> None:
+    """`decode_forget` hands the store its own keys: transient, tokened and failed entries
+    are all dropped by them, and a token still learns its event's sequence."""
+    from actors.queue.logger.records import decode_forget, encode_forget
+
+    store.append([ev("a", "1"), ev("b", "1", token="TB"), ev("a", "2"), ev("a", "3")])
+    store.fail([(ev("a", "2"), "nak")], now_ms=0, retry_delay_ms=lambda n: 10)
+    keys = [("a", "1"), ("b", "1"), ("a", "2"), ("a", "9")]  # ("a", "9") is not held
+    listed, known = decode_forget(encode_forget(keys, {("b", "1"): ("B", 4)}))
+    assert all(isinstance(k, bytes) for k in listed)
+    assert store.forget(listed, known) == 3
+    assert [store.where(k) for k in keys] == [None, None, None, None]
+    assert store.where(("a", "3")) == "transient"
+    status = store.token_status("TB")
+    assert status is not None and status["state"] == "queued" and status["seqs"] == {"1": ["B", 4]}
+    assert store.counts()["transient"] == 1 and store.counts()["failed"] == 0
+    assert store.scan_counts()["by_time"] == 1 and store.scan_counts()["by_retry"] == 0
+
+
 def test_a_bare_id_is_refused_as_a_key(store: LogStore) -> None:
     store.append([ev("a")])
     with pytest.raises(TypeError, match="stream, id"):

@@ -544,12 +544,19 @@ def test_settle_parked_without_keys_settles_every_parked_entry(tmp_path: Path) -
 @pytest.mark.unit
 def test_forget_wire_round_trip() -> None:
     """A forget crosses Ray as one blob: keys in order, and only the known sequences."""
-    from actors.queue.logger.records import decode_forget, encode_forget
+    from actors.queue.logger.records import _enc, _key, _split_key, decode_forget, encode_forget
 
     keys = [("s", "a"), ("s", "b\x00c"), ("t", "a"), ("s", "é ")]
     seqs = {("s", "a"): ("S", 7), ("t", "a"): None, ("s", "é "): ("S", 2**40)}
+    stored = [_key(*k) for k in keys]  # keys travel as the store's own keys
     assert decode_forget(encode_forget(keys, seqs)) == (
-        keys,
+        stored,
         {("s", "a"): ("S", 7), ("s", "é "): ("S", 2**40)},
     )
-    assert decode_forget(encode_forget(keys, None)) == (keys, {})
+    assert decode_forget(encode_forget(keys, None)) == (stored, {})
+    assert [_split_key(k) for k in stored] == keys
+    # a blob of the earlier form, keys as (stream, id) pairs, is still read
+    earlier = _enc.encode(([list(k) for k in keys], [("s", "a", "S", 7)]))
+    assert decode_forget(earlier) == (keys, {("s", "a"): ("S", 7)})
+    with pytest.raises(TypeError, match="stream, id"):
+        encode_forget(["a"], None)  # type: ignore[list-item]

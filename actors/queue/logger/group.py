@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from actors.queue.logger.errors import LogFull, LogUnavailable
-from actors.queue.logger.records import LogKey, _log_key, _split_key, encode_forget
+from actors.queue.logger.records import LogKey, _split_key, encode_forget
 from runtime import clock
 from runtime.events import Event, decode_batch, encode_batch
 from runtime.replication import FencedError, ReplicaGroup
@@ -209,9 +209,9 @@ class LoggerGroup:
     ) -> None:
         """Drop acked (stream, id) keys on every replica (`key_of(event)`)."""
         if keys:
-            for key in keys:
-                _log_key(key)  # refuse a bare id here, not on the replicas
-            blob = encode_forget(keys, seqs)  # one msgpack blob, not a pickled tuple per key
+            # one msgpack blob of storage keys, not a pickled tuple per key; a bare id is
+            # refused here (TypeError), not on the replicas
+            blob = encode_forget(keys, seqs)
             await self._all("forget", self.epoch, blob, deadline_s=deadline_s, forgotten=keys)
 
     async def fail(

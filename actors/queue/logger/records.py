@@ -158,22 +158,28 @@ def _log_key(key: LogKey) -> bytes:
     raise TypeError(f"log keys are (stream, id) pairs, got {key!r}")
 
 
-# A forget as it crosses Ray: one msgpack blob, ([(stream, id)], [(stream, id, js, seq)]),
-# decoded in one call on each replica instead of unpickling a tuple per key.
-_ForgetWire = tuple[list[tuple[str, str]], list[tuple[str, str, str, int]]]
+# A forget as it crosses Ray: one msgpack blob, ([storage key], [(stream, id, js, seq)]),
+# decoded in one call on each replica instead of unpickling a tuple per key. Keys travel as
+# the storage keys the store looks up (`_key`), built once by the sender; blobs of the
+# earlier form, keys as (stream, id) pairs, are still read.
+_ForgetWire = tuple[list[bytes | tuple[str, str]], list[tuple[str, str, str, int]]]
 _forget_dec = msgspec.msgpack.Decoder(_ForgetWire)
 
 
 def encode_forget(
     keys: Sequence[LogKey], seqs: Mapping[LogKey, tuple[str, int] | None] | None
 ) -> bytes:
-    """The wire form of a forget: its keys in order and the sequences that are known."""
+    """The wire form of a forget: its keys in order and the sequences that are known.
+    Raises TypeError for a key that is not a (stream, id) pair (`_log_key`)."""
     known = [(k[0], k[1], s[0], s[1]) for k, s in (seqs or {}).items() if s is not None]
-    return _enc.encode(([(k[0], k[1]) for k in keys], known))
+    return _enc.encode(([_log_key(k) for k in keys], known))
 
 
-def decode_forget(blob: bytes) -> tuple[list[LogKey], dict[LogKey, tuple[str, int]]]:
-    """`encode_forget`'s keys and sequences back."""
+def decode_forget(
+    blob: bytes,
+) -> tuple[list[bytes | LogKey], dict[LogKey, tuple[str, int]]]:
+    """`encode_forget`'s keys (storage keys; (stream, id) pairs from a blob of the earlier
+    form) and sequences back. `LogStore.forget` takes either kind of key."""
     keys, known = _forget_dec.decode(blob)
     return keys, {(stream, id_): (js, seq) for stream, id_, js, seq in known}
 

@@ -50,6 +50,7 @@ from actors.queue.logger.records import (
     _meta,
     _raws_dec,
     _seq,
+    _split_key,
     _token_dec,
 )
 from actors.queue.logger.txn import _Txn
@@ -286,12 +287,13 @@ class LogStore:
 
     def forget(
         self,
-        keys: Sequence[LogKey],
+        keys: Sequence[LogKey | bytes],
         seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
     ) -> int:
         """Acked: drop the (stream, id) keys from transient and failed; returns how many the
-        log held. `seqs` (key -> (JetStream stream, seq)) is kept in the events' token
-        records for `token_status`."""
+        log held. A key may also be given as its storage key (`_key`'s bytes, as
+        `decode_forget` hands them over). `seqs` (key -> (JetStream stream, seq)) is kept in
+        the events' token records for `token_status`."""
         seqs = seqs or {}
         n = fast = nbytes = 0
         idx = self._index()
@@ -300,7 +302,7 @@ class LogStore:
             pack = _BE64.pack
             tx.touched = True
             for key in dict.fromkeys(keys):
-                k = _log_key(key)
+                k = key if key.__class__ is bytes else _log_key(key)  # type: ignore[arg-type]
                 m = idx.get(k)
                 if m is None:
                     continue
@@ -316,7 +318,8 @@ class LogStore:
                     continue
                 n += 1
                 if token:
-                    tx.token_ack(token, key[1], _seq(seqs.get(key)))
+                    pair = _split_key(k) if key.__class__ is bytes else key
+                    tx.token_ack(token, pair[1], _seq(seqs.get(pair)))  # type: ignore[arg-type]
             tx.writes += 2 * fast
             tx.c.transient -= fast
             tx.c.bytes -= nbytes
