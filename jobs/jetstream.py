@@ -38,7 +38,7 @@ invalidOnly          ``true``: only the malformed events become rows (``false``,
 partitionSize        sequences per partition at most (default 20000)
 minPartitions        partitions a range is cut into at least, each of 5000 sequences or more,
                      so Spark's cores read a big micro-batch together (default 2)
-fetchBatch           messages per pull request (default 2000)
+fetchBatch           messages per pull request, and rows per Arrow batch (default 5000)
 timeout              seconds for a NATS request (default 10)
 ==================== ==========================================================================
 
