@@ -134,7 +134,12 @@ def summarize(progress: list[dict[str, Any]], wall: float, events: int) -> dict[
     batches = [p for p in progress if p["numInputRows"]]
     lat = [float(p["durationMs"]["triggerExecution"]) for p in batches]
     rows = sum(p["numInputRows"] for p in batches)
+    phases = sorted({k for p in batches for k in p["durationMs"]} - {"triggerExecution"})
     return {
+        # median ms per batch of each part of triggerExecution (addBatch: the query's work)
+        "phases_p50_ms": {
+            k: quantile([float(p["durationMs"].get(k, 0)) for p in batches], 0.5) for k in phases
+        },
         "events": rows,
         "batches": len(batches),
         "wall_s": wall,
@@ -311,6 +316,9 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             f"{r['batches']:>9}{r['p50_ms']:>9.0f}{r['p99_ms']:>9.0f}"
             f"{r['events_per_s'] / files_r['events_per_s']:>10.2f}"
         )
+    for label, r in (("top-N, jetstream", from_js), ("top-N, files", from_files)):
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_p50_ms"].items() if v >= 1)
+        print(f"{label}: p50 ms per batch of {parts}")
     print(
         f"batch read of the stream, count(data): {js_batch['events_per_s']:,.0f} events/s "
         f"over {js_batch['partitions']} partitions"
