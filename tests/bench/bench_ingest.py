@@ -213,16 +213,53 @@ async def load_then_drain(tier: CollectionTier, url: str, tag: str) -> tuple[Loa
 
 
 def run_mode(
-    server: NatsServer, state: Path, mode: str, k: int, *, logic: bool = False
+    server: NatsServer, state: Path, mode: str, k: int, *, logic: bool = False, cpu: bool = False
 ) -> dict[str, Any]:
+    """One measured row. `cpu`: also each process's CPU over the run (core-s per 10k events,
+    from /proc, so nothing samples the processes) and the Ray calls the tier made, under
+    "cpu_per_10k" and "calls"."""
     tier = start_tier(server, state, mode, k, logic=logic)
     try:
         tag = f"{mode}{k}{'l' if logic else ''}"
+        pids = tier_pids(tier) | {"nats-server": server.pid or 0} if cpu else {}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         report, to_queue_s = asyncio.run(load_then_drain(tier, tier.url, tag))
         path = f"collector {mode.upper()} k={k}{' + logic' if logic else ''}"
-        return row(report, to_queue_s, path=path, mode=mode, k=k, logic=logic)
+        out = row(report, to_queue_s, path=path, mode=mode, k=k, logic=logic)
+        if cpu:
+            out["cpu_per_10k"] = {
+                name: round((cpu_seconds(pid) - before[name]) * 10_000 / EVENTS, 3)
+                for name, pid in pids.items()
+            }
+            out["calls"] = tier_calls(tier)
+        return out
     finally:
         tier.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tier_calls(tier: CollectionTier) -> dict[str, int]:
+    """Ray calls of the data path so far: log appends (group commits), bridge hand-offs
+    and forgets, summed over the tier's collectors and bridges."""
+    import ray
+
+    calls = {"log_appends": 0, "handoffs": 0, "forgets": 0}
+    for name in tier.collectors:
+        st = ray.get(tier.actor(name).stats.remote(), timeout=30)
+        calls["log_appends"] += st.get("log_flushes", 0)
+        calls["handoffs"] += st.get("handoffs", 0)
+    for name in tier.bridges:
+        calls["forgets"] += ray.get(tier.actor(name).stats.remote(), timeout=30)["forget_calls"]
+    return calls
 
 
 def tier_pids(tier: CollectionTier) -> dict[str, int]:
@@ -424,11 +461,12 @@ def test_ingest_per_logging_mode(bench_ray: Any, tmp_path: Path) -> None:
 def test_ingest_hml_k1_against_the_atomic_ceiling(bench_ray: Any, tmp_path: Path) -> None:
     """Queued/s of HML k=1 against nats-py's atomic batches of 1000 measured just before and
     just after it, on one server: the goal figure of issue 13 without the other rows, so old
-    and new code can be alternated on a noisy machine. Prints one `AB {json}` line and
-    writes no report (`make bench` skips it)."""
+    and new code can be alternated on a noisy machine. Prints one `AB {json}` line, with each
+    process's CPU per 10k events and the tier's Ray calls, and writes no report (`make
+    bench` skips it)."""
     with NatsServer(store_dir=tmp_path / "nats").start() as server:
         first = asyncio.run(atomic_ceiling(server.url, EVENTS, max(ATOMIC_SIZES), "a"))
-        hml = run_mode(server, tmp_path, "hml", 1)
+        hml = run_mode(server, tmp_path, "hml", 1, cpu=True)
         last = asyncio.run(atomic_ceiling(server.url, EVENTS, max(ATOMIC_SIZES), "b"))
     ceiling = (first["rate"] + last["rate"]) / 2
     figures = {
@@ -440,5 +478,8 @@ def test_ingest_hml_k1_against_the_atomic_ceiling(bench_ray: Any, tmp_path: Path
         "atomic_ceiling": round(ceiling),
         "atomic_runs": [round(first["rate"]), round(last["rate"])],
         "queued_vs_atomic": round(hml["queued_rate"] / ceiling, 3),
+        "cpu_per_10k": hml["cpu_per_10k"],
+        "calls": hml["calls"],
+        "load": [round(x, 2) for x in os.getloadavg()],
     }
     print("AB", json.dumps(figures))
