@@ -84,7 +84,7 @@ from jobs.errors import JobError
 from jobs.recompute import recompute as recompute_view
 from jobs.recompute import serve_view
 from jobs.retention import Purge, enforce
-from jobs.running import start_deadletters, start_job
+from jobs.running import DEADLETTER_TRIGGER_S, staggered, start_deadletters, start_job
 from jobs.sink import BatchReport, close_sinks
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
@@ -158,6 +158,16 @@ def default_master(cfg: Config) -> str:
     events/s 1.8-2.0 against 2.2-3.2 s, demo 3.1-3.3 against 3.3-3.8 s (docs/benchmarks.md).
     """
     return DEFAULT_MASTER if cfg.spark.master == "local[*]" else cfg.spark.master
+
+
+def query_triggers(jobs: Mapping[str, JobSpec], streams: Mapping[str, float]) -> dict[str, float]:
+    """The interval (s) each query runs at: the jobs' own and every stream's dead-letter
+    query's (the shortest of its jobs', at least `DEADLETTER_TRIGGER_S`), `staggered` so
+    that queries sharing an interval do not all start their batches at the same instant."""
+    asked = {name: spec.trigger_s for name, spec in jobs.items()}
+    for stream, trigger_s in streams.items():
+        asked[deadletter_query_name(stream)] = max(trigger_s, DEADLETTER_TRIGGER_S)
+    return staggered(asked)
 
 
 def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: str) -> str:
@@ -337,19 +347,21 @@ class AnalysisDriver(SupervisedActor):
         for spec in wanted.values():
             t = spec.trigger_s
             streams[spec.stream] = min(streams.get(spec.stream, t), t)
+        every = query_triggers(wanted, streams)
+        for spec in wanted.values():
             if spec.name in paused:
                 continue
             self._ensure(
                 spec.name,
                 spec.stream,
                 spec.kind,
-                lambda s=spec: self._start_job(s),
+                lambda s=spec, t=every[spec.name]: self._start_job(s, t),
                 checkpoint_dir(self.checkpoint_root, spec.name, self._view(spec.name)),
             )
-        for stream, trigger_s in streams.items():
+        for stream in streams:
             name = deadletter_query_name(stream)
             self._ensure(
-                name, stream, "deadletter", lambda s=stream, t=trigger_s: self._start_dl(s, t)
+                name, stream, "deadletter", lambda s=stream, t=every[name]: self._start_dl(s, t)
             )
         keep = (set(wanted) - paused) | {deadletter_query_name(s) for s in streams}
         for stream, s in self.cfg.streams.items():
@@ -404,7 +416,7 @@ class AnalysisDriver(SupervisedActor):
             self._views[name] = load_view(self.checkpoint_root, name)
         return self._views[name]
 
-    def _start_job(self, spec: JobSpec) -> StreamingQuery:
+    def _start_job(self, spec: JobSpec, trigger_s: float) -> StreamingQuery:
         q = self._w.queries[spec.name]
 
         def on_batch(batch_id: int, report: BatchReport) -> None:
@@ -422,9 +434,15 @@ class AnalysisDriver(SupervisedActor):
         if view is not None and not view.served:  # the driver died between saving and serving
             self._serve(view)
         if view is not None and spec.kind not in MERGEABLE:
-            return self._start_fresh(spec, view, on_batch)
+            return self._start_fresh(spec, view, on_batch, trigger_s)
         return start_job(
-            self.spark, spec, self.nats, self.checkpoint_root, on_batch=on_batch, view=view
+            self.spark,
+            spec,
+            self.nats,
+            self.checkpoint_root,
+            on_batch=on_batch,
+            view=view,
+            trigger_s=trigger_s,
         )
 
     def _on_copy(self, spec: JobSpec, view: BatchView | None) -> BatchView | None:
@@ -506,11 +524,13 @@ class AnalysisDriver(SupervisedActor):
         recorded = read_copy(self.checkpoint_root / archive_query_name(stream))
         return recorded is None or recorded == here
 
-    def _start_fresh(self, spec: JobSpec, view: BatchView, on_batch: Any) -> StreamingQuery:
+    def _start_fresh(
+        self, spec: JobSpec, view: BatchView, on_batch: Any, trigger_s: float
+    ) -> StreamingQuery:
         """A generation of a job that does not merge: its query under the generation's
         checkpoint and result ids, from the stream's first sequence, nothing merged."""
         from jobs.plans import build_plan
-        from jobs.running import JobWriter, in_pool, read_stream
+        from jobs.running import JobWriter, in_pool, processing_time, read_stream
         from jobs.sink import ResultSink
 
         assert self.spark is not None
@@ -521,18 +541,13 @@ class AnalysisDriver(SupervisedActor):
         ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
         sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
         writer = JobWriter(sink, plan.batch_rows(ckpt), on_batch, ckpt)
-        trigger = (
-            {"processingTime": f"{max(1, round(spec.trigger_s * 1000))} milliseconds"}
-            if spec.trigger_s > 0
-            else {}
-        )
         with in_pool(self.spark, spec.name):
             return (
                 plan.df.writeStream.queryName(spec.name)
                 .outputMode(plan.output_mode)
                 .foreachBatch(writer)
                 .option("checkpointLocation", str(ckpt))
-                .trigger(**trigger)
+                .trigger(**processing_time(trigger_s))
                 .start()
             )
 

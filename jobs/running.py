@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 
 DEADLETTER_TRIGGER_S = 5.0
+STAGGER_SPREAD = 0.25  # `staggered`: queries sharing an interval run up to 25% less often
 
 
 def checkpoint_run_id(checkpoint: str | Path) -> str:
@@ -107,10 +108,36 @@ def in_pool(spark: SparkSession, name: str) -> Iterator[None]:
 def _trigger(spec_trigger_s: float, trigger: Mapping[str, Any] | None) -> dict[str, Any]:
     if trigger is not None:
         return dict(trigger)
-    if spec_trigger_s <= 0:
+    return processing_time(spec_trigger_s)
+
+
+def processing_time(trigger_s: float) -> dict[str, Any]:
+    """The ``trigger`` arguments of a micro-batch every `trigger_s` (<= 0: back to back)."""
+    if trigger_s <= 0:
         return {}
-    ms = max(1, round(spec_trigger_s * 1000))
-    return {"processingTime": f"{ms} milliseconds"}
+    return {"processingTime": f"{max(1, round(trigger_s * 1000))} milliseconds"}
+
+
+def staggered(triggers: Mapping[str, float], spread: float = STAGGER_SPREAD) -> dict[str, float]:
+    """Each query's trigger interval (s), spread apart where several queries share one.
+
+    Spark starts a processing-time micro-batch at the multiples of its interval since the
+    epoch, so queries with one interval always start together: in the demo the four 5-s
+    panels and the dead-letter query ran five batches at once on two cores every 5 s, and
+    the top-N's slowest batches were the ones in those bursts. Here the k-th of n queries
+    (by name) sharing an interval t runs every t * (1 + spread * k / n), never more often
+    than asked and at most `spread` less often: their starts drift apart and meet only at
+    the common multiples of their intervals. An interval <= 0 (back to back) stays.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, t in triggers.items():
+        if t > 0:
+            groups.setdefault(round(t * 1000), []).append(name)
+    out = dict(triggers)
+    for ms, names in groups.items():
+        for k, name in enumerate(sorted(names)):
+            out[name] = round(ms * (1 + spread * k / len(names))) / 1000
+    return out
 
 
 def start_job(
@@ -123,11 +150,13 @@ def start_job(
     source: DataFrame | None = None,
     on_batch: Callable[[int, BatchReport], None] | None = None,
     view: BatchView | None = None,
+    trigger_s: float | None = None,
 ) -> StreamingQuery:
     """Start the job's query (named after the job) with its checkpoint at root/<name>.
 
     A restart with the same checkpoint resumes exactly where the last committed batch
-    ended. `trigger` overrides the spec's (e.g. ``{"availableNow": True}`` in tests);
+    ended. `trigger` overrides the spec's (e.g. ``{"availableNow": True}`` in tests), and so
+    does `trigger_s` (the driver's `staggered` interval);
     `source` replaces the jetstream source (any streaming DataFrame with ``data``). With a
     batch `view`, the query is the view's generation (jobs/batch_view.py): its checkpoint
     at root/<name>@<generation>, reading from the view's high-water sequence + 1, its
@@ -149,7 +178,7 @@ def start_job(
             .outputMode(plan.output_mode)
             .foreachBatch(writer)
             .option("checkpointLocation", str(checkpoint))
-            .trigger(**_trigger(spec.trigger_s, trigger))
+            .trigger(**_trigger(spec.trigger_s if trigger_s is None else trigger_s, trigger))
             .start()
         )
 

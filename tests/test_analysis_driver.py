@@ -37,6 +37,7 @@ from jobs.driver import (
     committed,
     default_master,
     progress_summary,
+    query_triggers,
 )
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
@@ -202,6 +203,18 @@ def test_policy_helpers() -> None:
         }
     )
     assert (row["batch_id"], row["latency_ms"], row["input_rows_per_s"]) == (3, 500, 5.0)
+
+
+@pytest.mark.unit
+def test_the_demo_panels_and_dead_letters_do_not_start_their_batches_together() -> None:
+    jobs = {s.name: s for s in meetup_jobs()}
+    every = query_triggers(jobs, {"meetup": 0.5})
+    assert set(every) == {*jobs, DL}
+    assert every["meetup_topn"] == jobs["meetup_topn"].trigger_s  # alone at its interval
+    slow = [every[n] for n in (*QUERIES[1:], DL)]
+    assert len(set(slow)) == len(slow)  # five intervals: Spark aligns each to its multiples
+    assert min(slow) == every[DL] == 5.0  # the dead letters' at least DEADLETTER_TRIGGER_S
+    assert all(5.0 <= t <= 6.25 for t in slow)
 
 
 @pytest.mark.unit

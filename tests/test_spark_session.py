@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cluster.demo.meetup import PANEL_TRIGGER_S, TOPN_TRIGGER_S, meetup_jobs
-from jobs.running import in_pool
+from jobs.running import STAGGER_SPREAD, in_pool, processing_time, staggered
 from jobs.spark_session import LATENCY_DEFAULTS, POOL_PROPERTY, analysis_conf, query_pool
 from runtime.waiting import wait_until
 
@@ -35,6 +35,19 @@ def test_demo_top_n_runs_often_and_the_other_panels_less() -> None:
     assert TOPN_TRIGGER_S < PANEL_TRIGGER_S
     assert {s.trigger_s for s in meetup_jobs(trigger_s=0.25)} == {0.25}
     assert [s.trigger_s for s in meetup_jobs(topn_trigger_s=2, panel_trigger_s=3)][:2] == [2, 3]
+
+
+@pytest.mark.unit
+def test_queries_sharing_an_interval_are_spread_apart_never_run_more_often() -> None:
+    asked = {"d": 5.0, "a": 5.0, "c": 5.0, "b": 5.0, "top": 0.5, "fast": 0.0, "x": 2.0}
+    every = staggered(asked)
+    assert [every[n] for n in "abcd"] == [5.0, 5.312, 5.625, 5.938]  # by name, k/4 of 25%, in ms
+    assert (every["top"], every["fast"], every["x"]) == (0.5, 0.0, 2.0)  # alone: as asked
+    assert all(asked[n] <= every[n] <= asked[n] * (1 + STAGGER_SPREAD) for n in asked)
+    assert len({every[n] for n in "abcd"}) == 4
+    assert staggered({"one": 1.0, "two": 1.0}, spread=0.5) == {"one": 1.0, "two": 1.25}
+    assert processing_time(every["b"]) == {"processingTime": "5312 milliseconds"}
+    assert processing_time(0) == {}
 
 
 def test_a_query_started_in_a_pool_runs_its_batches_there(spark: Any, tmp_path: Path) -> None:
