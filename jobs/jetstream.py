@@ -39,6 +39,9 @@ partitionSize        sequences per partition at most (default 20000)
 minPartitions        partitions a range is cut into at least, each of 5000 sequences or more,
                      so Spark's cores read a big micro-batch together (default 2)
 fetchBatch           messages per pull request, and rows per Arrow batch (default 5000)
+fetchMaxBytes        bytes per pull request at most (default 16777216, 16 MiB), so big events
+                     cannot pile up in a worker; raised to the server's max_payload (plus 16
+                     KiB for subject and reply) so one event of any allowed size still fits
 timeout              seconds for a NATS request (default 10)
 ==================== ==========================================================================
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -41,6 +42,7 @@ from jobs.jetstream_options import (
     SourceError,
     SourceOptions,
     only_compaction,
+    pull_max_bytes,
     websocket_ready,
 )
 from runtime.loop_thread import LoopThread
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATUS_HEADER = "Status"
+# nats-server's status ending a pull whose next message would pass the request's max_bytes
+# (consumer.go, nextWaiting): what came before it is the pull's whole answer
+MAX_BYTES_STATUS = b"409 Message Size Exceeds MaxBytes"
+_PENDING_BYTES = re.compile(rb"\r\nNats-Pending-Bytes:\s*(\d+)")
 CONSUMER_INACTIVE_S = 60.0
 # a shared connection rides out a short outage mid-read (0.25 s apart), then closes; an
 # idle one whose server is gone stops trying instead of retrying for the worker's life
@@ -291,9 +297,12 @@ class _RangeFetcher:
     """Reads stream sequences [start, end) through an ephemeral pull consumer.
 
     One pull request is in flight at a time and the next is sent as soon as the previous one
-    is complete, so it travels while the caller converts and hands over the last chunk. A pull
-    that gets no answer (a reconnect, a lost consumer) starts a new consumer right after the
-    last sequence received, a bounded number of times, so nothing is skipped or repeated.
+    is complete, so it travels while the caller converts and hands over the last chunk. Each
+    pull is capped by bytes too (`pull_max_bytes`); the server ends one early with
+    `MAX_BYTES_STATUS`, which ends that pull like a full batch (the next one goes on from the
+    last sequence received). A pull that gets no answer (a reconnect, a lost consumer) starts
+    a new consumer right after the last sequence received, a bounded number of times, so
+    nothing is skipped or repeated.
 
     Deliveries to the consumer's inbox are taken straight off the wire (`take_deliveries`):
     nats-py's per-message `Msg`, header dict and subscription queue cost more than the rest
@@ -317,6 +326,11 @@ class _RangeFetcher:
         self._consumer: str | None = None
         self._chunk = Chunk()
         self._want = 0
+        self._bytes_left: int | None = None  # of the current pull's max_bytes, as the server counts
+        self._uncapped_next = False
+        self._count_bytes = True
+        self.consumers_started = 0
+        self.pulls_cut_by_bytes = 0
         self._next_seq = part.start
         self._finished = False
         self._error: str | None = None
@@ -362,6 +376,7 @@ class _RangeFetcher:
             config.filter_subjects = list(opts.subjects)
         info = await self._nc.jetstream(timeout=opts.timeout).add_consumer(opts.stream, config)
         self._consumer = info.name
+        self.consumers_started += 1
         if not info.num_pending:
             self._finished = True
             self._done.set()
@@ -390,11 +405,21 @@ class _RangeFetcher:
 
     async def _pull(self) -> None:
         assert self._nc is not None and self._sub is not None
-        self._want = max(1, min(self._opts.fetch_batch, self._part.end - self._next_seq))
+        if self._uncapped_next:
+            self._uncapped_next = False
+            self._want, self._bytes_left = 1, None
+            request = b'{"batch":1,"no_wait":true}'
+        else:
+            self._want = max(1, min(self._opts.fetch_batch, self._part.end - self._next_seq))
+            self._bytes_left = pull_max_bytes(self._opts.fetch_max_bytes, self._nc.max_payload)
+            request = b'{"batch":%d,"max_bytes":%d,"no_wait":true}' % (
+                self._want,
+                self._bytes_left,
+            )
         self._done.clear()
         await self._nc.publish(
             f"$JS.API.CONSUMER.MSG.NEXT.{self._opts.stream}.{self._consumer}",
-            b'{"batch":%d,"no_wait":true}' % self._want,
+            request,
             reply=self._sub.subject,
         )
 
@@ -418,6 +443,12 @@ class _RangeFetcher:
                 if not self._chunk:
                     self._finished = True
                 self._done.set()
+            elif headers[9:].startswith(MAX_BYTES_STATUS):  # the pull is full by bytes
+                # nothing delivered: the next event alone is bigger than the pull's cap
+                self._uncapped_next = not self._chunk
+                self.pulls_cut_by_bytes += 1
+                self._check_byte_count(headers)
+                self._done.set()
             elif status != b"100":  # 100 = heartbeat or flow control
                 line = headers[9:].split(b"\r\n", 1)[0]
                 self._error = line.decode("utf-8", "replace").strip()
@@ -425,8 +456,32 @@ class _RangeFetcher:
             return
         self._chunk.append(subject, reply, headers, data)
         self._want -= 1
+        if self._bytes_left is not None:
+            # the server's count (consumer.go): subject, ack reply, headers and payload; at
+            # exactly zero it ends the request after this message without a status
+            self._bytes_left -= len(subject) + len(reply) + len(data)
+            if headers is not None:
+                self._bytes_left -= len(headers)
+            if self._bytes_left == 0 and self._count_bytes:
+                self._done.set()
         if self._want <= 0:
             self._done.set()
+
+    def _check_byte_count(self, status: bytes) -> None:
+        """Compare the server's bytes left of the pull (its ``Nats-Pending-Bytes``) with
+        this reader's count: a pull that ends at exactly zero sends no status, and a count
+        that disagreed with the server's could end a pull the server still fills."""
+        found = _PENDING_BYTES.search(status)
+        if found is None or self._bytes_left is None:
+            return
+        if int(found.group(1)) != self._bytes_left:
+            log.warning(
+                "jetstream source: the server counts %s bytes left of a pull, this reader %d; "
+                "pulls end on the server's status alone from now on",
+                found.group(1).decode(),
+                self._bytes_left,
+            )
+            self._count_bytes = False
 
     def _advance(self) -> None:
         """Move the next wanted sequence past what the chunk holds; finish at the range's
@@ -441,6 +496,29 @@ class _RangeFetcher:
     async def next_chunk(self) -> Chunk | None:
         """The next deliveries of the range (in sequence order; the last chunk may run past
         the range's end, `chunk_to_batch` cuts it); None when the range is done."""
+        await self._answer()
+        tries = 0
+        while not self._chunk and not self._finished:
+            # the pull's byte cap ended it before its first event, too big for it alone:
+            # ask for that event alone, uncapped (answered with it, or with no messages)
+            if tries == 3:
+                raise SourceError(
+                    f"jetstream source: reading stream {self._opts.stream!r} from sequence "
+                    f"{self._next_seq}: pulls end before their first event"
+                )
+            tries += 1
+            await self._pull()
+            await self._answer()
+        chunk, self._chunk = self._chunk, Chunk()
+        if not self._finished:
+            await self._pull()
+        elif not chunk:
+            return None
+        return chunk
+
+    async def _answer(self) -> None:
+        """Wait for the current pull's answer (replacing a consumer that gives none), and
+        move the next wanted sequence past it."""
         while True:
             try:
                 await asyncio.wait_for(self._done.wait(), self._opts.timeout)
@@ -466,12 +544,6 @@ class _RangeFetcher:
             )
             await self._start_consumer()
         self._advance()
-        chunk, self._chunk = self._chunk, Chunk()
-        if not self._finished:
-            await self._pull()
-        elif not chunk:
-            return None
-        return chunk
 
     async def close(self) -> None:
         """Drop the consumer; the connection stays open for the process's next read

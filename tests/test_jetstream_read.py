@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from nats.protocol.parser import Parser
 
-from jobs.jetstream_options import MIN_SPLIT, SourceError, SourceOptions, split_range
+from jobs.jetstream_options import MIN_SPLIT, SeqRange, SourceError, SourceOptions, split_range
 from jobs.jetstream_read import (
     Chunk,
     _arrow_schema,
@@ -368,3 +368,127 @@ def test_the_source_imports_nats_without_aiohttp_and_brings_it_back_for_websocke
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split("\n")[:3] == ["False True", "False", "True True"]
+
+
+# ---- pulls capped by bytes: events at the server's max payload -----------------------------
+
+BIG_PAYLOAD = 64 * 1024
+BIG_N = 30
+BIG_BAD = {4, 17, 29}  # not UTF-8
+
+
+@pytest.fixture(scope="module")
+def big(nats_factory: NatsFactory) -> tuple[str, list[tuple[int, str, bytes]]]:
+    """A server with max_payload 64 KiB and stream `big`: BIG_N events each exactly as large
+    as the server takes (headers included), those at BIG_BAD malformed. Returns the URL and
+    (seq, msg id, payload) in order."""
+    url = nats_factory(sync_interval="2m", max_payload=BIG_PAYLOAD).url
+    msgs = []
+    for i in range(BIG_N):
+        mid = f"big-{i:03d}"
+        room = BIG_PAYLOAD - len(f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n\r\n")
+        if i in BIG_BAD:
+            payload = b"\xff" * room
+        else:
+            head = b'{"i":%d,"pad":"' % i
+            payload = head + b"x" * (room - len(head) - 2) + b'"}'
+        assert len(payload) == room
+        msgs.append((i + 1, mid, payload))
+
+    async def fill(nc: Client) -> None:
+        assert nc.max_payload == BIG_PAYLOAD
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="big", subjects=["raw.big"]))
+        for _, mid, payload in msgs:  # one at a time: 2 MB in flight is not the point here
+            await js.publish("raw.big", payload, headers={"Nats-Msg-Id": mid})
+
+    with_nats(fill, url)
+    return url, msgs
+
+
+def read_counting(opts: SourceOptions, start: int, end: int) -> tuple[list[dict[str, Any]], Any]:
+    """(rows, the fetcher, for its counts) of one partition read through a `_RangeFetcher`,
+    as `read_range` drives it."""
+    from jobs.jetstream_read import _process, _RangeFetcher, _run
+
+    proc = _process()
+    fetcher = _RangeFetcher(opts, SeqRange(start, end), shared=proc.client(opts.nats))
+    rows: list[dict[str, Any]] = []
+    try:
+        _run(proc.loop, fetcher.open(), 30)
+        while (chunk := _run(proc.loop, fetcher.next_chunk(), 30)) is not None:
+            rows.extend(chunk_to_batch(chunk, opts.validate, _arrow_schema(), end).to_pylist())
+    finally:
+        _run(proc.loop, fetcher.close(), 30)
+    return rows, fetcher
+
+
+def test_pulls_capped_by_bytes_end_early_and_go_on_without_a_new_consumer(
+    big: tuple[str, list[tuple[int, str, bytes]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, msgs = big
+    # 200,000 bytes hold three of these events: the fourth ends each pull with a 409
+    opts = SourceOptions.parse({"url": url, "stream": "big", "fetchMaxBytes": "200000"})
+    batches = list(read_range(opts, SeqRange(1, BIG_N + 1)))
+    rows = [r for b in batches for r in b.to_pylist()]
+    assert [(r["seq"], r["msg_id"]) for r in rows] == [(m[0], m[1]) for m in msgs]
+    assert [r["data"].encode() if r["valid"] else r["raw"] for r in rows] == [m[2] for m in msgs]
+    assert [b.num_rows for b in batches] == [3] * (BIG_N // 3)
+    assert "starting a new consumer" not in caplog.text
+
+    rows, fetcher = read_counting(opts, 2, BIG_N)
+    assert [r["seq"] for r in rows] == list(range(2, BIG_N))
+    assert fetcher.consumers_started == 1 and fetcher.pulls_cut_by_bytes == 9
+    # the reader's count of a pull's bytes is the server's (its 409 says what was left)
+    assert "bytes left of a pull" not in caplog.text
+
+    # an option below one event's size is raised to the server's max_payload: still moving
+    small = SourceOptions.parse({"url": url, "stream": "big", "fetchMaxBytes": "1000"})
+    rows, fetcher = read_counting(small, 1, BIG_N + 1)
+    assert [r["seq"] for r in rows] == [m[0] for m in msgs]
+    assert fetcher.consumers_started == 1 and fetcher.pulls_cut_by_bytes == BIG_N - 1
+    assert "bytes left of a pull" not in caplog.text
+
+
+def test_an_event_bigger_than_the_pull_cap_is_fetched_alone(
+    big: tuple[str, list[tuple[int, str, bytes]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An event stored before max_payload was lowered (here: a cap not raised to it) ends
+    every capped pull before it; the reader asks for it alone instead of stalling."""
+    url, msgs = big
+    monkeypatch.setattr("jobs.jetstream_read.pull_max_bytes", lambda option, max_payload: option)
+    opts = SourceOptions.parse({"url": url, "stream": "big", "fetchMaxBytes": "1000"})
+    rows, fetcher = read_counting(opts, 1, 8)
+    assert [(r["seq"], r["raw"] or r["data"].encode()) for r in rows] == [
+        (m[0], m[2]) for m in msgs[:7]
+    ]
+    assert fetcher.consumers_started == 1 and fetcher.pulls_cut_by_bytes == 7
+
+
+def test_invalid_only_through_byte_capped_pulls_yields_the_big_malformed_events_alone(
+    big: tuple[str, list[tuple[int, str, bytes]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, msgs = big
+    opts = SourceOptions.parse(
+        {"url": url, "stream": "big", "invalidOnly": "true", "fetchMaxBytes": "200000"}
+    )
+    rows = [r for b in read_range(opts, SeqRange(1, BIG_N + 1)) for r in b.to_pylist()]
+    bad = [m for m in msgs if m[0] - 1 in BIG_BAD]
+    assert [(r["seq"], r["msg_id"], r["raw"]) for r in rows] == bad
+    assert all(not r["valid"] and "not UTF-8" in r["error"] for r in rows)
+    assert "starting a new consumer" not in caplog.text
+
+
+@pytest.mark.unit
+def test_the_pull_byte_cap_always_holds_one_event_the_server_accepts() -> None:
+    from jobs.jetstream_options import DEFAULT_FETCH_MAX_BYTES, PULL_BYTES_SLACK, pull_max_bytes
+
+    base = {"url": "nats://127.0.0.1:4222", "stream": "s"}
+    assert SourceOptions.parse(base).fetch_max_bytes == DEFAULT_FETCH_MAX_BYTES
+    assert SourceOptions.parse({**base, "fetchMaxBytes": "5000"}).fetch_max_bytes == 5000
+    for bad in ("0", "-1", "lots", "1.5"):
+        with pytest.raises(SourceError, match="fetchMaxBytes"):
+            SourceOptions.parse({**base, "fetchMaxBytes": bad})
+    assert pull_max_bytes(DEFAULT_FETCH_MAX_BYTES, 1 << 20) == DEFAULT_FETCH_MAX_BYTES
+    assert pull_max_bytes(1000, 1 << 20) == (1 << 20) + PULL_BYTES_SLACK
+    assert pull_max_bytes(1000, 64 << 20) == (64 << 20) + PULL_BYTES_SLACK  # a raised limit
