@@ -107,9 +107,10 @@ def gw(ray_module: Any, nats_server: NatsServer, cfg: Config, js: Any) -> Iterat
         swallow=True,
     )
     yield f"http://127.0.0.1:{port}"
-    with contextlib.suppress(Exception):
-        ray.get(handle.shutdown.remote(), timeout=30)
-    ray.kill(handle, no_restart=True)
+    try:  # False: its loop did not stop within 30 s (a webhook sender ran on after its stop)
+        assert ray.get(handle.shutdown.remote(), timeout=60), "the gateway did not stop"
+    finally:
+        ray.kill(handle, no_restart=True)
 
 
 @contextlib.asynccontextmanager

@@ -172,6 +172,7 @@ class JetStreamReader:
             expires = int(self._credit.expires_s * 1e9)
             body = json.dumps({"batch": batch, "expires": expires}).encode()
             await self.js._nc.publish(self._next, body, self._inbox)
+            _raise_swallowed_cancel()
 
     async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
         """Up to `max_events` messages in stream order, waiting up to `timeout` for one;
@@ -183,7 +184,8 @@ class JetStreamReader:
         if not self._buf:
             self._ready.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout)
+                async with asyncio.timeout(timeout):  # never swallows the task's own cancel
+                    await self._ready.wait()
             if self._error is not None:
                 raise self._error
         buf = self._buf
@@ -209,6 +211,19 @@ class JetStreamReader:
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self.js.delete_consumer(self.stream, self.name)
+
+
+def _raise_swallowed_cancel() -> None:
+    """Raise the current task's cancellation if nats-py swallowed it.
+
+    nats-py's publish flushes through `_flush_pending`, which catches `CancelledError`
+    and carries on, so a cancel landing there is lost and a loop around `fetch` runs on.
+    A webhook sender then kept fetching and posting after it was stopped, until its
+    lease went stale: a gateway's shutdown took 30 s, and a deleted webhook's sender
+    outlived its deletion."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _status_error(msg: Msg) -> Exception:
