@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from actors.queue.logger import FAULT_SUFFIX, LogStore
+from actors.queue.logger.records import _key
 from cluster.chaos import report, scenarios
 from cluster.chaos.injectors import FaultRecord
 from cluster.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
@@ -270,7 +271,7 @@ def test_logstore_refuses_writes_while_the_disk_fault_file_exists(
             store.append([_ev(2)])
         assert isinstance(err.value.__cause__, plyvel.IOError)
         with pytest.raises(CheckpointError):
-            store.forget([("s", "e1")])
+            store.forget([_key("s", "e1")])
         with pytest.raises(CheckpointError):
             store.put_meta({b"x": b"1"})
         assert store.counts()["transient"] == 1  # nothing of the failed writes landed

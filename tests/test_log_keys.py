@@ -21,6 +21,7 @@ from actors.queue.logger.records import (
     _be,
     _Counts,
     _enc,
+    _key,
 )
 from runtime.checkpoint import CheckpointStore
 from runtime.events import Event, encode_event
@@ -53,7 +54,7 @@ def test_same_id_in_two_streams_is_logged_twice(store: LogStore) -> None:
 
 def test_forget_of_one_stream_keeps_the_other_streams_entry(store: LogStore) -> None:
     store.append([ev("a"), ev("b")])
-    assert store.forget([("a", "1")], {("a", "1"): ("A", 7)}) == 1
+    assert store.forget([_key("a", "1")], {_key("a", "1"): ("A", 7)}) == 1
     assert store.where(("a", "1")) is None
     assert store.where(("b", "1")) == "transient"
     assert [(e.stream, e.id) for e in store.pending(0, 10_000, 10)] == [("b", "1")]
@@ -68,7 +69,7 @@ def test_fail_of_one_stream_leaves_the_other_transient(store: LogStore) -> None:
     assert fe is not None and fe.event.stream == "a" and fe.attempts == 1
     assert store.failed_entry(("b", "1")) is None
     assert [(e.stream, e.id) for e in store.due_failed(now_ms=100, limit=10)] == [("a", "1")]
-    assert store.forget([("a", "1")]) == 1
+    assert store.forget([_key("a", "1")]) == 1
     assert store.counts() == {
         "transient": 1,
         "failed": 0,
@@ -79,7 +80,7 @@ def test_fail_of_one_stream_leaves_the_other_transient(store: LogStore) -> None:
 
 def test_tokens_of_two_streams_with_the_same_id_complete_separately(store: LogStore) -> None:
     store.append([ev("a", token="TA"), ev("b", token="TB")])
-    store.forget([("a", "1")], {("a", "1"): ("A", 3)})
+    store.forget([_key("a", "1")], {_key("a", "1"): ("A", 3)})
     a, b = store.token_status("TA"), store.token_status("TB")
     assert a is not None and a["state"] == "queued" and a["seqs"] == {"1": ["A", 3]}
     assert b is not None and b["state"] == "logged"
@@ -104,11 +105,29 @@ def test_forget_by_storage_keys_as_a_forget_blob_carries_them(store: LogStore) -
     assert store.scan_counts()["by_time"] == 1 and store.scan_counts()["by_retry"] == 0
 
 
-def test_a_bare_id_is_refused_as_a_key(store: LogStore) -> None:
+def test_a_forget_blob_of_the_earlier_form_forgets_by_storage_keys(store: LogStore) -> None:
+    """A blob written with (stream, id) pairs (before keys crossed as storage keys) still
+    drops its entries and tells a token its event's sequence."""
+    from actors.queue.logger.records import decode_forget
+
+    store.append([ev("a", "1"), ev("b", "1", token="TB"), ev("a", "2")])
+    earlier = _enc.encode(([["a", "1"], ["b", "1"]], [("b", "1", "B", 4)]))
+    listed, known = decode_forget(earlier)
+    assert listed == [_key("a", "1"), _key("b", "1")] and known == {_key("b", "1"): ("B", 4)}
+    assert store.forget(listed, known) == 2
+    assert store.where(("a", "2")) == "transient" and store.where(("b", "1")) is None
+    status = store.token_status("TB")
+    assert status is not None and status["seqs"] == {"1": ["B", 4]}
+
+
+def test_a_bare_id_or_a_pair_is_refused_as_a_key(store: LogStore) -> None:
+    """The store takes storage keys only: anything else could match nothing, silently."""
     store.append([ev("a")])
-    with pytest.raises(TypeError, match="stream, id"):
-        store.forget(["1"])  # type: ignore[list-item]
+    for wrong in ("1", ("a", "1")):
+        with pytest.raises(TypeError, match="stream, id"):
+            store.forget([wrong])  # type: ignore[list-item]
     assert store.where(("a", "1")) == "transient"
+    assert store.scan_counts()["index_mismatches"] == 0
 
 
 def test_export_import_keeps_both_streams(tmp_path: Path, store: LogStore) -> None:
@@ -155,7 +174,7 @@ def test_a_store_keyed_by_id_alone_is_migrated_at_open(tmp_path: Path) -> None:
             "failed": 1,
             "bytes": c.bytes,
         }
-        assert s.forget([("a", "e1"), ("b", "e2")]) == 2
+        assert s.forget([_key("a", "e1"), _key("b", "e2")]) == 2
         assert s.scan_counts()["transient"] == 0 and s.counts()["failed"] == 0
     finally:
         s.close()

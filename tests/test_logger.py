@@ -20,6 +20,7 @@ from actors.queue.logger import (
     inspect,
     settle_parked,
 )
+from actors.queue.logger.records import _key
 from actors.queue.logger.writer import WriterOp, _Crash
 from runtime.checkpoint import CheckpointError, CheckpointStore
 from runtime.clock import now_ms
@@ -72,7 +73,7 @@ def test_append_then_forget_drops_the_entry(store: LogStore) -> None:
     assert store.append([ev(1), ev(2)]) == 2
     assert store.where(("s", "e1")) == "transient"
     assert consistent(store)["transient"] == 2
-    assert store.forget([("s", "e1"), ("s", "missing")]) == 1
+    assert store.forget([_key("s", "e1"), _key("s", "missing")]) == 1
     assert store.where(("s", "e1")) is None
     assert store.where(("s", "e2")) == "transient"
     assert consistent(store) == {
@@ -95,14 +96,14 @@ def test_fail_moves_to_failed_and_again_increments_attempts(store: LogStore) -> 
     assert consistent(store)["failed"] == 1
     assert store.counts()["transient"] == 1
     # failed --ack--> gone
-    assert store.forget([("s", "e1")]) == 1
+    assert store.forget([_key("s", "e1")]) == 1
     assert store.where(("s", "e1")) is None
     assert consistent(store)["failed"] == 0
 
 
 def test_fail_of_an_unknown_or_acked_id_changes_nothing(store: LogStore) -> None:
     store.append([ev(1)])
-    store.forget([("s", "e1")])
+    store.forget([_key("s", "e1")])
     assert store.fail([(ev(1), "late"), (ev(9), "never")], 0, delay) == 0
     assert store.where(("s", "e1")) is None
     assert consistent(store) == {"transient": 0, "failed": 0, "bytes": 0, "tokens": 0}
@@ -186,7 +187,7 @@ def test_counters_survive_reopen_and_match_a_scan(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
     s.append([ev(i, token="t" if i < 3 else "") for i in range(10)])
     s.fail([(ev(5), "x")], 0, delay)
-    s.forget([("s", "e0"), ("s", "e7")], {("s", "e0"): ("s", 1)})
+    s.forget([_key("s", "e0"), _key("s", "e7")], {_key("s", "e0"): ("s", 1)})
     counts = consistent(s)
     s.close()
     again = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
@@ -206,7 +207,7 @@ def test_a_failed_entry_is_held_after_a_reopen_and_a_full_forget(tmp_path: Path)
     s = LogStore(tmp_path / "log", max_events=1000, max_bytes=BIG)
     assert s.append([ev(1), ev(3)]) == 1
     assert s.where(("s", "e1")) == "failed"
-    assert s.forget([("s", "e1"), ("s", "e1")]) == 1  # a repeat inside the call is one
+    assert s.forget([_key("s", "e1"), _key("s", "e1")]) == 1  # a repeat inside the call is one
     assert s.append([ev(1)]) == 1  # forgotten: logged again
     assert consistent(s)["transient"] == 3
     s.close()
@@ -222,9 +223,9 @@ def test_token_goes_logged_failed_queued_with_seqs(store: LogStore) -> None:
     store.fail([(ev(2, token="T"), "nak")], 0, delay)
     status = store.token_status("T")
     assert (status["state"], status["errors"]) == ("failed", {"e2": "nak"})
-    store.forget([("s", "e1")], {("s", "e1"): ("s", 7)})
+    store.forget([_key("s", "e1")], {_key("s", "e1"): ("s", 7)})
     assert store.token_status("T")["state"] == "failed"
-    store.forget([("s", "e2")], {("s", "e2"): ("s", 9)})
+    store.forget([_key("s", "e2")], {_key("s", "e2"): ("s", 9)})
     status = store.token_status("T")
     assert status["state"] == "queued"
     assert status["seqs"] == {"e1": ["s", 7], "e2": ["s", 9]}
@@ -234,7 +235,7 @@ def test_token_goes_logged_failed_queued_with_seqs(store: LogStore) -> None:
 def test_fail_keeps_the_logged_token(store: LogStore) -> None:
     store.append([ev(1, token="T")])
     store.fail([(ev(1), "x")], 0, delay)  # the bridge's processed event lost the token
-    store.forget([("s", "e1")], {("s", "e1"): ("s", 1)})
+    store.forget([_key("s", "e1")], {_key("s", "e1"): ("s", 1)})
     assert store.token_status("T")["state"] == "queued"
 
 
@@ -242,14 +243,14 @@ def test_only_the_newest_completed_tokens_are_kept(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG, max_done_tokens=2)
     s.append([ev(i, token=f"T{i}") for i in range(4)])
     for i in range(4):
-        s.forget([("s", f"e{i}")])
+        s.forget([_key("s", f"e{i}")])
     assert s.token_status("T0") is None and s.token_status("T1") is None
     assert s.token_status("T2")["state"] == "queued"
     assert s.token_status("T3")["state"] == "queued"
     assert consistent(s)["tokens"] == 2
     # several completions in one call past the bound
     s.append([ev(i, token=f"U{i}") for i in range(10, 15)])
-    s.forget([("s", f"e{i}") for i in range(10, 15)])
+    s.forget([_key("s", f"e{i}") for i in range(10, 15)])
     assert [s.token_status(f"U{i}") is not None for i in range(10, 15)] == [False] * 3 + [True] * 2
     assert s.token_status("T3") is None
     scan = s.scan_counts()
@@ -260,7 +261,7 @@ def test_only_the_newest_completed_tokens_are_kept(tmp_path: Path) -> None:
 def test_open_tokens_never_expire(tmp_path: Path) -> None:
     s = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG, max_done_tokens=0)
     s.append([ev(1, token="open"), ev(2, token="done")])
-    s.forget([("s", "e2")])
+    s.forget([_key("s", "e2")])
     assert s.token_status("open")["state"] == "logged"
     assert s.token_status("done") is None
     s.close()
@@ -273,7 +274,8 @@ def fill(s: LogStore, n: int) -> None:
     s.append([ev(i, token=f"T{i % 7}", ms=1_000 + i) for i in range(n)])
     s.fail([(ev(i, token=f"T{i % 7}"), f"err{i}") for i in range(0, n, 5)], 50, delay)
     s.forget(
-        [("s", f"e{i}") for i in range(1, n, 3)], {("s", f"e{i}"): ("s", i) for i in range(1, n, 3)}
+        [_key("s", f"e{i}") for i in range(1, n, 3)],
+        {_key("s", f"e{i}"): ("s", i) for i in range(1, n, 3)},
     )
 
 
@@ -377,7 +379,7 @@ def test_random_operations_keep_counts_equal_to_a_scan_and_a_model(
                     assert len(model) + len(new) <= 8
                     model.update({i: ("transient", 0) for i in new})
             elif op == "forget":
-                s.forget([("s", f"e{i}") for i in args])
+                s.forget([_key("s", f"e{i}") for i in args])
                 for i in args:
                     model.pop(f"e{i}", None)
             else:
@@ -544,19 +546,19 @@ def test_settle_parked_without_keys_settles_every_parked_entry(tmp_path: Path) -
 @pytest.mark.unit
 def test_forget_wire_round_trip() -> None:
     """A forget crosses Ray as one blob: keys in order, and only the known sequences."""
-    from actors.queue.logger.records import _enc, _key, _split_key, decode_forget, encode_forget
+    from actors.queue.logger.records import _enc, _split_key, decode_forget, encode_forget
 
     keys = [("s", "a"), ("s", "b\x00c"), ("t", "a"), ("s", "é ")]
     seqs = {("s", "a"): ("S", 7), ("t", "a"): None, ("s", "é "): ("S", 2**40)}
     stored = [_key(*k) for k in keys]  # keys travel as the store's own keys
     assert decode_forget(encode_forget(keys, seqs)) == (
         stored,
-        {("s", "a"): ("S", 7), ("s", "é "): ("S", 2**40)},
+        {_key("s", "a"): ("S", 7), _key("s", "é "): ("S", 2**40)},
     )
     assert decode_forget(encode_forget(keys, None)) == (stored, {})
     assert [_split_key(k) for k in stored] == keys
-    # a blob of the earlier form, keys as (stream, id) pairs, is still read
+    # a blob of the earlier form, keys as (stream, id) pairs, is still read: as storage keys
     earlier = _enc.encode(([list(k) for k in keys], [("s", "a", "S", 7)]))
-    assert decode_forget(earlier) == (keys, {("s", "a"): ("S", 7)})
+    assert decode_forget(earlier) == (stored, {_key("s", "a"): ("S", 7)})
     with pytest.raises(TypeError, match="stream, id"):
         encode_forget(["a"], None)  # type: ignore[list-item]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.queue.logger import LogFull, LogStore
-from actors.queue.logger.records import NS_TRANSIENT, _Head
+from actors.queue.logger.records import NS_TRANSIENT, _Head, _key
 from actors.queue.logger.replica import _answers
 from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp
 from runtime.checkpoint import CheckpointError
@@ -67,7 +67,7 @@ def test_an_encoded_batch_is_logged_as_the_events_would_be(tmp_path: Path) -> No
         assert list(a._ns[NS_TRANSIENT].scan()) == list(b._ns[NS_TRANSIENT].scan())
         assert b.pending(0, 10_000, 10) == [ev(1), ev(2, token="T"), ev(3, stream="t")]
         assert b.token_status("T")["state"] == "logged"
-        assert b.forget([("s", "e2")], {("s", "e2"): ("S", 7)}) == 1
+        assert b.forget([_key("s", "e2")], {_key("s", "e2"): ("S", 7)}) == 1
         assert b.token_status("T")["seqs"] == {"e2": ["S", 7]}
         assert b.scan_counts()["index_mismatches"] == 0
     finally:
@@ -101,7 +101,7 @@ def test_the_index_is_read_back_from_disk_at_open(tmp_path: Path) -> None:
     )
     s.fail([(ev(5), "nak")], 1_000, lambda n: 10)
     s.fail([(ev(6), "nak")], 1_000, lambda n: 10)
-    s.forget([("s", "e1")])
+    s.forget([_key("s", "e1")])
     before = dict(s._idx)
     s.close()
     again = LogStore(tmp_path / "log", max_events=100, max_bytes=BIG)
@@ -117,7 +117,7 @@ def test_the_index_is_read_back_from_disk_at_open(tmp_path: Path) -> None:
             "failed",
         ]
         # entries known only from the reopened index are forgotten with their time keys
-        assert again.forget([("s", f"e{i}") for i in range(1, 7)]) == 5
+        assert again.forget([_key("s", f"e{i}") for i in range(1, 7)]) == 5
         scan = again.scan_counts()
         assert scan["transient"] == scan["failed"] == scan["by_time"] == scan["by_retry"] == 0
         assert again.token_status("T")["state"] == "queued"
@@ -133,7 +133,7 @@ def test_a_call_that_fails_before_writing_leaves_the_index_as_the_disk(
     fault = store.path.with_name(store.path.name + ".fault")
     fault.write_text("io")
     with pytest.raises(CheckpointError):
-        store.forget([("s", "e1")])
+        store.forget([_key("s", "e1")])
     with pytest.raises(CheckpointError):
         store.append(encode_batch([ev(3)]))
     fault.unlink()
@@ -146,7 +146,7 @@ def test_a_call_that_fails_before_writing_leaves_the_index_as_the_disk(
         store.fail([(ev(1), "x"), (ev(2), "y")], 5, boom)
     assert store.where(("s", "e1")) == store.where(("s", "e2")) == "transient"
     assert store.scan_counts()["index_mismatches"] == 0
-    assert store.forget([("s", "e1"), ("s", "e2"), ("s", "e3")]) == 2
+    assert store.forget([_key("s", "e1"), _key("s", "e2"), _key("s", "e3")]) == 2
 
 
 def test_pending_finds_an_entry_older_than_any_it_saw_before(store: LogStore) -> None:
@@ -154,16 +154,16 @@ def test_pending_finds_an_entry_older_than_any_it_saw_before(store: LogStore) ->
     an append, an import or a reopen with an older entry must still be seen."""
     store.pending_from_index_max = 0
     store.append([ev(1, ms=100), ev(2, ms=200)])
-    store.forget([("s", "e1")])
+    store.forget([_key("s", "e1")])
     assert [e.id for e in store.pending(0, 1_000, 10)] == ["e2"]
     store.append(encode_batch([ev(3, ms=50)]))
     assert [e.id for e in store.pending(0, 1_000, 10)] == ["e3", "e2"]
-    store.forget([("s", "e2"), ("s", "e3")])
+    store.forget([_key("s", "e2"), _key("s", "e3")])
     assert store.pending(0, 1_000, 10) == []
     store.append([ev(4, ms=10)])
     assert [e.id for e in store.pending(0, 1_000, 10)] == ["e4"]
     exported, _ = store.export(None, 10)
-    store.forget([("s", "e4")])
+    store.forget([_key("s", "e4")])
     assert store.pending(0, 2_000, 10) == []
     store.import_(exported)
     assert [e.id for e in store.pending(0, 2_000, 1)] == ["e4"]
@@ -174,7 +174,7 @@ def test_pending_after_reopen_starts_from_the_beginning(tmp_path: Path) -> None:
     s.pending_from_index_max = 0
     s.append([ev(1, ms=5_000)])
     assert s.pending(0, 9_000, 10) == [ev(1, ms=5_000)]
-    s.forget([("s", "e1")])
+    s.forget([_key("s", "e1")])
     assert s.pending(0, 9_000, 10) == []
     s.close()
     # written by another handle behind this one's back: a new store's floor is 0
@@ -250,7 +250,7 @@ def test_pending_from_the_index_is_pending_from_the_time_index(
         try:
             s.append([ev(i, ms=ms, token=t) for i, ms, t in appended])
             s.fail([(ev(i), "x") for i in failed], 0, lambda n: 10)
-            s.forget([("s", f"e{i}") for i in forgotten])
+            s.forget([_key("s", f"e{i}") for i in forgotten])
             from_index = s.pending(0, cutoff, limit)
             s.pending_from_index_max = 0
             assert s.pending(0, cutoff, limit) == from_index
@@ -273,7 +273,7 @@ def test_a_store_written_with_compressed_blocks_opens(
     events = [ev(i, ms=i) for i in range(3000)]
     for i in range(0, 3000, 500):
         old.append(encode_batch(events[i : i + 500]))
-    old.forget([("s", f"e{i}") for i in range(0, 3000, 3)])
+    old.forget([_key("s", f"e{i}") for i in range(0, 3000, 3)])
     old.close()
     assert list(path.glob("*.ldb")), "nothing was flushed to a table file"
     monkeypatch.undo()
@@ -283,6 +283,6 @@ def test_a_store_written_with_compressed_blocks_opens(
         assert s.pending(0, 10_000, 5000) == kept
         scan = s.scan_counts()
         assert scan["index_mismatches"] == 0 and scan["transient"] == len(kept) == scan["by_time"]
-        assert s.forget([("s", e.id) for e in kept]) == len(kept)
+        assert s.forget([_key("s", e.id) for e in kept]) == len(kept)
     finally:
         s.close()

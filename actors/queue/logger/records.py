@@ -160,10 +160,14 @@ def _log_key(key: LogKey) -> bytes:
 
 # A forget as it crosses Ray: one msgpack blob, ([storage key], [(stream, id, js, seq)]),
 # decoded in one call on each replica instead of unpickling a tuple per key. Keys travel as
-# the storage keys the store looks up (`_key`), built once by the sender; blobs of the
-# earlier form, keys as (stream, id) pairs, are still read.
-_ForgetWire = tuple[list[bytes | tuple[str, str]], list[tuple[str, str, str, int]]]
+# the storage keys the store looks up (`_key`), built once by the sender. Blobs of the
+# earlier form, keys as (stream, id) pairs, are still read: `decode_forget` turns their
+# pairs into storage keys, so the store takes one kind of key.
+_ForgetWire = tuple[list[bytes], list[tuple[str, str, str, int]]]
 _forget_dec = msgspec.msgpack.Decoder(_ForgetWire)
+_forget_dec_pairs = msgspec.msgpack.Decoder(
+    tuple[list[bytes | tuple[str, str]], list[tuple[str, str, str, int]]]
+)
 
 
 def encode_forget(
@@ -175,13 +179,15 @@ def encode_forget(
     return _enc.encode(([_log_key(k) for k in keys], known))
 
 
-def decode_forget(
-    blob: bytes,
-) -> tuple[list[bytes | LogKey], dict[LogKey, tuple[str, int]]]:
-    """`encode_forget`'s keys (storage keys; (stream, id) pairs from a blob of the earlier
-    form) and sequences back. `LogStore.forget` takes either kind of key."""
-    keys, known = _forget_dec.decode(blob)
-    return keys, {(stream, id_): (js, seq) for stream, id_, js, seq in known}
+def decode_forget(blob: bytes) -> tuple[list[bytes], dict[bytes, tuple[str, int]]]:
+    """`encode_forget`'s keys and known sequences back, both as storage keys (what
+    `LogStore.forget` takes), whichever form the blob was written in."""
+    try:
+        keys, known = _forget_dec.decode(blob)
+    except msgspec.ValidationError:  # the earlier form: (stream, id) pairs
+        pairs, known = _forget_dec_pairs.decode(blob)
+        keys = [k if k.__class__ is bytes else _key(*k) for k in pairs]
+    return keys, {_key(stream, id_): (js, seq) for stream, id_, js, seq in known}
 
 
 def _seq(value: Any) -> tuple[str, int] | None:

@@ -23,6 +23,7 @@ from actors.queue.logger.records import (
     FENCE_KEY,
     PARKED_MS,
     LogKey,
+    _log_key,
     decode_forget,
 )
 from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp, _Crash
@@ -249,11 +250,14 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
     ) -> int:
         """Drop (stream, id) keys (acked); returns how many this replica held. `keys` may be
-        `encode_forget`'s blob (keys and sequences in one, as `LoggerGroup.forget` sends)."""
+        `encode_forget`'s blob (keys and sequences in one, as `LoggerGroup.forget` sends).
+        The store is handed storage keys either way."""
         if isinstance(keys, bytes):
             listed, known = decode_forget(keys)
-            return await self._op("forget", listed, known, epoch=epoch)
-        return await self._op("forget", [tuple(k) for k in keys], dict(seqs or {}), epoch=epoch)
+        else:
+            listed = [_log_key(tuple(k)) for k in keys]  # type: ignore[arg-type]
+            known = {_log_key(tuple(k)): s for k, s in (seqs or {}).items()}  # type: ignore[arg-type]
+        return await self._op("forget", listed, known, epoch=epoch)
 
     async def fail(
         self, epoch: int, batch: bytes, errors: Sequence[str], now_ms: int, park: bool = False

@@ -287,13 +287,14 @@ class LogStore:
 
     def forget(
         self,
-        keys: Sequence[LogKey | bytes],
-        seqs: Mapping[LogKey, tuple[str, int] | None] | None = None,
+        keys: Sequence[bytes],
+        seqs: Mapping[bytes, tuple[str, int] | None] | None = None,
     ) -> int:
-        """Acked: drop the (stream, id) keys from transient and failed; returns how many the
-        log held. A key may also be given as its storage key (`_key`'s bytes, as
-        `decode_forget` hands them over). `seqs` (key -> (JetStream stream, seq)) is kept in
-        the events' token records for `token_status`."""
+        """Acked: drop the entries under these storage keys (`_key(stream, id)`, as
+        `decode_forget` hands them over) from transient and failed; returns how many the log
+        held. `seqs` (storage key -> (JetStream stream, seq)) is kept in the events' token
+        records for `token_status`. A key that is not bytes is refused (TypeError): it
+        could never match, so the forget would silently drop nothing."""
         seqs = seqs or {}
         n = fast = nbytes = 0
         idx = self._index()
@@ -301,10 +302,11 @@ class LogStore:
             delete, t_prefix, time_prefix = tx.delete_stored, tx.t_prefix, tx.time_prefix
             pack = _BE64.pack
             tx.touched = True
-            for key in dict.fromkeys(keys):
-                k = key if key.__class__ is bytes else _log_key(key)  # type: ignore[arg-type]
+            for k in dict.fromkeys(keys):
                 m = idx.get(k)
                 if m is None:
+                    if k.__class__ is not bytes:
+                        raise TypeError(f"forget takes storage keys, _key(stream, id), not {k!r}")
                     continue
                 if m.__class__ is int and m >= 0:  # transient, no token: from the index alone
                     del idx[k]
@@ -318,8 +320,7 @@ class LogStore:
                     continue
                 n += 1
                 if token:
-                    pair = _split_key(k) if key.__class__ is bytes else key
-                    tx.token_ack(token, pair[1], _seq(seqs.get(pair)))  # type: ignore[arg-type]
+                    tx.token_ack(token, _split_key(k)[1], _seq(seqs.get(k)))
             tx.writes += 2 * fast
             tx.c.transient -= fast
             tx.c.bytes -= nbytes
