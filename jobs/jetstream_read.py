@@ -300,9 +300,13 @@ class _RangeFetcher:
     is complete, so it travels while the caller converts and hands over the last chunk. Each
     pull is capped by bytes too (`pull_max_bytes`); the server ends one early with
     `MAX_BYTES_STATUS`, which ends that pull like a full batch (the next one goes on from the
-    last sequence received). A pull that gets no answer (a reconnect, a lost consumer) starts
-    a new consumer right after the last sequence received, a bounded number of times, so
-    nothing is skipped or repeated.
+    last sequence received). A pull filled to exactly its cap ends with no status at all
+    (nats-server's consumer.go `nextWaiting`: at zero bytes left the request takes this one
+    message and is done); the reader ends it on its own count of the same bytes, and since a
+    count short of the server's would leave the server filling that pull past what was
+    taken, the pull after it goes to a new consumer instead. A pull that gets no answer (a
+    reconnect, a lost consumer) starts a new consumer right after the last sequence
+    received, a bounded number of times, so nothing is skipped or repeated.
 
     Deliveries to the consumer's inbox are taken straight off the wire (`take_deliveries`):
     nats-py's per-message `Msg`, header dict and subscription queue cost more than the rest
@@ -329,8 +333,10 @@ class _RangeFetcher:
         self._bytes_left: int | None = None  # of the current pull's max_bytes, as the server counts
         self._uncapped_next = False
         self._count_bytes = True
+        self._fresh_consumer_next = False
         self.consumers_started = 0
         self.pulls_cut_by_bytes = 0
+        self.pulls_ended_at_zero = 0
         self._next_seq = part.start
         self._finished = False
         self._error: str | None = None
@@ -361,6 +367,7 @@ class _RangeFetcher:
         opts = self._opts
         await self._drop_consumer()
         self._error = None
+        self._fresh_consumer_next = False
         config = ConsumerConfig(
             name=f"tf-read-{uuid.uuid4().hex[:16]}",
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
@@ -463,14 +470,20 @@ class _RangeFetcher:
             if headers is not None:
                 self._bytes_left -= len(headers)
             if self._bytes_left == 0 and self._count_bytes:
+                # ended on this reader's count alone: were it short of the server's, the
+                # server would go on filling this pull into the consumer's inbox, past what
+                # is taken here; so the next pull goes to a new consumer from the next
+                # sequence, and nothing depends on the count being right
+                self._fresh_consumer_next = True
+                self.pulls_ended_at_zero += 1
                 self._done.set()
         if self._want <= 0:
             self._done.set()
 
     def _check_byte_count(self, status: bytes) -> None:
         """Compare the server's bytes left of the pull (its ``Nats-Pending-Bytes``) with
-        this reader's count: a pull that ends at exactly zero sends no status, and a count
-        that disagreed with the server's could end a pull the server still fills."""
+        this reader's count, and stop ending pulls on a count found wrong (a pull the server
+        fills to exactly zero then waits for the timeout and a new consumer)."""
         found = _PENDING_BYTES.search(status)
         if found is None or self._bytes_left is None:
             return
@@ -510,10 +523,12 @@ class _RangeFetcher:
             await self._pull()
             await self._answer()
         chunk, self._chunk = self._chunk, Chunk()
-        if not self._finished:
+        if self._finished:
+            return chunk or None
+        if self._fresh_consumer_next:
+            await self._start_consumer()
+        else:
             await self._pull()
-        elif not chunk:
-            return None
         return chunk
 
     async def _answer(self) -> None:

@@ -406,17 +406,22 @@ def big(nats_factory: NatsFactory) -> tuple[str, list[tuple[int, str, bytes]]]:
     return url, msgs
 
 
-def read_counting(opts: SourceOptions, start: int, end: int) -> tuple[list[dict[str, Any]], Any]:
-    """(rows, the fetcher, for its counts) of one partition read through a `_RangeFetcher`,
-    as `read_range` drives it."""
+def read_counting(
+    opts: SourceOptions, start: int, end: int, fetcher_class: Any = None, chunks: Any = None
+) -> tuple[list[dict[str, Any]], Any]:
+    """(rows, the fetcher, for its counts) of one partition read through a `_RangeFetcher`
+    (or `fetcher_class`), as `read_range` drives it; each chunk also goes into `chunks`."""
     from jobs.jetstream_read import _process, _RangeFetcher, _run
 
     proc = _process()
-    fetcher = _RangeFetcher(opts, SeqRange(start, end), shared=proc.client(opts.nats))
+    cls = fetcher_class or _RangeFetcher
+    fetcher = cls(opts, SeqRange(start, end), shared=proc.client(opts.nats))
     rows: list[dict[str, Any]] = []
     try:
         _run(proc.loop, fetcher.open(), 30)
         while (chunk := _run(proc.loop, fetcher.next_chunk(), 30)) is not None:
+            if chunks is not None:
+                chunks.append(chunk)
             rows.extend(chunk_to_batch(chunk, opts.validate, _arrow_schema(), end).to_pylist())
     finally:
         _run(proc.loop, fetcher.close(), 30)
@@ -463,6 +468,90 @@ def test_an_event_bigger_than_the_pull_cap_is_fetched_alone(
         (m[0], m[2]) for m in msgs[:7]
     ]
     assert fetcher.consumers_started == 1 and fetcher.pulls_cut_by_bytes == 7
+
+
+def delivery_sizes(url: str) -> dict[int, int]:
+    """Each event's cost against a pull's max_bytes as nats-server counts it (consumer.go:
+    subject + ack reply + headers + payload), for a consumer starting at sequence 1, where
+    the delivery count in the reply is the stream sequence."""
+    chunks: list[Chunk] = []
+    read_counting(SourceOptions.parse({"url": url, "stream": "big"}), 1, BIG_N + 1, None, chunks)
+    return {
+        int(r.split(b".")[5]): len(s) + len(r) + len(h or b"") + len(p)
+        for c in chunks
+        for s, r, h, p in zip(c.subjects, c.replies, c.headers, c.payloads, strict=True)
+    }
+
+
+def server_pull_ends(sizes: dict[int, int], cap: int, end: int) -> list[str]:
+    """How nats-server ends each pull of a reader over [1, end) capped at `cap` bytes
+    (consumer.go `nextWaiting`: a message that fits takes its bytes, and at exactly zero left
+    the request ends with it and no status; one that does not fit ends it with a 409), the
+    reader starting a new consumer after each pull it ends at zero."""
+    ends, seq, dseq = [], 1, 1
+    while seq < end:
+        left = cap
+        while seq < end:
+            size = sizes[seq] - len(str(seq)) + len(str(dseq))  # the delivery count's digits
+            if size > left:
+                ends.append("409")
+                break
+            left -= size
+            seq, dseq = seq + 1, dseq + 1
+            if left == 0:
+                ends.append("zero")
+                dseq = 1
+                break
+        else:
+            ends.append("last")
+    return ends
+
+
+def test_a_pull_filled_to_exactly_its_byte_cap_ends_without_a_status_and_loses_nothing(
+    big: tuple[str, list[tuple[int, str, bytes]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-server ends a pull filled to exactly max_bytes with no status: the reader ends
+    it on its own count (no wait for a timeout) and goes on with a new consumer."""
+    url, msgs = big
+    sizes = delivery_sizes(url)
+    cap = sizes[1] + sizes[2] + sizes[3]
+    expected = server_pull_ends(sizes, cap, BIG_N + 1)
+    assert expected[:2] == ["zero", "zero"] and "409" in expected  # both ways a pull ends
+    opts = SourceOptions.parse({"url": url, "stream": "big", "fetchMaxBytes": str(cap)})
+    rows, fetcher = read_counting(opts, 1, BIG_N + 1)
+    assert [(r["seq"], r["msg_id"]) for r in rows] == [(m[0], m[1]) for m in msgs]
+    assert fetcher.pulls_ended_at_zero == expected.count("zero")
+    assert fetcher.pulls_cut_by_bytes == expected.count("409")
+    zero_then_more = sum(e == "zero" for e in expected[:-1])
+    assert fetcher.consumers_started == 1 + zero_then_more
+    assert "starting a new consumer" not in caplog.text  # no pull waited for its timeout
+    assert "bytes left of a pull" not in caplog.text
+
+
+def test_a_pull_ended_on_a_byte_count_short_of_the_servers_skips_nothing(
+    big: tuple[str, list[tuple[int, str, bytes]]],
+) -> None:
+    """A reader whose count reaches zero while the server still has room for three more
+    events (its count short by their size): the server goes on filling that pull, and the
+    next pull's new consumer starts right after the last event taken, so every event is
+    read once."""
+    from jobs.jetstream_read import _RangeFetcher
+
+    url, msgs = big
+    sizes = delivery_sizes(url)
+    short = sizes[4] + sizes[5] + sizes[6]
+
+    class ShortCount(_RangeFetcher):
+        async def _pull(self) -> None:
+            await super()._pull()
+            if self.consumers_started == 1 and self._bytes_left is not None:
+                self._bytes_left -= short  # the first consumer's pulls only
+
+    cap = sum(sizes[s] for s in range(1, 7))
+    opts = SourceOptions.parse({"url": url, "stream": "big", "fetchMaxBytes": str(cap)})
+    rows, fetcher = read_counting(opts, 1, BIG_N + 1, ShortCount)
+    assert [(r["seq"], r["msg_id"]) for r in rows] == [(m[0], m[1]) for m in msgs]
+    assert fetcher.pulls_ended_at_zero >= 1 and fetcher.consumers_started >= 2
 
 
 def test_invalid_only_through_byte_capped_pulls_yields_the_big_malformed_events_alone(
