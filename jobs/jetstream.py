@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +117,7 @@ def register(spark: SparkSession) -> None:
     command, broadcasts, env, includes = _prepare_for_python_RDD(sc, JetStreamDataSource)
     function = jvm.SimplePythonFunction(
         bytearray(command),
-        {**env, **worker.env},
+        {**env, **worker.env, **streaming_runner_env(spark)},
         includes,
         worker.exec,
         sc.pythonVer,
@@ -127,6 +128,30 @@ def register(spark: SparkSession) -> None:
         jvm, "org.apache.spark.sql.execution.datasources.v2.python.UserDefinedPythonDataSource"
     )(function)
     spark._jsparkSession.dataSource().registerPython(FORMAT, source)
+
+
+def streaming_runner_env(spark: SparkSession) -> dict[str, str]:
+    """The variables Spark's streaming source runner puts into the source's shared env map.
+
+    Every streaming query's `PythonStreamingSourceRunner.init` puts these four keys into the
+    registered source's one `java.util.HashMap`, unsynchronized. Two queries starting at once
+    in a fresh driver (a restart brings every query back together) can then insert the same
+    new keys concurrently and corrupt the map: its size no longer matches its entries, and
+    every task that carries it fails to deserialize (`java.io.OptionalDataException`) until
+    the JVM exits, so no query of that driver commits a batch again. With the keys already
+    present, init only replaces values, which does not change the map's structure. The values
+    are the ones init puts, but for the local directories (Spark's block manager names them,
+    and py4j cannot reflect `SparkEnv`): every runner, this one included, puts its own before
+    it starts a worker, so the placeholder is never used."""
+    conf = spark.sparkContext._jsc.sc().conf()
+    return {
+        "SPARK_LOCAL_DIRS": str(conf.get("spark.local.dir", tempfile.gettempdir())),
+        "SPARK_AUTH_SOCKET_TIMEOUT": str(
+            conf.getTimeAsSeconds("spark.python.authenticate.socketTimeout", "15s")
+        ),
+        "SPARK_BUFFER_SIZE": str(conf.getInt("spark.buffer.size", 65536)),
+        "SPARK_PYTHON_RUNTIME": "PYTHON_WORKER",
+    }
 
 
 # --------------------------------------------------------------------------- Spark API
