@@ -105,12 +105,6 @@ def in_pool(spark: SparkSession, name: str) -> Iterator[None]:
         sc.setLocalProperty(POOL_PROPERTY, before)  # type: ignore[arg-type]  # None unsets
 
 
-def _trigger(spec_trigger_s: float, trigger: Mapping[str, Any] | None) -> dict[str, Any]:
-    if trigger is not None:
-        return dict(trigger)
-    return processing_time(spec_trigger_s)
-
-
 def processing_time(trigger_s: float) -> dict[str, Any]:
     """The ``trigger`` arguments of a micro-batch every `trigger_s` (<= 0: back to back)."""
     if trigger_s <= 0:
@@ -172,13 +166,15 @@ def start_job(
     checkpoint = checkpoint_dir(checkpoint_root, spec.name, view)
     sink = ResultSink.for_query(nats, spec.name, generation=view.generation if view else 0)
     writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
+    if trigger is None:
+        trigger = processing_time(spec.trigger_s if trigger_s is None else trigger_s)
     with in_pool(spark, spec.name):
         return (
             plan.df.writeStream.queryName(spec.name)
             .outputMode(plan.output_mode)
             .foreachBatch(writer)
             .option("checkpointLocation", str(checkpoint))
-            .trigger(**_trigger(spec.trigger_s if trigger_s is None else trigger_s, trigger))
+            .trigger(**trigger)
             .start()
         )
 
@@ -203,7 +199,8 @@ def start_deadletters(
     filters only the few it publishes (its progress' input rows count those).
     """
     name = deadletter_query_name(stream)
-    trigger_s = max(trigger_s, DEADLETTER_TRIGGER_S)
+    if trigger is None:
+        trigger = processing_time(max(trigger_s, DEADLETTER_TRIGGER_S))
     writer = DeadLetterBatch(ResultSink.for_query(nats, name), stream, on_batch)
     with in_pool(spark, name):
         return (
@@ -211,6 +208,6 @@ def start_deadletters(
             .writeStream.queryName(name)
             .foreachBatch(writer)
             .option("checkpointLocation", str(Path(checkpoint_root) / name))
-            .trigger(**_trigger(trigger_s, trigger))
+            .trigger(**trigger)
             .start()
         )
