@@ -755,8 +755,9 @@ class AnalysisDriver(SupervisedActor):
 
     def progress(self, since: float = 0.0) -> dict[str, list[dict[str, Any]]]:
         """Per query, its recent batches (Spark keeps the last 100) that started at or after
-        `since` (epoch s): batch id, input rows and where the batch's time went
-        (``durationMs``: latestOffset, queryPlanning, walCommit, addBatch, commitOffsets...)."""
+        `since` (epoch s): batch id, when it started (``at``, epoch s), input rows and where
+        its time went (``durationMs``: latestOffset, queryPlanning, walCommit, addBatch,
+        commitOffsets..., and triggerExecution, the whole batch)."""
         out: dict[str, list[dict[str, Any]]] = {}
         for name, q in list(self._w.queries.items()):
             sq = q.query
@@ -766,11 +767,13 @@ class AnalysisDriver(SupervisedActor):
             with contextlib.suppress(Exception):
                 for p in sq.recentProgress:
                     d = json.loads(p.json) if hasattr(p, "json") else dict(p)
-                    if _epoch_s(d.get("timestamp")) < since:
+                    at = _epoch_s(d.get("timestamp"))
+                    if at < since:
                         continue
                     rows.append(
                         {
                             "batch_id": d.get("batchId"),
+                            "at": at,
                             "input_rows": d.get("numInputRows"),
                             "durations": d.get("durationMs") or {},
                         }

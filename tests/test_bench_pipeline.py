@@ -1,11 +1,12 @@
-"""The e2e bench's slot profile: Spark's event log -> per query, slot wait against run."""
+"""The e2e bench's slot profile (Spark's event log -> per query, slot wait against run) and
+its split of the top-N latency into trigger wait, batch and delivery."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tests.bench.pipeline import event_log_conf, slot_waits
+from tests.bench.pipeline import event_log_conf, latency_parts, slot_waits
 
 
 def _job(job: int, pool: str, at: int, end: int, stages: dict[int, tuple[int, list[int]]]) -> list:
@@ -77,3 +78,17 @@ def test_event_log_conf_writes_one_plain_file(tmp_path: Path) -> None:
     assert conf["spark.eventLog.dir"] == where.resolve().as_uri()
     assert conf["spark.eventLog.compress"] == "false"
     assert conf["spark.eventLog.rolling.enabled"] == "false"
+
+
+def test_latency_parts_match_each_accept_to_the_batch_behind_its_update() -> None:
+    batches = [(10.0, 10.8), (10.8, 11.5), (11.5, 12.1)]  # back to back
+    frames = [(10.85, 100), (11.55, 300), (12.12, 350)]
+    accepted = [(10.2, 100), (10.5, 300), (10.9, 350), (12.5, 400)]
+    got = latency_parts(accepted, frames, batches)
+    # 10.2: its update (10.85) is batch 1's, ended 10.8 -> waited -0.2 s (accepted mid-batch
+    # yet counted: the batch read its offsets after the accept), ran 0.8, delivered 50 ms
+    # 10.5 and 10.9: updates 11.55 and 12.12, batches 2 and 3 (ended nearest; batch 3 had
+    # started before the 11.55 frame but ends later); 12.5: no update counts it
+    assert [round(x) for x in got["wait"]] == [-200, 300, 600]
+    assert [round(x) for x in got["batch"]] == [800, 700, 600]
+    assert [round(x) for x in got["deliver"]] == [50, 50, 20]

@@ -41,7 +41,14 @@ from cluster.demo.rsvps import RsvpGenerator
 from cluster.loadgen import drive
 from runtime.waiting import await_until
 from tests.bench.common import Profiler, print_profile, summary, write_report
-from tests.bench.pipeline import TOPN_SUBJECT, Pipeline, Watcher, pipeline
+from tests.bench.pipeline import (
+    TOPN_SUBJECT,
+    Pipeline,
+    Watcher,
+    durations_summary,
+    latency_parts,
+    pipeline,
+)
 
 RATES = tuple(
     int(r) for r in os.environ.get("TIERFLOW_BENCH_E2E_RATES", "1000,5000,10000").split(",")
@@ -133,6 +140,11 @@ async def phase(
     frames = [f for f in topn.seen if f[0] >= t0]
     top_ms = topn_latencies(accepted, sizes, frames, base)
     assert len(top_ms) == len(accepted)
+    loop = asyncio.get_running_loop()
+    progress = await loop.run_in_executor(None, p.progress, wall0)
+    parts = latency_parts(
+        cumulative(accepted, sizes, base), frames, topn_spans(progress, wall0 - t0)
+    )
     return {
         "rate": rate,
         "seconds": seconds,
@@ -142,9 +154,34 @@ async def phase(
         "topn": summary(top_ms),
         "raw": summary(raw_ms),
         "updates": len(frames),
-        "batches": await asyncio.get_running_loop().run_in_executor(None, p.batch_profile, wall0),
-        "slots": await asyncio.get_running_loop().run_in_executor(None, p.slot_profile, wall0),
+        "parts": {k: summary(v) for k, v in parts.items() if v},
+        "batches": {name: durations_summary(rows) for name, rows in progress.items()},
+        "slots": await loop.run_in_executor(None, p.slot_profile, wall0),
     }
+
+
+def cumulative(
+    accepted: list[tuple[float, int]], sizes: dict[int, int], base: int
+) -> list[tuple[float, int]]:
+    """(time, events the top-N must count to include it) per accepted batch."""
+    out, cum = [], base
+    for t, idx in sorted(accepted):
+        cum += sizes[idx]
+        out.append((t, cum))
+    return out
+
+
+def topn_spans(
+    progress: dict[str, list[dict[str, Any]]], offset: float
+) -> list[tuple[float, float]]:
+    """(start, end) on the monotonic clock (epoch - `offset`) of the top-N's batches with
+    input."""
+    rows = progress.get(TOPN_SUBJECT.removeprefix("results."), [])
+    return [
+        (r["at"] - offset, r["at"] - offset + r["durations"].get("triggerExecution", 0) / 1000)
+        for r in rows
+        if r.get("input_rows") and "at" in r
+    ]
 
 
 @contextlib.asynccontextmanager
@@ -184,6 +221,16 @@ async def measure(p: Pipeline) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             )
             profiles = await loop.run_in_executor(None, spy.results)
         return rows, profiles
+
+
+def print_parts(rows: list[dict[str, Any]]) -> None:
+    """The top-N latency split: accept -> its batch's start, the batch, its end -> frame."""
+    for r in rows:
+        parts = r.get("parts") or {}
+        text = "; ".join(
+            f"{k} p50 {v['p50_ms']:,.0f} p99 {v['p99_ms']:,.0f}" for k, v in parts.items()
+        )
+        print(f"  {r['rate']:,.0f}/s top-N latency, ms: {text}")
 
 
 def print_batches(label: str, batches: dict[str, dict[str, Any]]) -> None:
@@ -242,6 +289,7 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
             f"{w['p99_ms'] / t['p99_ms']:>13.2f}"
         )
     print("shown/s: events over the time until the top-N counted them all")
+    print_parts(rows)
     for r in rows:
         print_batches(f"{r['rate']:,.0f}/s", r["batches"])
         print_slots(f"{r['rate']:,.0f}/s", r["slots"])
@@ -284,6 +332,7 @@ def test_demo_dashboard_lag(bench_ray: Any, tmp_path: Path) -> None:
         f"top-N p50 {t['p50_ms']:,.0f} ms, p99 {t['p99_ms']:,.0f} ms; raw p50 "
         f"{w['p50_ms']:,.0f} ms, p99 {w['p99_ms']:,.0f} ms"
     )
+    print_parts([row])
     print_batches("demo", row["batches"])
     print_slots("demo", row["slots"])
     write_report("demo", {"jobs": 5, **row})

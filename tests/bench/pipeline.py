@@ -38,14 +38,17 @@ class Pipeline:
 
         return ray.get_actor(name, namespace=self.cfg.ray.namespace)
 
+    def progress(self, since: float) -> dict[str, list[dict[str, Any]]]:
+        """Per query, its micro-batches since `since` (epoch s), as `AnalysisDriver.progress`."""
+        import ray
+
+        return dict(ray.get(self.driver.progress.remote(since), timeout=60))
+
     def batch_profile(self, since: float) -> dict[str, dict[str, Any]]:
         """Per query, where its micro-batches with input since `since` (epoch s) spent their
         time: batches, median input rows, and the median of each of Spark's ``durationMs``
         parts (ms)."""
-        import ray
-
-        progress = ray.get(self.driver.progress.remote(since), timeout=60)
-        return {name: durations_summary(rows) for name, rows in progress.items()}
+        return {name: durations_summary(rows) for name, rows in self.progress(since).items()}
 
     def slot_profile(self, since: float) -> dict[str, dict[str, Any]]:
         """Per query, from Spark's event log (TIERFLOW_BENCH_SPARK_EVENTS set): how long its
@@ -81,6 +84,43 @@ def durations_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "input_rows_p50": median([r["input_rows"] for r in busy]),
         **{k: median([r["durations"].get(k, 0) for r in busy]) for k in keys},
     }
+
+
+def latency_parts(
+    accepted: list[tuple[float, int]],
+    frames: list[tuple[float, int]],
+    batches: list[tuple[float, float]],
+) -> dict[str, list[float]]:
+    """Where each accepted event batch's top-N latency went (ms), on one clock.
+
+    `accepted`: (time, events the top-N must count to include it), in answer order;
+    `frames`: (time, events counted) of the top-N updates; `batches`: (start, end) of the
+    query's micro-batches that read input. The update showing an accepted batch is the
+    first frame after it counting enough; the micro-batch behind that update is, of those
+    started before the frame, the one that ended nearest to it (its results are published
+    just before Spark closes it; the next batch, started back to back, ends a batch later).
+    Parts: ``wait`` from the accept to that batch's start
+    (the trigger, or the batch before running), ``batch`` its run, ``deliver`` from its
+    end to the frame (negative: the results were published before Spark closed the batch).
+    Accepted batches with no such frame or micro-batch are left out.
+    """
+    out: dict[str, list[float]] = {"wait": [], "batch": [], "deliver": []}
+    spans = sorted(batches)
+    j = 0
+    for t, need in sorted(accepted):
+        while j < len(frames) and (frames[j][0] < t or frames[j][1] < need):
+            j += 1
+        if j == len(frames):
+            break
+        shown = frames[j][0]
+        behind = [b for b in spans if b[0] <= shown]
+        if not behind:
+            continue
+        start, end = min(behind, key=lambda b: abs(shown - b[1]))
+        out["wait"].append((start - t) * 1000)
+        out["batch"].append((end - start) * 1000)
+        out["deliver"].append((shown - end) * 1000)
+    return out
 
 
 def event_log_conf(root: Path, namespace: str) -> tuple[Path, dict[str, str]]:
