@@ -48,6 +48,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
+from runtime.nats import raise_swallowed_cancel
 from runtime.supervision import Backoff, backoff_delay
 
 __all__ = [
@@ -151,7 +152,8 @@ class KvLease:
         return msgspec.json.encode(_LeaseValue(self.holder, time.time()))
 
     async def _write(self, last: int) -> int:
-        """Write the key if its last revision is `last` (0: absent); the new revision."""
+        """Write the key if its last revision is `last` (0: absent); the new revision. A
+        cancel nats-py swallowed is raised by the caller once the revision is noted."""
         hdrs = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
         ack = await self._js.publish(self._subject, self._value(), headers=hdrs, msg_ttl=self.ttl_s)
         return ack.seq
@@ -169,10 +171,10 @@ class KvLease:
         except (nats.errors.Error, TimeoutError, msgspec.DecodeError) as err:
             log.debug("lease %s: acquire failed: %r", self.key, err)
             rev = None
-        if rev is None:
-            return False
-        self.revision, self._sent_at = rev, sent
-        return True
+        if rev is not None:
+            self.revision, self._sent_at = rev, sent
+        raise_swallowed_cancel()  # after noting the revision, so a release can delete it
+        return rev is not None
 
     async def _take_over_stale(self) -> int | None:
         """The key exists: take it only if it is a delete/purge marker or names us (a write of
@@ -195,9 +197,10 @@ class KvLease:
         except (nats.errors.Error, TimeoutError) as err:
             log.warning("lease %s lost by %s: %r", self.key, self.holder, err)
             self.revision = None
-            return False
-        self._sent_at = sent
-        return True
+        else:
+            self._sent_at = sent
+        raise_swallowed_cancel()  # after noting the revision, so a release can delete it
+        return self.revision is not None
 
     async def release(self) -> None:
         """Give the lease up at once (graceful stop), so a standby need not wait for the TTL."""

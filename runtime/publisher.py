@@ -56,6 +56,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from runtime.nats import publish, raise_swallowed_cancel
+
 MSG_ID_HEADER = "Nats-Msg-Id"
 _STATUS_HEADER = "Status"
 _NO_RESPONDERS = "503"
@@ -411,6 +413,7 @@ async def _send_raw(nc: Client, data: bytes, messages: int, payload_bytes: int) 
     await nc._send_command(data)
     if nc._flush_queue is not None and nc._flush_queue.empty():
         await nc._flush_pending()
+    raise_swallowed_cancel()  # as `runtime.nats.publish`: the flush swallows a cancel
 
 
 def batch_limit_from(description: str) -> int | None:
@@ -576,7 +579,7 @@ class JetStreamPublisher:
             inflight[reply] = (batch, i, now)
             batch.outstanding += 1
             try:
-                await nc.publish(ev.subject, ev.data, reply=reply, headers=headers)
+                await publish(nc, ev.subject, ev.data, reply=reply, headers=headers)
             except Exception as err:  # noqa: BLE001 - per-event failure, reported not raised
                 if inflight.pop(reply, None) is not None:
                     batch.outstanding -= 1
@@ -803,7 +806,8 @@ class JetStreamPublisher:
                 return fail_all(f"{what} (atomic batch not committed)")
             last = j == n
             try:
-                await nc.publish(
+                await publish(
+                    nc,
                     ev.subject,
                     ev.data,
                     reply=reply if last else "",

@@ -4,9 +4,6 @@ a request that has ended without an answer."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,26 +81,3 @@ def test_owed_and_buffered_never_exceed_two_batches(steps: list[tuple[int, int]]
             credit.ended(min(n, credit.credit))
             clock.t += 0.3
         assert buffered + credit.credit <= 2 * batch
-
-
-async def test_a_cancel_swallowed_by_the_nats_flush_is_raised_again() -> None:
-    """nats-py's publish catches a CancelledError landing in its flush; the reader raises
-    it again after each pull request, so a loop around `fetch` ends when cancelled."""
-    from actors.access.reader import _raise_swallowed_cancel
-
-    rounds = 0
-
-    async def fetch_loop() -> None:
-        nonlocal rounds
-        for _ in range(300):  # bounded: without the re-raise it runs all 300 rounds
-            rounds += 1
-            with contextlib.suppress(asyncio.CancelledError):  # as nats-py's _flush_pending
-                await asyncio.sleep(0.01)
-            _raise_swallowed_cancel()
-
-    task = asyncio.ensure_future(fetch_loop())
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert rounds < 100

@@ -22,6 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
+from runtime.nats import publish
 
 __all__ = [
     "JetStreamReader",
@@ -171,8 +172,7 @@ class JetStreamReader:
         if batch:
             expires = int(self._credit.expires_s * 1e9)
             body = json.dumps({"batch": batch, "expires": expires}).encode()
-            await self.js._nc.publish(self._next, body, self._inbox)
-            _raise_swallowed_cancel()
+            await publish(self.js._nc, self._next, body, reply=self._inbox)  # raises a lost cancel
 
     async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
         """Up to `max_events` messages in stream order, waiting up to `timeout` for one;
@@ -211,19 +211,6 @@ class JetStreamReader:
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self.js.delete_consumer(self.stream, self.name)
-
-
-def _raise_swallowed_cancel() -> None:
-    """Raise the current task's cancellation if nats-py swallowed it.
-
-    nats-py's publish flushes through `_flush_pending`, which catches `CancelledError`
-    and carries on, so a cancel landing there is lost and a loop around `fetch` runs on.
-    A webhook sender then kept fetching and posting after it was stopped, until its
-    lease went stale: a gateway's shutdown took 30 s, and a deleted webhook's sender
-    outlived its deletion."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _status_error(msg: Msg) -> Exception:

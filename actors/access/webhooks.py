@@ -62,6 +62,7 @@ from actors.access.messages import OpenReader, StreamMessage
 from runtime.clock import now_ms
 from runtime.config import WebhookOptions
 from runtime.lease import KvLease, Leadership, Term, ensure_lease_bucket
+from runtime.nats import js_publish
 from runtime.query import Filter
 from runtime.supervision import backoff_delay
 
@@ -550,7 +551,7 @@ class Webhooks:
         )
         headers = {"Nats-Msg-Id": f"webhook:{reg.id}:{ev.seq}"}
         await _until_done(
-            lambda: self.js.publish(DEADLETTER_SUBJECT, record, headers=headers),
+            lambda: js_publish(self.js, DEADLETTER_SUBJECT, record, headers=headers),
             what=f"webhook {reg.id}: dead letter of seq {ev.seq}",
         )
         self.counters["dead_lettered"] += 1
