@@ -39,7 +39,7 @@ import msgspec
 from cluster.chaos.proxy import Blackhole, FaultProxy
 from runtime.config import Config, validate
 from runtime.geo import link_deny, replication_lag
-from runtime.nats import connect
+from runtime.nats import connect, js_publish
 from runtime.services import ensure_streams
 from runtime.sites import NatsSites
 
@@ -165,8 +165,12 @@ class _Producer:
 
     async def _one(self, event_id: str, body: bytes) -> bool:
         try:
-            await self.nc.jetstream().publish(
-                SUBJECT, body, timeout=PUBLISH_TIMEOUT_S, headers={"Nats-Msg-Id": event_id}
+            await js_publish(
+                self.nc.jetstream(),
+                SUBJECT,
+                body,
+                timeout=PUBLISH_TIMEOUT_S,
+                headers={"Nats-Msg-Id": event_id},
             )
         except Exception:
             return False
