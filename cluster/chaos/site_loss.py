@@ -44,6 +44,7 @@ from runtime.services import ensure_streams
 from runtime.sites import NatsSites
 
 log = logging.getLogger(__name__)
+RETRY_MAX_S = 1.0  # the longest pause between a producer's rounds of resends
 SITE_LOSS = "site-loss"  # the scenario's name for `tierflow chaos run --scenario`
 STREAM, SUBJECT = "geo", "raw.geo"
 PUBLISH_TIMEOUT_S = 1.0
@@ -195,7 +196,7 @@ class _Producer:
         on the same site (a slow acknowledgement, not a lost site); the move to the other
         site is for a lost connection."""
         todo = batch
-        for _ in range(60):
+        for attempt in range(60):
             oks = await asyncio.gather(*(self._one(i, b) for i, b in todo))
             todo = [e for e, ok in zip(todo, oks, strict=True) if not ok]
             if not todo:
@@ -205,6 +206,9 @@ class _Producer:
                 await self._fail_over()
                 if "failover_at" not in self.out:
                     self.out["failover_at"] = time.monotonic()
+            # a refusal can come back at once (no responders while a new stream elects its
+            # leader on a loaded machine): without a pause 60 rounds passed in 2 s
+            await asyncio.sleep(min(RETRY_MAX_S, 0.05 * 2**attempt))
         raise RuntimeError(f"{self.name}: {len(todo)} events never acknowledged")
 
 
