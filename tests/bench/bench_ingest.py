@@ -221,7 +221,7 @@ def run_mode(
     tier = start_tier(server, state, mode, k, logic=logic)
     try:
         tag = f"{mode}{k}{'l' if logic else ''}"
-        pids = tier_pids(tier) | {"nats-server": server.pid or 0} if cpu else {}
+        pids = tier_pids(tier) | {"nats-server": server.pid or 0} | ray_pids() if cpu else {}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         report, to_queue_s = asyncio.run(load_then_drain(tier, tier.url, tag))
         path = f"collector {mode.upper()} k={k}{' + logic' if logic else ''}"
@@ -274,6 +274,21 @@ def tier_pids(tier: CollectionTier) -> dict[str, int]:
             role = "primary" if i == group.primary else "backup"
             pids[f"logger-{role}"] = ray.get(replica.heartbeat.remote(), timeout=30)["pid"]
     return pids
+
+
+def ray_pids() -> dict[str, int]:
+    """The local Ray's own processes on the data path (raylet: the object store that
+    carries every argument over 100 KiB; gcs_server), when this process started that Ray."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return {}
+    return {
+        kind: procs[0].process.pid
+        for kind in ("raylet", "gcs_server")
+        if (procs := node.all_processes.get(kind))
+    }
 
 
 def profile_mode(server: NatsServer, state: Path, mode: str, k: int) -> dict[str, Any]:
