@@ -562,3 +562,20 @@ def test_forget_wire_round_trip() -> None:
     assert decode_forget(earlier) == (stored, {_key("s", "a"): ("S", 7)})
     with pytest.raises(TypeError, match="stream, id"):
         encode_forget(["a"], None)  # type: ignore[list-item]
+
+
+@pytest.mark.unit
+def test_an_append_batch_is_cut_into_parts_ray_sends_inline() -> None:
+    """Every part under the per-argument inline limit, joined back byte for byte; a small
+    batch, or one past a call's inline bytes, stays one part (put in the object store)."""
+    from actors.queue.logger.group import INLINE_CALL_BYTES, INLINE_PART_BYTES, inline_parts
+
+    pad = b'{"pad": "%s"}' % (b"x" * 1000)
+    blob = encode_batch([Event(f"e{i}", "s", "s.raw", pad, 1) for i in range(500)])
+    parts = inline_parts(blob)
+    assert len(parts) == -(-len(blob) // INLINE_PART_BYTES) > 1
+    assert all(len(p) <= INLINE_PART_BYTES for p in parts) and b"".join(parts) == blob
+    assert inline_parts(b"small") == (b"small",)
+    assert inline_parts(blob[:INLINE_PART_BYTES]) == (blob[:INLINE_PART_BYTES],)
+    huge = b"x" * (INLINE_CALL_BYTES + 1)
+    assert inline_parts(huge) == (huge,)

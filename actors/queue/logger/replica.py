@@ -238,9 +238,13 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
 
     # -- writes (fenced) -----------------------------------------------------------------
 
-    async def append(self, epoch: int, batch: bytes) -> int:
+    async def append(self, epoch: int, batch: bytes, *more: bytes) -> int:
         """Log an encoded batch; returns how many events were new here. The store decodes
-        it on the writer's thread and keeps each event in the bytes it came in."""
+        it on the writer's thread and keeps each event in the bytes it came in. `more`:
+        the rest of the batch when the caller cut it into parts Ray sends inline
+        (`group.inline_parts`), joined here in order."""
+        if more:
+            batch = b"".join((batch, *more))
         return await self._op("append", batch, epoch=epoch)
 
     async def forget(
