@@ -11,10 +11,12 @@ The wanted jobs are the configured ones (constructor) plus those `start`ed later
 those `stop`ped; both changes are kept in the checkpoint, so they survive restarts. One
 thread owns every Spark control call and reconciles the running queries with the wanted set
 once a second: it starts what is missing, stops what is no longer wanted, and restarts a
-query that died (backoff 1 s doubling to 30 s). Ray methods only change the wanted set and
-read state, so heartbeats never wait behind Spark (the actor is threaded). Each stream
-with a job also gets a dead-letter query: malformed events go to ``deadletter.<stream>``
-and are counted exactly (per batch id, in the checkpoint).
+query that died (backoff 1 s doubling to 30 s); when every query keeps dying
+(``spark.restart_after_failures`` times in a row) the fault is taken to be the driver's own,
+and it exits so that Ray restarts it in a new process (jobs/escalation.py). Ray methods
+only change the wanted set and read state, so heartbeats never wait behind Spark (the actor
+is threaded). Each stream with a job also gets a dead-letter query: malformed events go to
+``deadletter.<stream>`` and are counted exactly (per batch id, in the checkpoint).
 
 `recompute` makes a job's batch view (jobs/batch_view.py, jobs/recompute.py): it pauses the
 job's streaming query, runs the spec as a batch job over the stream's history up to its last
@@ -81,6 +83,7 @@ from jobs.copies import (
     record_copy,
 )
 from jobs.errors import JobError
+from jobs.escalation import should_escalate
 from jobs.recompute import recompute as recompute_view
 from jobs.recompute import serve_view
 from jobs.retention import Purge, enforce
@@ -111,6 +114,7 @@ RECONCILE_S = 1.0
 BACKOFF_MAX_S = 30.0
 RETENTION_S = 10.0  # how often archived streams are trimmed (jobs/retention.py)
 COPY_CHECK_S = 5.0  # how often running queries' copies are compared with the streams'
+EXIT_ESCALATED = 70  # the driver's exit status when it restarts itself (jobs/escalation.py)
 
 
 class JobsError(RuntimeError):
@@ -277,6 +281,9 @@ class AnalysisDriver(SupervisedActor):
         self._jobs_ns = store.namespace("jobs")
         self._stopped_ns = store.namespace("stopped")
         self._dl_ns = store.namespace("deadletters")
+        self._escalation_ns = store.namespace("escalation")
+        last = self._escalation_ns.get(b"last")
+        self._last_escalation = float(last) if last else None
         wanted = {
             n: s for n, s in self._configured.items() if self._stopped_ns.get(n.encode()) is None
         }
@@ -371,12 +378,30 @@ class AnalysisDriver(SupervisedActor):
                 self._ensure(name, stream, "archive", lambda st=stream: self._start_archive(st))
         for name in [n for n in self._w.queries if n not in keep]:
             self._stop_query(name)
+        failing = {n: q.failures for n, q in self._w.queries.items() if n in keep}
+        after = self.cfg.spark.restart_after_failures
+        if should_escalate(failing, self._last_escalation, time.time(), after=after):
+            self._escalate(failing)
         if time.monotonic() >= self._next_copy_check:
             self._next_copy_check = time.monotonic() + COPY_CHECK_S
             self._check_copies()
         if time.monotonic() >= self._next_retention:
             self._next_retention = time.monotonic() + RETENTION_S
             self._retention()
+
+    def _escalate(self, failing: Mapping[str, int]) -> None:
+        """Every query keeps dying: exit so that Ray restarts the driver in a new process and
+        JVM (jobs/escalation.py); the checkpoints make that restart exact."""
+        errors = {n: (self._w.queries[n].error or "")[:300] for n in failing}
+        log.error(
+            "analysis driver: every query failed %d+ times in a row, restarting the driver "
+            "in a new process: %s",
+            min(failing.values()),
+            errors,
+        )
+        self._escalation_ns.put(b"last", str(time.time()).encode())
+        logging.shutdown()
+        os._exit(EXIT_ESCALATED)
 
     def _ensure(
         self, name: str, stream: str, kind: str, start: Any, checkpoint: Path | None = None
@@ -751,6 +776,7 @@ class AnalysisDriver(SupervisedActor):
             "jobs": wanted,
             "queries": queries,
             "dead_letters": self._deadletter_totals() if self.state != "stopped" else {},
+            "escalated_at": self._last_escalation,
         }
 
     def progress(self, since: float = 0.0) -> dict[str, list[dict[str, Any]]]:

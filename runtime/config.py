@@ -127,6 +127,9 @@ class SparkConfig(_Strict):
     checkpoint_dir: str = ""
     log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = "WARN"
     conf: dict[str, str | int | float | bool] = {}
+    # every query of the driver dead this many times in a row: the driver restarts its
+    # process and JVM (at most once per 5 minutes; jobs/escalation.py)
+    restart_after_failures: Positive = 5
 
 
 class RoleConfig(_Strict):

@@ -384,3 +384,47 @@ def test_jobs_list_start_stop_through_the_cli_functions(
     check_results(nats_url, published)
     assert ray.get(driver.stop.remote("by_response"), timeout=90)["stopped"]
     assert "by_response" not in status(driver)["queries"]
+
+
+def test_a_driver_whose_every_query_keeps_dying_restarts_its_process(
+    ray_module: Any, tmp_path: Path, nats_url: str
+) -> None:
+    """Faults that live in the driver's JVM (Spark's streaming source runner once corrupted
+    a map every task carries) outlast any number of query restarts: when every query has
+    died `spark.restart_after_failures` times in a row the driver exits and Ray starts it in
+    a new process, once, and records when (jobs/escalation.py)."""
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "nats": {"url": nats_url},
+            "ray": {"namespace": "tierflow-tests"},
+            "streams": {"nowhere": {"subjects": ["raw.nowhere"]}},  # never created in NATS
+            "spark": {"master": "local[1]", "restart_after_failures": 1},
+        },
+    )
+    dl_nowhere = deadletter_query_name("nowhere")
+    job = {"name": "count_nowhere", "stream": "nowhere", "kind": "count", "by": ["k"]}
+    with running_driver(cfg, nats_url, [job]) as handle:
+        # the first process dies as soon as both queries have died once
+        escalated = wait_until(
+            lambda: status(handle)["escalated_at"],
+            120,
+            0.5,
+            what="the driver's escalation",
+            swallow=True,
+        )
+        beat = ray.get(handle.heartbeat.remote(), timeout=30)
+        assert beat["started_at"] >= escalated, "the answering process started after it"
+        # once per interval: the new process's queries fail too (its reconcile pass that
+        # records a failure is the one that would escalate), and it stays up
+        wait_until(
+            lambda: (
+                (qs := status(handle)["queries"]).keys() == {"count_nowhere", dl_nowhere}
+                and all("nowhere" in (q["error"] or "") for q in qs.values())
+            ),
+            120,
+            0.5,
+            what="both queries failing in the new process",
+        )
+        assert ray.get(handle.heartbeat.remote(), timeout=30)["pid"] == beat["pid"]
