@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import msgspec
 
 from runtime.loop_thread import LoopThread
-from runtime.nats import NatsEndpoint
+from runtime.nats import NatsEndpoint, js_publish
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
 from runtime.waiting import WaitTimeout, await_until
 
@@ -471,7 +471,7 @@ class ResultSink:
                     return False
             expect = {"Nats-Expected-Last-Subject-Sequence": str(held_seq)}
             try:
-                await js.publish(put.subject, put.payload, headers={**headers, **expect})
+                await js_publish(js, put.subject, put.payload, headers={**headers, **expect})
                 return True
             except (TimeoutError, nats.errors.TimeoutError):
                 continue  # maybe stored: the next read says
