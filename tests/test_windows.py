@@ -7,6 +7,7 @@ window fires is observable, not only what it contains.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -256,6 +257,7 @@ def test_tumbling_2s_drops_and_counts_late_events_and_duplicates(sp: Any, tmp_pa
         n_batches = len(q.recentProgress)
         assert poll(lambda: counter.batches(q.id) >= n_batches, timeout=30)
         assert counter.count(q.id) == 4
+        assert hasattr(counter, "_jlistenerobj")  # registered through its JSON callback
     finally:
         sp.streams.removeListener(counter)
     final = max(ms_from_iso(p["eventTime"]["watermark"]) for p in q.recentProgress)
@@ -294,3 +296,35 @@ def test_count_tumbling_n2_fires_every_2_events_whatever_the_elapsed_time(
     assert fired_in[("a", 0)] == 1 and fired_in[("a", 1)] == 2 and fired_in[("b", 0)] == 3
     # a5 and c1 wait in state for their partner: nothing else was emitted.
     assert sum(len(rows) for _, rows in emitted) == 3
+
+
+class _Progress:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def json(self) -> str:
+        return self.text
+
+
+class _Event:
+    def __init__(self, text: str) -> None:
+        self._progress = _Progress(text)
+
+    def progress(self) -> _Progress:
+        return self._progress
+
+
+def test_late_events_are_counted_from_a_progress_json() -> None:
+    from jobs.windows import LATE_OPERATOR, _ProgressJson
+
+    counter = LateEventCounter()
+    ops = [
+        {"operatorName": LATE_OPERATOR, "numRowsDroppedByWatermark": 3},
+        {"operatorName": "stateStoreSave", "numRowsDroppedByWatermark": 7},  # not events
+    ]
+    callback = _ProgressJson(counter)
+    callback.onQueryProgress(_Event(json.dumps({"id": "q1", "stateOperators": ops})))
+    callback.onQueryProgress(_Event(json.dumps({"id": "q1", "stateOperators": ops[:1]})))
+    callback.onQueryProgress(_Event(json.dumps({"id": "q2", "stateOperators": []})))
+    assert (counter.count("q1"), counter.batches("q1")) == (6, 2)
+    assert (counter.count("q2"), counter.batches("q2")) == (0, 1)

@@ -107,6 +107,8 @@ async def phase(
         i: len(events[i * BATCH : (i + 1) * BATCH])
         for i in range((len(events) + BATCH - 1) // BATCH)
     }
+    driver_pid = await asyncio.get_running_loop().run_in_executor(None, p.pid, p.driver)
+    cpu0 = tree_cpu_s(driver_pid)
     t0, wall0 = time.monotonic(), time.time()
     report = await drive(
         p.tier.url,
@@ -125,6 +127,7 @@ async def phase(
         lambda: topn.last >= total, timeout=600, interval=0.05, what="top-N caught up"
     )
     topn_done = time.monotonic()
+    driver_cpu = tree_cpu_s(driver_pid) - cpu0
     await await_until(
         lambda: sum(1 for _, n in raw.seen if first_n <= n <= last_n) >= len(events),
         timeout=120,
@@ -154,10 +157,26 @@ async def phase(
         "topn": summary(top_ms),
         "raw": summary(raw_ms),
         "updates": len(frames),
+        "driver_cpu_s": driver_cpu,
         "parts": {k: summary(v) for k, v in parts.items() if v},
         "batches": {name: durations_summary(rows) for name, rows in progress.items()},
         "slots": await loop.run_in_executor(None, p.slot_profile, wall0),
     }
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its living descendants: the analysis
+    driver with Spark's JVM and its Python workers (a worker gone meanwhile is missed)."""
+    import psutil
+
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system
+    return total
 
 
 def cumulative(
@@ -231,6 +250,12 @@ def print_parts(rows: list[dict[str, Any]]) -> None:
             f"{k} p50 {v['p50_ms']:,.0f} p99 {v['p99_ms']:,.0f}" for k, v in parts.items()
         )
         print(f"  {r['rate']:,.0f}/s top-N latency, ms: {text}")
+        if "driver_cpu_s" in r:
+            print(
+                f"  {r['rate']:,.0f}/s analysis driver (Spark, JVM, workers): "
+                f"{r['driver_cpu_s']:.1f} CPU s, {r['driver_cpu_s'] * 1000 / r['events']:.2f} "
+                "ms per event"
+            )
 
 
 def print_batches(label: str, batches: dict[str, dict[str, Any]]) -> None:
