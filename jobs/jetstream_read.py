@@ -599,58 +599,69 @@ def take_deliveries(nc: Client, take: Take) -> None:
 
 
 class _WireParser(Parser):
-    """nats-py's protocol parser with a fast lane for whole ``MSG`` / ``HMSG`` frames."""
+    """nats-py's protocol parser with a fast lane for whole ``MSG`` / ``HMSG`` frames.
+
+    Each field is copied out of the buffer once (through a memoryview, released before the
+    buffer is cut); a frame no taker claims goes to nats-py after the buffer is cut past it,
+    as nats-py's own parser would hand it over."""
 
     take: Take
 
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
         buf.extend(data)
-        pos, size, partial = 0, len(buf), False
-        try:
-            while self.state == _AWAITING_CONTROL_LINE and pos < size:
-                if buf.startswith(b"HMSG ", pos):
-                    head = 5
-                elif buf.startswith(b"MSG ", pos):
-                    head = 4
-                else:
-                    break  # PING, INFO, +OK, -ERR, ...: nats-py's
-                eol = buf.find(b"\r\n", pos, pos + _MAX_CONTROL_LINE)
-                if eol < 0:
-                    partial = size - pos < _MAX_CONTROL_LINE
-                    break
-                args = buf[pos + head : eol].split()
-                hdr_len = 0
-                if head == 5 and len(args) == 5:
-                    subject, sid, reply, hdr, total = args
-                    hdr_len = int(hdr)
-                elif head == 5 and len(args) == 4:
-                    subject, sid, hdr, total = args
-                    reply, hdr_len = b"", int(hdr)
-                elif head == 4 and len(args) == 4:
-                    subject, sid, reply, total = args
-                elif head == 4 and len(args) == 3:
-                    subject, sid, total = args
-                    reply = b""
-                else:
-                    break  # nats-py raises the protocol error
-                start = eol + 2
-                stop = start + int(total)
-                if size < stop + 2:
-                    partial = True  # the payload is still on its way
-                    break
-                headers = bytes(buf[start : start + hdr_len]) if hdr_len else None
-                payload = bytes(buf[start + hdr_len : stop])
-                pos = stop + 2
-                if not self.take(int(sid), bytes(subject), bytes(reply), headers, payload):
+        take = self.take
+        partial = False
+        while True:
+            declined: tuple[int, bytes, bytes, bytes, bytes | None] | None = None
+            pos, size = 0, len(buf)
+            view = memoryview(buf)
+            try:
+                while self.state == _AWAITING_CONTROL_LINE and pos < size:
+                    if buf.startswith(b"HMSG ", pos):
+                        head = 5
+                    elif buf.startswith(b"MSG ", pos):
+                        head = 4
+                    else:
+                        break  # PING, INFO, +OK, -ERR, ...: nats-py's
+                    eol = buf.find(b"\r\n", pos, pos + _MAX_CONTROL_LINE)
+                    if eol < 0:
+                        partial = size - pos < _MAX_CONTROL_LINE
+                        break
+                    args = view[pos + head : eol].tobytes().split()
+                    hdr_len = 0
+                    if head == 5 and len(args) == 5:
+                        subject, sid, reply, hdr, total = args
+                        hdr_len = int(hdr)
+                    elif head == 5 and len(args) == 4:
+                        subject, sid, hdr, total = args
+                        reply, hdr_len = b"", int(hdr)
+                    elif head == 4 and len(args) == 4:
+                        subject, sid, reply, total = args
+                    elif head == 4 and len(args) == 3:
+                        subject, sid, total = args
+                        reply = b""
+                    else:
+                        break  # nats-py raises the protocol error
+                    start = eol + 2
+                    stop = start + int(total)
+                    if size < stop + 2:
+                        partial = True  # the payload is still on its way
+                        break
+                    body = start + hdr_len
+                    headers = view[start:body].tobytes() if hdr_len else None
+                    payload = view[body:stop].tobytes()
+                    pos = stop + 2
+                    if not take(int(sid), subject, reply, headers, payload):
+                        declined = (int(sid), subject, reply, payload, headers)
+                        break
+            finally:
+                view.release()
+                if pos:
                     del buf[:pos]
-                    pos, size = 0, len(buf)
-                    await self.nc._process_msg(
-                        int(sid), bytes(subject), bytes(reply), payload, headers
-                    )
-        finally:
-            if pos:
-                del buf[:pos]
+            if declined is None:
+                break
+            await self.nc._process_msg(*declined)
         if buf and not partial:
             await super().parse()
 
