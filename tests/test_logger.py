@@ -568,7 +568,7 @@ def test_forget_wire_round_trip() -> None:
 def test_an_append_batch_is_cut_into_parts_ray_sends_inline() -> None:
     """Every part under the per-argument inline limit, joined back byte for byte; a small
     batch, or one past a call's inline bytes, stays one part (put in the object store)."""
-    from actors.queue.logger.group import INLINE_CALL_BYTES, INLINE_PART_BYTES, inline_parts
+    from runtime.inline import INLINE_CALL_BYTES, INLINE_PART_BYTES, inline_parts
 
     pad = b'{"pad": "%s"}' % (b"x" * 1000)
     blob = encode_batch([Event(f"e{i}", "s", "s.raw", pad, 1) for i in range(500)])

@@ -59,6 +59,7 @@ from runtime.clock import now_ms
 from runtime.compaction import CompactingLogic, stream_logic
 from runtime.config import Config, system_streams, validate
 from runtime.events import Event, encode_batch
+from runtime.inline import inline_parts
 from runtime.logic import StreamLogic
 from runtime.loop_thread import LoopThread
 from runtime.publisher import MSG_ID_HEADER, header_bytes
@@ -635,8 +636,9 @@ class Collector(SupervisedActor):
         is counts only (a hand-off reads none of it)."""
         try:
             self.counters["handoffs"] += 1
-            batch = encode_batch(events)
-            return await self._bridge().publish.remote(batch, self.logger.name, detail)
+            # parts Ray sends inline in the call, not through the object store
+            first, *more = inline_parts(encode_batch(events))
+            return await self._bridge().publish.remote(first, self.logger.name, detail, *more)
         except Exception as err:
             self.counters["bridge_errors"] += 1
             log.warning("bridge call failed; the replayer will publish: %r", err)

@@ -56,6 +56,7 @@ from runtime.clock import now_ms
 from runtime.compaction import CompactingLogic, stream_logic, target_subject
 from runtime.config import Config, atomic_batches_enabled, validate
 from runtime.events import Event, decode_batch
+from runtime.inline import join_parts
 from runtime.logic import LogicResult, StreamLogic
 from runtime.loop_thread import LoopThread
 from runtime.publisher import (
@@ -251,7 +252,9 @@ class BrokerBridge(SupervisedActor):
 
     # ------------------------------------------------------------------ the data path
 
-    async def publish(self, batch: bytes, logger: str, detail: bool = True) -> dict[str, Any]:
+    async def publish(
+        self, batch: bytes, logger: str, detail: bool = True, *more: bytes
+    ) -> dict[str, Any]:
         """Publish one logged batch; answer each id's stream sequence or error.
 
         One Ray call per batch (never per event). Events the collector already processed
@@ -263,9 +266,13 @@ class BrokerBridge(SupervisedActor):
         `detail=False` (a background hand-off, which reads no answer): the same work, and
         the answer holds only counts (`{"published": n, "failed": n, "deadlettered": n}`),
         so no dict of every id is built and sent back through Ray.
+
+        `more`: the rest of the batch when the caller cut it into parts Ray sends inline
+        (`runtime.inline.inline_parts`), joined here in order.
         """
         self.counters["batches"] += 1
-        work = self._process_and_publish(self.loggers[logger], decode_batch(batch), detail)
+        events = decode_batch(join_parts(batch, more))
+        work = self._process_and_publish(self.loggers[logger], events, detail)
         return await self._dataplane.run(work)
 
     async def _publish_events(

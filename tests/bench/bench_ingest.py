@@ -249,14 +249,16 @@ def cpu_seconds(pid: int) -> float:
 
 def tier_calls(tier: CollectionTier) -> dict[str, int]:
     """Ray calls of the data path so far: log appends (group commits), bridge hand-offs
-    and forgets, summed over the tier's collectors and bridges."""
+    and forgets, summed over the tier's collectors and bridges; and the hand-offs that
+    failed (`bridge_errors`: left to the replayer, so they should stay 0)."""
     import ray
 
-    calls = {"log_appends": 0, "handoffs": 0, "forgets": 0}
+    calls = {"log_appends": 0, "handoffs": 0, "forgets": 0, "bridge_errors": 0}
     for name in tier.collectors:
         st = ray.get(tier.actor(name).stats.remote(), timeout=30)
         calls["log_appends"] += st.get("log_flushes", 0)
         calls["handoffs"] += st.get("handoffs", 0)
+        calls["bridge_errors"] += st.get("bridge_errors", 0)
     for name in tier.bridges:
         calls["forgets"] += ray.get(tier.actor(name).stats.remote(), timeout=30)["forget_calls"]
     return calls

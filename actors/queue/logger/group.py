@@ -21,6 +21,7 @@ from actors.queue.logger.errors import LogFull, LogUnavailable
 from actors.queue.logger.records import LogKey, _split_key, encode_forget
 from runtime import clock
 from runtime.events import Event, decode_batch, encode_batch
+from runtime.inline import inline_parts
 from runtime.replication import FencedError, ReplicaGroup
 
 log = logging.getLogger(__name__)
@@ -30,23 +31,8 @@ log = logging.getLogger(__name__)
 # puts such an argument once and passes the reference (about 0.7 ms of the caller's CPU
 # saved per extra replica, measured with batches of 150-600 KB).
 PUT_ONCE_BYTES = 100 * 1024
-# An append's batch travels instead as parts of at most this size, each an argument of its
-# own, so every part goes inline (the limit is per argument) and the replica joins them:
-# no object store at all, whose raylet work (create, seal, fetch by every replica, free)
-# cost about 0.05 core-s per 10k events at HML k=1 (bench_ingest's A/B figure). A call
-# inlines at most 10 MiB (`task_rpc_inlined_bytes_limit`); a batch past INLINE_CALL_BYTES
-# is put once as before.
-INLINE_PART_BYTES = 96 * 1024
-INLINE_CALL_BYTES = 8 << 20
-
-
-def inline_parts(blob: bytes) -> tuple[bytes, ...]:
-    """`blob` cut into parts Ray sends inline (`INLINE_PART_BYTES`; one part if it is
-    small, or too big for one call's inline bytes); `b"".join(parts) == blob`."""
-    if len(blob) <= INLINE_PART_BYTES or len(blob) > INLINE_CALL_BYTES:
-        return (blob,)
-    step = INLINE_PART_BYTES
-    return tuple(blob[i : i + step] for i in range(0, len(blob), step))
+# An append's batch travels instead as parts Ray sends inline (`runtime.inline`): no object
+# store at all, whose raylet work cost about 0.05 core-s per 10k events at HML k=1.
 
 
 def _cause(exc: BaseException) -> BaseException:
