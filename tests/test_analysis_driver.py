@@ -398,7 +398,8 @@ def test_a_driver_whose_every_query_keeps_dying_restarts_its_process(
         overrides={
             "state_dir": str(tmp_path / "state"),
             "nats": {"url": nats_url},
-            "ray": {"namespace": "tierflow-tests"},
+            # a namespace of its own: start_driver returns the module's driver by its name
+            "ray": {"namespace": "tierflow-tests-escalation"},
             "streams": {"nowhere": {"subjects": ["raw.nowhere"]}},  # never created in NATS
             "spark": {"master": "local[1]", "restart_after_failures": 1},
         },
