@@ -48,7 +48,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
-from runtime.nats import raise_swallowed_cancel
+from runtime.nats_publish import raise_swallowed_cancel
 from runtime.supervision import Backoff, backoff_delay
 
 __all__ = [

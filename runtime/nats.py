@@ -10,14 +10,12 @@ established but fails fast (with the real auth error) when the first connect can
 runtime/nats_endpoint.py (a light import for Spark's Python processes) and are re-exported
 here.
 
-`publish` / `js_publish` are nats-py's publishes for code inside a cancellable loop: nats-py
-flushes through `_flush_pending`, which catches `CancelledError` and carries on, so a
-cancel landing there is lost (`raise_swallowed_cancel`).
+`publish` / `js_publish` (runtime/nats_publish.py, re-exported) are nats-py's publishes for
+code inside a cancellable loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -32,15 +30,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtime.nats_endpoint import NatsEndpoint, connect
+from runtime.nats_publish import js_publish, publish, raise_swallowed_cancel
 from runtime.waiting import poll
-
-if TYPE_CHECKING:
-    from nats.aio.client import Client
-    from nats.js import JetStreamContext
-    from nats.js.api import PubAck
 
 CONFIG_NAME = "nats.conf"
 JS_KEY_ENV = "TIERFLOW_JS_KEY"  # the at-rest key reaches the server by environment only
@@ -48,40 +42,6 @@ LOG_NAME = "nats-server.log"
 READY_LINE = "Server is ready"
 _LOG_TAIL_CHARS = 4000
 _log = logging.getLogger(__name__)
-
-
-def raise_swallowed_cancel() -> None:
-    """Raise the current task's cancellation if nats-py swallowed it.
-
-    nats-py's publish (and every request built on it: `js.publish`, KV puts) flushes
-    through `_flush_pending`, which catches `CancelledError` and returns, so a cancel
-    landing there is lost and a loop around the publish runs on. A stopped webhook sender
-    kept fetching and posting until its lease went stale (a gateway's shutdown took 30 s).
-    Call it after such a call, once what it returned is recorded."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-async def publish(
-    nc: Client,
-    subject: str,
-    payload: bytes = b"",
-    *,
-    reply: str = "",
-    headers: dict[str, str] | None = None,
-) -> None:
-    """`nc.publish` that raises a cancellation it swallowed (see `raise_swallowed_cancel`)."""
-    await nc.publish(subject, payload, reply=reply, headers=headers)
-    raise_swallowed_cancel()
-
-
-async def js_publish(js: JetStreamContext, subject: str, payload: bytes, **kw: Any) -> PubAck:
-    """`js.publish` that raises a cancellation it swallowed; the message may be stored then
-    (as with any cancel after sending), so its writer needs a dedup id or a fence."""
-    ack = await js.publish(subject, payload, **kw)
-    raise_swallowed_cancel()
-    return ack
 
 
 class NatsServerError(RuntimeError):
