@@ -242,7 +242,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         """Log an encoded batch; returns how many events were new here. The store decodes
         it on the writer's thread and keeps each event in the bytes it came in. `more`:
         the rest of the batch when the caller cut it into parts Ray sends inline
-        (`group.inline_parts`), joined here in order."""
+        (`runtime.inline.inline_parts`), joined here in order."""
         if more:
             batch = b"".join((batch, *more))
         return await self._op("append", batch, epoch=epoch)
