@@ -28,6 +28,7 @@ from actors.queue.logger.records import (
 )
 from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp, _Crash
 from runtime.events import decode_batch, encode_batch
+from runtime.inline import join_parts
 from runtime.ray_supervisor import SupervisedActor
 from runtime.replication import Fence, ReplicaMixin
 from runtime.supervision import backoff_delay
@@ -243,9 +244,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
         it on the writer's thread and keeps each event in the bytes it came in. `more`:
         the rest of the batch when the caller cut it into parts Ray sends inline
         (`runtime.inline.inline_parts`), joined here in order."""
-        if more:
-            batch = b"".join((batch, *more))
-        return await self._op("append", batch, epoch=epoch)
+        return await self._op("append", join_parts(batch, more), epoch=epoch)
 
     async def forget(
         self,
