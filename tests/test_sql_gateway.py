@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import ray
 
-from cluster.deploy.analysis import start_driver, stop_driver, wait_running
+from cluster.deploy.analysis import DriverConflict, start_driver, stop_driver, wait_running
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from jobs.archive import queries_root
 from runtime.config import Config, load
@@ -181,3 +181,26 @@ def test_results_is_a_table_too(stack: dict[str, Any], orders: list[dict[str, An
     query = {"sql": "SELECT count(*) FROM results"}
     status, body = asyncio.run(post(stack["url"], query, LIMITED))
     assert status == 200, body
+
+
+def test_starting_the_running_driver_again_adds_its_jobs_or_names_the_conflict(
+    stack: dict[str, Any], cfg: Config, nats_server: NatsServer
+) -> None:
+    """A second `start_driver` under the same name starts the jobs the running driver lacks
+    (before, it returned the running one silently, without them), and refuses what would
+    mean another driver: another NATS, or a changed spec under a running job's name."""
+    driver = stack["driver"]
+    job = {"name": "orders_by_item", "kind": "count", "stream": "orders", "by": ["item"]}
+    assert "orders_by_item" not in ray.get(driver.jobs.remote(), timeout=60)
+    again = start_driver(cfg, nats_server.url, [job])
+    try:
+        assert again._actor_id == driver._actor_id
+        assert "orders_by_item" in ray.get(driver.jobs.remote(), timeout=60)
+        assert start_driver(cfg, nats_server.url, [job])._actor_id == driver._actor_id
+        with pytest.raises(DriverConflict, match="another spec"):
+            start_driver(cfg, nats_server.url, [{**job, "by": ["qty"]}])
+        with pytest.raises(DriverConflict, match="nats_url"):
+            start_driver(cfg, "nats://127.0.0.1:1", [])
+        assert ray.get(driver.jobs.remote(), timeout=60)["orders_by_item"]["by"] == ["item"]
+    finally:
+        ray.get(driver.stop.remote("orders_by_item", 60.0), timeout=120)

@@ -14,9 +14,11 @@ import ray
 
 from cluster.deploy.deployer import deploy
 from cluster.deploy.spec import RoleSpec, Start
-from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY
+from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY, default_master
+from jobs.errors import JobError
 from jobs.specs import JobSpec, decode_spec
 from runtime.config import Config
+from runtime.nats_endpoint import NatsEndpoint
 from runtime.ray_supervisor import supervised_options
 from runtime.supervision import ChildSpec
 
@@ -79,6 +81,46 @@ def analysis_role(
     return RoleSpec(role=ROLE, children=(child,), start=Start.DETACHED)
 
 
+class DriverConflict(JobError):
+    """A driver of that name already runs in a way the caller did not ask for."""
+
+
+def jobs_to_add(
+    name: str,
+    status: Mapping[str, Any],
+    wanted: Mapping[str, Mapping[str, Any]],
+    asked: Sequence[JobSpec],
+    *,
+    nats_url: str,
+    master: str,
+) -> list[JobSpec]:
+    """The jobs a running driver (`status` and `wanted` are its own answers) must start to
+    run `asked` too; DriverConflict when it cannot: it reads another NATS or runs
+    another Spark master (its queries and checkpoints are elsewhere), or runs a job of the
+    same name with another spec (a changed query needs a new name: its checkpoint holds the
+    old one's state). Without this, starting a driver under a taken name returned the
+    running one silently, with none of the caller's jobs."""
+    theirs = {"nats_url": status.get("nats_url"), "master": status.get("master")}
+    for key, mine in (("nats_url", nats_url), ("master", master)):
+        if theirs[key] != mine:
+            raise DriverConflict(
+                f"analysis driver {name!r} already runs with {key} {theirs[key]!r}, not "
+                f"{mine!r}: stop it first, or give this one another name"
+            )
+    have = {n: decode_spec(dict(s)) for n, s in wanted.items()}
+    add: list[JobSpec] = []
+    for spec in asked:
+        if spec.name not in have:
+            add.append(spec)
+        elif have[spec.name] != spec:
+            raise DriverConflict(
+                f"analysis driver {name!r} already runs job {spec.name!r} with another spec: "
+                "stop the job first, or give the changed query a new name (its checkpoint "
+                "holds the old query's state)"
+            )
+    return add
+
+
 def start_driver(
     cfg: Config,
     nats_url: str,
@@ -88,11 +130,29 @@ def start_driver(
     master: str | None = None,
     state_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """Start the named driver, or return the running one (its configured jobs unchanged:
-    use `start` on it to add jobs)."""
+    """Start the named driver with `jobs`; when it already runs, start on it those of
+    `jobs` it lacks (`jobs_to_add`, which refuses a driver on another NATS or master).
+    A new driver restores its own wanted jobs: a configured job stopped earlier stays
+    stopped until started by name."""
+    try:
+        ray.get_actor(name, namespace=cfg.ray.namespace)
+        existed = True
+    except ValueError:
+        existed = False
     spec = analysis_role(cfg, nats_url, jobs, name=name, master=master, state_dir=state_dir)
     (deployed,) = deploy([spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
-    return deployed.actors[0]
+    driver = deployed.actors[0]
+    if not existed:
+        return driver
+    asked = [decode_spec(j if isinstance(j, JobSpec) else dict(j)) for j in jobs]
+    status, wanted = ray.get([driver.status.remote(), driver.jobs.remote()], timeout=120)
+    endpoint = NatsEndpoint.from_config(cfg, "analysis", url=nats_url)
+    add = jobs_to_add(
+        name, status, wanted, asked, nats_url=endpoint.url, master=master or default_master(cfg)
+    )
+    for job in add:  # wait_s 0: the job's query starts in the driver's own time
+        ray.get(driver.start.remote(msgspec.to_builtins(job), 0.0), timeout=120)
+    return driver
 
 
 def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
