@@ -22,6 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
+from actors.access.wire import tap
 from runtime.nats import publish
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
 _GRACE_S = 0.5  # past the newest request's expiry, credit no answer accounted for is stale
+_PLAIN_HEADERS = b"NATS/1.0\r\n"  # a header block with no status line: a stored message's
 
 
 class PullCredit:
@@ -80,7 +82,11 @@ class JetStreamReader:
     """An ephemeral pull consumer (no acks, memory storage, one replica) from `start_seq`,
     or of the last message per subject (a KV snapshot). Deleted with `close()`, and by the
     server after `inactive_s` if this process dies. Its pull requests overlap (`PullCredit`):
-    what is stored while one fetch's messages are handled is already on its way."""
+    what is stored while one fetch's messages are handled is already on its way.
+
+    A stream reader's deliveries are taken off the wire (actors/access/wire.py: no nats-py
+    `Msg`, header dict or callback per message); statuses (408, 409, 100, ...) and a KV
+    reader's messages, whose headers matter, still come through nats-py to `_on_msg`."""
 
     def __init__(
         self,
@@ -103,7 +109,8 @@ class JetStreamReader:
         self.name = ""
         self.num_pending = 0
         self._next = self._inbox = ""
-        self._buf: deque[Msg] = deque()
+        self._buf: deque[Msg | tuple[StreamMessage, int]] = deque()
+        self._tapped: Any = None
         self._ready = asyncio.Event()
         self._credit: PullCredit | None = None
         self._error: Exception | None = None
@@ -135,7 +142,27 @@ class JetStreamReader:
             pending_msgs_limit=self._pending_msgs,
             pending_bytes_limit=256 << 20,
         )
+        if not self.kv:
+            self._tapped = tap(nc)
+            self._tapped.register(self._sub._id, self._take)
         return self
+
+    def _take(self, subject: bytes, reply: bytes, headers: bytes | None, data: bytes) -> bool:
+        """A delivery straight off the wire, in arrival order; False for a status (no
+        payload and a status line), which goes through nats-py to `_on_msg`."""
+        if headers is not None and not data and not headers.startswith(_PLAIN_HEADERS):
+            return False
+        position = delivery_position(reply.decode())
+        if position is None:  # a reply shape not known here: nats-py's Msg parses it
+            msg = Msg(self.js._nc, subject.decode(), reply.decode(), data)
+            self._buf.append(msg)
+        else:
+            seq, pending = position
+            self._buf.append((StreamMessage(seq, subject.decode(), data), pending))
+        if self._credit is not None:
+            self._credit.delivered()
+        self._ready.set()
+        return True
 
     async def _on_msg(self, msg: Msg) -> None:
         """Every delivery and status of this reader's pull requests, in arrival order."""
@@ -193,6 +220,10 @@ class JetStreamReader:
         await self._ask(max_events, timeout)
         out: list[StreamMessage] = []
         for m in msgs:
+            if isinstance(m, tuple):
+                out.append(m[0])
+                self.num_pending = m[1]
+                continue
             position = delivery_position(m.reply)
             if position is None:  # a reply shape not known here: nats-py's parse decides
                 meta = m.metadata
@@ -206,6 +237,8 @@ class JetStreamReader:
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
+        if self._tapped is not None and sub is not None:
+            self._tapped.unregister(sub._id)
         with contextlib.suppress(Exception):
             if sub is not None:
                 await sub.unsubscribe()
