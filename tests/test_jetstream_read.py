@@ -17,10 +17,13 @@ from nats.protocol.parser import Parser
 
 from jobs.jetstream_options import MIN_SPLIT, SeqRange, SourceError, SourceOptions, split_range
 from jobs.jetstream_read import (
+    _MSG_ID,
     Chunk,
     _arrow_schema,
+    binary_column,
     check_payload,
     chunk_to_batch,
+    msg_ids,
     payload_columns,
     read_range,
     take_deliveries,
@@ -114,6 +117,55 @@ def test_chunk_columns_from_replies_and_headers() -> None:
     bad.append(b"s", b"_INBOX.abc", None, b"{}")
     with pytest.raises(SourceError, match="_INBOX.abc"):
         chunk_to_batch(bad, "json", _arrow_schema())
+
+
+@pytest.mark.unit
+@given(st.lists(st.binary(max_size=30), max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_binary_column_is_the_array_pyarrow_builds(values: list[bytes]) -> None:
+    import pyarrow as pa
+
+    built = binary_column(values)
+    built.validate(full=True)
+    assert built.equals(pa.array(values, pa.binary()))
+
+
+# header blocks around a message id: the publisher's shape, and every near miss of it
+id_text = st.text(alphabet=st.sampled_from(list("ab7-_. \t\r\n:")), max_size=8).map(str.encode)
+ID_FIRST = b"NATS/1.0\r\nNats-Msg-Id: "
+id_first_blocks = st.one_of(
+    id_text.map(lambda i: ID_FIRST + i + b"\r\n\r\n"),
+    st.tuples(id_text, id_text).map(lambda t: ID_FIRST + t[0] + b"\r\nNats-Batch-Id: " + t[1]),
+    id_text.map(lambda i: ID_FIRST + i),  # no line end after the id
+    st.none(),
+)
+header_blocks = st.one_of(
+    id_first_blocks,
+    id_text.map(lambda i: b"NATS/1.0\r\nOther: x\r\nNats-Msg-Id:" + i + b"\r\n\r\n"),
+    id_text.map(lambda i: b"NATS/1.0\r\nnats-msg-id: " + i + b"\r\n\r\n"),
+    st.binary(max_size=30),
+)
+
+
+@pytest.mark.unit
+@given(
+    st.lists(header_blocks, max_size=12),
+    st.lists(id_first_blocks, max_size=12),
+    st.lists(st.text(alphabet="ab7-_.", max_size=8), max_size=12),
+)
+@settings(max_examples=400, deadline=None)
+def test_msg_ids_are_what_the_regex_finds(
+    mixed: list[bytes | None], id_first: list[bytes | None], ids: list[str]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    plain = [ID_FIRST + i.encode() + b"\r\n\r\n" for i in ids]  # what publishers write
+    for blocks in (mixed, id_first, plain):
+        headers = pa.array(blocks, pa.binary())
+        want = pc.struct_field(pc.extract_regex(headers, _MSG_ID), "id")
+        assert msg_ids(headers).to_pylist() == want.to_pylist()
+    assert msg_ids(pa.array(plain, pa.binary())).to_pylist() == [i.encode() for i in ids]
 
 
 @pytest.mark.unit
