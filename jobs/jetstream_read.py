@@ -27,14 +27,11 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
-from nats.protocol.parser import MAX_CONTROL_LINE_SIZE as _MAX_CONTROL_LINE
-from nats.protocol.parser import Parser
 
 from jobs.jetstream_options import (
     DEFAULT_TIMEOUT,
@@ -49,6 +46,7 @@ from jobs.jetstream_options import (
 )
 from runtime.loop_thread import LoopThread
 from runtime.nats_endpoint import NatsEndpoint
+from runtime.nats_wire import Take, install
 from runtime.publisher import MSG_ID_HEADER
 
 if TYPE_CHECKING:
@@ -573,8 +571,6 @@ class _RangeFetcher:
 
 # --------------------------------------------------------------------------- off the wire
 
-Take = Callable[[int, bytes, bytes, "bytes | None", bytes], bool]
-
 
 def take_deliveries(nc: Client, take: Take) -> None:
     """Offer every message `nc` receives to `take(sid, subject, reply, headers, payload)`
@@ -583,8 +579,9 @@ def take_deliveries(nc: Client, take: Take) -> None:
 
     Relies on two internals of the pinned nats-py (2.16): the protocol parser `nc._ps` and
     `nc._process_msg`, which the parser calls per message. The parser keeps its state; only
-    its class changes, to `_WireParser`, whose fast lane reads whole ``MSG``/``HMSG``
-    frames with a few byte operations and leaves every other operation to nats-py.
+    its class changes, to `runtime.nats_wire.FastLaneParser`, whose fast lane reads whole
+    ``MSG``/``HMSG`` frames with a few byte operations and leaves every other operation to
+    nats-py.
     """
     parsed = nc._process_msg
 
@@ -595,77 +592,7 @@ def take_deliveries(nc: Client, take: Take) -> None:
             await parsed(sid, subject, reply, data, headers)
 
     nc._process_msg = process_msg  # type: ignore[method-assign]
-    parser = nc._ps
-    parser.__class__ = _WireParser
-    parser.take = take  # type: ignore[attr-defined]
-
-
-class _WireParser(Parser):
-    """nats-py's protocol parser with a fast lane for whole ``MSG`` / ``HMSG`` frames.
-
-    Each field is copied out of the buffer once (through a memoryview, released before the
-    buffer is cut); a frame no taker claims goes to nats-py after the buffer is cut past it,
-    as nats-py's own parser would hand it over."""
-
-    take: Take
-
-    async def parse(self, data: bytes = b"") -> None:
-        buf = self.buf
-        buf.extend(data)
-        take = self.take
-        partial = False
-        while True:
-            declined: tuple[int, bytes, bytes, bytes, bytes | None] | None = None
-            pos, size = 0, len(buf)
-            view = memoryview(buf)
-            try:
-                while self.state == _AWAITING_CONTROL_LINE and pos < size:
-                    if buf.startswith(b"HMSG ", pos):
-                        head = 5
-                    elif buf.startswith(b"MSG ", pos):
-                        head = 4
-                    else:
-                        break  # PING, INFO, +OK, -ERR, ...: nats-py's
-                    eol = buf.find(b"\r\n", pos, pos + _MAX_CONTROL_LINE)
-                    if eol < 0:
-                        partial = size - pos < _MAX_CONTROL_LINE
-                        break
-                    args = view[pos + head : eol].tobytes().split()
-                    hdr_len = 0
-                    if head == 5 and len(args) == 5:
-                        subject, sid, reply, hdr, total = args
-                        hdr_len = int(hdr)
-                    elif head == 5 and len(args) == 4:
-                        subject, sid, hdr, total = args
-                        reply, hdr_len = b"", int(hdr)
-                    elif head == 4 and len(args) == 4:
-                        subject, sid, reply, total = args
-                    elif head == 4 and len(args) == 3:
-                        subject, sid, total = args
-                        reply = b""
-                    else:
-                        break  # nats-py raises the protocol error
-                    start = eol + 2
-                    stop = start + int(total)
-                    if size < stop + 2:
-                        partial = True  # the payload is still on its way
-                        break
-                    body = start + hdr_len
-                    headers = view[start:body].tobytes() if hdr_len else None
-                    payload = view[body:stop].tobytes()
-                    pos = stop + 2
-                    if not take(int(sid), subject, reply, headers, payload):
-                        declined = (int(sid), subject, reply, payload, headers)
-                        break
-            finally:
-                view.release()
-                if pos:
-                    del buf[:pos]
-            if declined is None:
-                break
-            await self.nc._process_msg(*declined)
-        if buf and not partial:
-            await super().parse()
+    install(nc, take)
 
 
 # --------------------------------------------------------------------------- to Arrow
