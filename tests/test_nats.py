@@ -435,3 +435,23 @@ async def test_connect_unreachable_fails_fast() -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     with pytest.raises(nats.errors.NoServersError):
         await asyncio.wait_for(connect(url, connect_attempts=2), 15)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
+    """A port the kernel hands out for port 0 can go to an outgoing connection before its
+    server binds it (a collector failed that way); ports below the ephemeral range cannot."""
+    from runtime.nats import QUIET_PORTS_FROM, free_ports, quiet_ports
+
+    ranges = tmp_path / "range"
+    ranges.write_text("32768\t60999\n")
+    assert quiet_ports(ranges) == range(QUIET_PORTS_FROM, 32768)
+    ranges.write_text("1024 65535\n")
+    assert len(quiet_ports(ranges)) == 0
+    assert len(quiet_ports(tmp_path / "missing")) == 0
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    if len(quiet_ports()):
+        assert all(p in quiet_ports() for p in ports)
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
