@@ -81,12 +81,19 @@ async def connect_nats(
     return await NatsEndpoint.from_config(cfg, role, url=url or "", name=name).connect()
 
 
+# A replicated stream's create answers once its Raft group has a leader: on a loaded
+# machine that outlasted nats-py's 5 s default (a 3-node site's add_stream timed out in a
+# fresh `make test`). A create or update is idempotent, and success returns as soon as it is
+# done, so waiting longer only matters when the cluster is slow.
+STREAM_ADMIN_TIMEOUT_S = 30.0
+
+
 async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
     """Create or update the configured JetStream streams (file storage, dedup window)."""
     from nats.js.api import DiscardPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
 
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=STREAM_ADMIN_TIMEOUT_S)
     made = []
     for name, s in cfg.streams.items():
         archived = s.archive is not None
