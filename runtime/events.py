@@ -101,8 +101,9 @@ def new_event_ids(n: int) -> list[str]:
 # Skipping a value checks less than decoding it: bad UTF-8 inside a string and numbers
 # out of range (a float past 1.8e308, an integer of over 4,300 digits) pass a skip but
 # fail a decode. So a body is skipped (not decoded) only if it is valid UTF-8 and has no
-# number that could be out of range: no exponent of 3 or more digits and no run of 200
-# digits (a float of fewer integer digits and a 2-digit exponent stays below 1e299).
+# number that could be out of range: no positive exponent of 3 or more digits and no run
+# of 200 digits (a float of fewer integer digits and a 2-digit exponent stays below
+# 1e299; a negative exponent underflows to 0.0, which decodes).
 # Text that merely looks like it (an id "e2e-50000", a UUID "550e8400-...") is common, so
 # a body the byte scan flags is decoded, values dropped: a decode that succeeds is the
 # proof (what decodes, a skip accepts too). Measured on RSVPs with ids like "e2e-50000":
@@ -125,7 +126,7 @@ def skippable_json(body: bytes) -> bool:
             body.decode("utf-8")
         except UnicodeDecodeError:
             return False
-    shapes = body.translate(_NUMBER_SHAPES, b"+-")
+    shapes = body.translate(_NUMBER_SHAPES, b"+")  # "-" stays: 1e-500 is 0.0
     if _BIG_EXPONENT not in shapes and _LONG_DIGITS not in shapes:
         return True
     return _decodes(body)

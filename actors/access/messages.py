@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from runtime.events import skippable_json
 from runtime.query import Filter
 
 __all__ = [
@@ -35,9 +36,6 @@ KV_OP_HEADER = "KV-Operation"
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
 _skim = msgspec.json.Decoder(msgspec.Raw)  # checks the syntax, builds nothing
-# digits to 0, exponent marks to e, so one substring search finds a number that may not fit
-_NUMBERS = bytes.maketrans(b"123456789E+", b"000000000ee")
-_LONG_DIGITS = b"0" * 200
 # msgspec raises UnicodeDecodeError, not DecodeError, for bad UTF-8 inside a string
 _NOT_JSON = (msgspec.DecodeError, UnicodeDecodeError)
 _MISS: Any = object()
@@ -145,23 +143,14 @@ def surely_json(raw: bytes) -> bool:
     """True only if msgspec's full decode (as `StreamMessage.data` runs it) accepts `raw`;
     False when it refuses it or may (the full decode decides then).
 
-    The raw decode checks the syntax (strings, escapes, numbers' grammar, nesting) but not
-    what the full decode checks on building values: UTF-8 inside strings, checked here for
-    the whole payload (outside strings valid JSON is ASCII), and numbers past a double's
-    range (1.8e308), which need a positive exponent of 3 digits or, with a smaller one, an
-    integer part of over 200 digits: a payload holding either, even inside a string, is
-    left to the decode."""
+    The raw decode checks the syntax (strings, escapes, numbers' grammar, nesting); what
+    the full decode checks on top when it builds values (UTF-8 inside strings, numbers past
+    a double's range) is the collector's rule, `runtime.events.skippable_json`."""
     try:
         _skim.decode(raw)
     except (msgspec.DecodeError, RecursionError):
         return False
-    if not raw.isascii():
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-    numbers = raw.translate(_NUMBERS)
-    return b"e000" not in numbers and _LONG_DIGITS not in numbers
+    return skippable_json(raw)
 
 
 def kv_message(seq: int, subject: str, raw: bytes, headers: dict[str, str] | None) -> StreamMessage:
