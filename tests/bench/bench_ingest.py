@@ -231,10 +231,6 @@ async def load_then_drain(
 ) -> tuple[LoadReport, float, float]:
     """The measured load; (report, seconds until JetStream holds every event, seconds
     until the logger has also forgotten every one)."""
-
-    async def drained() -> bool:
-        return await logger_empty(tier)
-
     nc = await connect(nats_url)
     try:
         js = nc.jetstream()
@@ -248,7 +244,7 @@ async def load_then_drain(
 
         await await_until(queued, timeout=300, interval=0.01, what="queued")
         to_queue_s = time.perf_counter() - t0
-        await await_until(drained, timeout=300, interval=0.02, what="drained")
+        await await_until(lambda: logger_empty(tier), timeout=300, interval=0.02, what="drained")
         to_drain_s = time.perf_counter() - t0
         assert (await js.stream_info("bench")).state.messages == target, "not exactly once"
     finally:
