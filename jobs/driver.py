@@ -15,8 +15,9 @@ query that died (backoff 1 s doubling to 30 s); when every query keeps dying
 (``spark.restart_after_failures`` times in a row) the fault is taken to be the driver's own,
 and it exits so that Ray restarts it in a new process (jobs/escalation.py). Ray methods
 only change the wanted set and read state, so heartbeats never wait behind Spark (the actor
-is threaded). Each stream with a job also gets a dead-letter query: malformed events go to
-``deadletter.<stream>`` and are counted exactly (per batch id, in the checkpoint).
+is threaded). Each stream with a job also gets a dead-letter scan (jobs/deadletter_scan.py,
+a reader without Spark, supervised like a query): malformed events go to
+``deadletter.<stream>``, and its position and exact count are kept in the checkpoint.
 
 `recompute` makes a job's batch view (jobs/batch_view.py, jobs/recompute.py): it pauses the
 job's streaming query, runs the spec as a batch job over the stream's history up to its last
@@ -29,7 +30,7 @@ starts, and each start compares it with the copy the driver reads now. On anothe
 job never resumes its positions: a job that merges (count, topn, distinct) is recomputed as
 a batch view over the new copy and continues as its next generation from there; a sample or
 custom job starts a fresh generation from the new copy's first sequence; a dead-letter
-query starts over on the new copy; the archive refuses to start (`archive_copy_error` says
+scan starts over on the new copy; the archive refuses to start (`archive_copy_error` says
 why and what to do) and nothing is purged or read from it meanwhile.
 
 The CLI's side (``tierflow jobs list|start|stop|recompute``) is `cluster/analysis.py`.
@@ -82,12 +83,13 @@ from jobs.copies import (
     read_copy,
     record_copy,
 )
+from jobs.deadletter_scan import DeadLetterScan
 from jobs.errors import JobError
 from jobs.escalation import should_escalate
 from jobs.recompute import recompute as recompute_view
 from jobs.recompute import serve_view
 from jobs.retention import Purge, enforce
-from jobs.running import DEADLETTER_TRIGGER_S, staggered, start_deadletters, start_job
+from jobs.running import staggered, start_job
 from jobs.sink import BatchReport, close_sinks
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
@@ -164,14 +166,10 @@ def default_master(cfg: Config) -> str:
     return DEFAULT_MASTER if cfg.spark.master == "local[*]" else cfg.spark.master
 
 
-def query_triggers(jobs: Mapping[str, JobSpec], streams: Mapping[str, float]) -> dict[str, float]:
-    """The interval (s) each query runs at: the jobs' own and every stream's dead-letter
-    query's (the shortest of its jobs', at least `DEADLETTER_TRIGGER_S`), `staggered` so
-    that queries sharing an interval do not all start their batches at the same instant."""
-    asked = {name: spec.trigger_s for name, spec in jobs.items()}
-    for stream, trigger_s in streams.items():
-        asked[deadletter_query_name(stream)] = max(trigger_s, DEADLETTER_TRIGGER_S)
-    return staggered(asked)
+def query_triggers(jobs: Mapping[str, JobSpec]) -> dict[str, float]:
+    """The interval (s) each job's query runs at, `staggered` so that queries sharing an
+    interval do not all start their batches at the same instant."""
+    return staggered({name: spec.trigger_s for name, spec in jobs.items()})
 
 
 def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: str) -> str:
@@ -217,8 +215,25 @@ class _Query:
 
 
 class _DeadLetterCount(msgspec.Struct, array_like=True):
+    """A stream's dead letters in the checkpoint: `next_seq` is the scan's position (0 in
+    a record written by the Spark dead-letter query before it, whose checkpoint then has
+    the position); `last_batch` is that query's last counted batch, kept for the record."""
+
     last_batch: int
     total: int
+    next_seq: int = 0
+
+
+def deadletter_position(record: _DeadLetterCount | None, spark_checkpoint: Path) -> int:
+    """Where a stream's dead-letter scan starts: its recorded position; after the Spark
+    dead-letter query it replaces (a record without one), the end of that query's last
+    committed batch, so an upgrade neither skips nor resends; else 0, the stream's first."""
+    if record is not None and record.next_seq:
+        return record.next_seq
+    done = committed(spark_checkpoint)
+    if done is not None and done[1] is not None:
+        return int(done[1].get("seq", 0))
+    return 0
 
 
 @dataclass
@@ -296,14 +311,27 @@ class AnalysisDriver(SupervisedActor):
             wanted[spec.name] = spec
         self._w.jobs = wanted
 
-    def _count_deadletters(self, stream: str, batch_id: int, n: int) -> None:
-        key = stream.encode()
-        raw = self._dl_ns.get(key)
-        seen = msgspec.msgpack.decode(raw, type=_DeadLetterCount) if raw else None
-        if seen is not None and batch_id <= seen.last_batch:
-            return  # a replayed batch: already counted
-        total = (seen.total if seen else 0) + n
-        self._dl_ns.put(key, msgspec.msgpack.encode(_DeadLetterCount(batch_id, total)))
+    def _deadletter_record(self, stream: str) -> _DeadLetterCount | None:
+        raw = self._dl_ns.get(stream.encode())
+        return msgspec.msgpack.decode(raw, type=_DeadLetterCount) if raw else None
+
+    def _count_deadletters(self, stream: str, next_seq: int, report: BatchReport) -> None:
+        """A scan's pass is durable: its position and the dead letters JetStream newly
+        stored (a pass resent after a crash finds its ids there already), in one put."""
+        seen = self._deadletter_record(stream)
+        last_batch, total = (seen.last_batch, seen.total) if seen else (-1, 0)
+        total += report.published - report.duplicates
+        record = _DeadLetterCount(last_batch, total, next_seq)
+        self._dl_ns.put(stream.encode(), msgspec.msgpack.encode(record))
+
+    def _committed_seq(self, q: _Query) -> int | None:
+        """The next sequence `q` reads, all before it durably done (a dead-letter scan's
+        recorded position, a query's last committed end offset); None before its first."""
+        if q.kind == "deadletter":
+            return deadletter_position(self._deadletter_record(q.stream), q.checkpoint) or None
+        done = committed(q.checkpoint)
+        seq = (done[1] or {}).get("seq") if done else None
+        return int(seq) if seq is not None else None
 
     def _deadletter_totals(self) -> dict[str, int]:
         out = {}
@@ -350,11 +378,8 @@ class AnalysisDriver(SupervisedActor):
         with self._lock:
             wanted = dict(self._w.jobs)
             paused = set(self._w.paused)
-        streams: dict[str, float] = {}
-        for spec in wanted.values():
-            t = spec.trigger_s
-            streams[spec.stream] = min(streams.get(spec.stream, t), t)
-        every = query_triggers(wanted, streams)
+        streams = {spec.stream for spec in wanted.values()}
+        every = query_triggers(wanted)
         for spec in wanted.values():
             if spec.name in paused:
                 continue
@@ -367,9 +392,7 @@ class AnalysisDriver(SupervisedActor):
             )
         for stream in streams:
             name = deadletter_query_name(stream)
-            self._ensure(
-                name, stream, "deadletter", lambda s=stream, t=every[name]: self._start_dl(s, t)
-            )
+            self._ensure(name, stream, "deadletter", lambda s=stream: self._start_dl(s))
         keep = (set(wanted) - paused) | {deadletter_query_name(s) for s in streams}
         for stream, s in self.cfg.streams.items():
             if s.archive is not None:
@@ -582,14 +605,8 @@ class AnalysisDriver(SupervisedActor):
         save_view(self.checkpoint_root, view)
         self._views[view.name] = view
 
-    def _start_dl(self, stream: str, trigger_s: float) -> StreamingQuery:
+    def _start_dl(self, stream: str) -> DeadLetterScan:
         q = self._w.queries[deadletter_query_name(stream)]
-
-        def on_batch(batch_id: int, report: BatchReport) -> None:
-            self._count_deadletters(stream, batch_id, report.published)
-            q.count(batch_id, report)
-
-        assert self.spark is not None
         ckpt = self.checkpoint_root / deadletter_query_name(stream)
         here = current_copy(self.nats, stream)
         q.copy = here
@@ -605,7 +622,7 @@ class AnalysisDriver(SupervisedActor):
                 here.describe(),
             )
             shutil.rmtree(ckpt, ignore_errors=True)
-            self._dl_ns.delete(stream.encode())  # its count is per batch id: starts over too
+            self._dl_ns.delete(stream.encode())  # its position and count start over too
             self.copy_changes[q.name] = {
                 "from": recorded.describe(),
                 "to": here.describe(),
@@ -614,14 +631,13 @@ class AnalysisDriver(SupervisedActor):
             }
         if action is not Action.RESUME:
             record_copy(ckpt, here)
-        return start_deadletters(
-            self.spark,
-            stream,
-            self.nats,
-            self.checkpoint_root,
-            on_batch=on_batch,
-            trigger_s=trigger_s,
-        )
+
+        def on_pass(next_seq: int, report: BatchReport) -> None:
+            self._count_deadletters(stream, next_seq, report)
+            q.count(next_seq, report)
+
+        start = deadletter_position(self._deadletter_record(stream), ckpt)
+        return DeadLetterScan(self.nats, stream, start, on_pass).start()
 
     def _start_archive(self, stream: str) -> StreamingQuery:
         archive = self.cfg.streams[stream].archive
@@ -748,10 +764,10 @@ class AnalysisDriver(SupervisedActor):
                 "results": q.results,
                 "duplicates": q.duplicates,
             }
-            done = committed(q.checkpoint)
-            if done is not None:
+            if q.kind != "deadletter" and (done := committed(q.checkpoint)):
                 row["last_batch_id"] = done[0]
-                row["committed_seq"] = (done[1] or {}).get("seq")
+            if (seq := self._committed_seq(q)) is not None:
+                row["committed_seq"] = seq
             view = self._views.get(name)
             if view is not None:
                 row["view_high_water"] = view.high_water
@@ -985,8 +1001,7 @@ class AnalysisDriver(SupervisedActor):
             if q.query is None or not q.query.isActive:
                 out[name] = "not running"
                 continue
-            done = committed(q.checkpoint)
-            seq = int((done[1] or {}).get("seq", 1)) if done else 1
+            seq = self._committed_seq(q) or 1
             if seq < targets.get(q.stream, 1):
                 out[name] = seq
         return out

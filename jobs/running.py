@@ -3,8 +3,9 @@
 `start_job` turns a `JobSpec` into a Spark streaming query reading the ``jetstream`` source
 (jobs/jetstream.py) and writing through `ResultSink` (jobs/sink.py): results on
 ``results.<job name>`` with ids ``<job>:<batchId>:<key>`` and the latest value per key in KV
-under ``<job>.<key>`` (docs/contracts.md). `start_deadletters` runs one query per stream that
-sends its malformed events to ``deadletter.<stream>``. The query's checkpoint lives at
+under ``<job>.<key>`` (docs/contracts.md). `start_deadletters` is a query per stream that
+sends its malformed events to ``deadletter.<stream>``, for a user's own Spark code (the
+driver finds them without Spark: jobs/deadletter_scan.py). The query's checkpoint lives at
 ``<checkpoint root>/<name>``, so a restart resumes where the last committed batch ended.
 """
 
