@@ -83,3 +83,55 @@ def test_a_query_started_in_a_pool_runs_its_batches_there(spark: Any, tmp_path: 
         sc.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
     with lock:
         assert set(seen) == {query_pool("q1")}, seen
+
+
+CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
+
+
+def test_a_stateful_checkpoint_resumes_across_the_checkpoint_file_managers(
+    spark: Any, tmp_path: Path
+) -> None:
+    """`LATENCY_DEFAULTS`' checkpoint file manager is the one a query starts with (a class
+    that does not exist fails the start), and a RocksDB-state checkpoint written by Spark's
+    default manager resumes exactly under it and back: batch ids go on, counts accumulate."""
+    inbox, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    inbox.mkdir()
+    seen: list[tuple[int, dict[str, int]]] = []
+
+    def record(df: Any, batch_id: int) -> None:
+        seen.append((batch_id, {r["k"]: r["count"] for r in df.collect()}))
+
+    def run(manager: str | None, keys: str, where: Path = ckpt) -> None:
+        (inbox / f"{len(list(inbox.iterdir()))}.json").write_text(
+            "".join(f'{{"k": "{k}"}}\n' for k in keys)
+        )
+        if manager is None:
+            spark.conf.unset(CHECKPOINT_MANAGER)
+        else:
+            spark.conf.set(CHECKPOINT_MANAGER, manager)
+        try:
+            query = (
+                spark.readStream.schema("k string")
+                .json(str(inbox))
+                .groupBy("k")
+                .count()
+                .writeStream.outputMode("update")
+                .foreachBatch(record)
+                .option("checkpointLocation", str(where))
+                .trigger(availableNow=True)
+                .start()
+            )
+            query.awaitTermination(120)
+            assert not query.isActive
+            assert query.exception() is None
+        finally:
+            spark.conf.unset(CHECKPOINT_MANAGER)
+
+    ours = LATENCY_DEFAULTS[CHECKPOINT_MANAGER]
+    with pytest.raises(Exception, match="NoSuchManager"):
+        run(ours.rsplit(".", 1)[0] + ".NoSuchManager", "z", tmp_path / "other")
+    (inbox / "0.json").unlink()
+    run(None, "aab")
+    run(ours, "ac")
+    run(None, "b")
+    assert seen == [(0, {"a": 2, "b": 1}), (1, {"a": 3, "c": 1}), (2, {"b": 2})]
