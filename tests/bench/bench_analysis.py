@@ -27,7 +27,9 @@ row's ``data``), which reads its partitions in parallel.
 The dead-letter query (`jobs.running.start_deadletters`, which reads every event to find
 the malformed ones) runs over a stream of the same RSVPs with a few malformed payloads
 among them, in one batch each time (a new checkpoint each); its ``addBatch`` is the time
-it takes from the cores the jobs share.
+it takes from the cores the jobs share. The driver's own dead-letter scan
+(`jobs.deadletter_scan.DeadLetterScan`, no Spark) then reads the same stream from its
+start, DL_RUNS times: its wall time and this process's CPU (the scan, its reads' loop thread).
 A profile pass (py-spy on this process and its Spark Python workers, reading JetStream)
 follows, not measured.
 
@@ -50,12 +52,14 @@ import pytest
 
 from cluster.demo.meetup import meetup_jobs, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
+from jobs.deadletter_scan import DeadLetterScan
 from jobs.jetstream import register
 from jobs.running import start_deadletters, start_job
 from jobs.specs import JobSpec
 from runtime.config import load
 from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.services import spark_session
+from runtime.waiting import wait_until
 from tests.bench.common import Profiler, print_profile, write_report
 
 EVENTS = int(os.environ.get("TIERFLOW_BENCH_ANALYSIS_EVENTS", "40000"))
@@ -66,6 +70,23 @@ WARM = 10_000  # two partitions of a batch read: warms two source workers
 DL_EVENTS = int(os.environ.get("TIERFLOW_BENCH_DL_EVENTS", "10000"))  # ~5 s at 2k events/s
 DL_RUNS = 3
 DL_BAD = (b'{"rsvp": ', b"\xff not utf-8", b"not json")
+
+
+def scan_deadletters(nats: NatsEndpoint, stream: str, events: int) -> dict[str, Any]:
+    """One `DeadLetterScan` over `stream` from its start, in one pass: wall and CPU ms
+    until its position passes the last event, and the dead letters it published."""
+    published: list[int] = []
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    scan = DeadLetterScan(
+        nats, stream, 0, lambda _seq, r: published.append(r.published), max_events=events + 1
+    ).start()
+    try:
+        wait_until(lambda: scan.position > events or not scan.isActive, 120, 0.005)
+        assert scan.exception() is None, scan.exception()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        scan.stop()
+    return {"wall_ms": wall * 1000, "cpu_ms": cpu * 1000, "letters": sum(published)}
 
 
 async def publish(url: str, rsvps: list[bytes], warm: list[bytes], dl: list[bytes]) -> float:
@@ -268,6 +289,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
                     "letters": sum(letters.values()),
                 }
             )
+        scans = [scan_deadletters(nats, "dl", len(dl_bodies)) for _ in range(DL_RUNS)]
         profiles: dict[str, Any] = {}
         if PROFILE:
             spy = Profiler(
@@ -295,6 +317,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
     assert js_default["events"] == files_default["events"] == EVENTS
     assert js_alone["events"] == files_alone["events"] == js_batch["events"] == EVENTS
     assert [d["letters"] for d in dead] == [len(DL_BAD)] * DL_RUNS
+    assert [d["letters"] for d in scans] == [len(DL_BAD)] * DL_RUNS
 
     print(
         f"\nanalysis: Meetup top-N (Space-Saving, capacity 100000), {EVENTS} RSVPs, "
@@ -337,6 +360,13 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         f"{adds[len(adds) // 2]:.0f}); triggerExecution median {trig[len(trig) // 2]:.0f} ms; "
         f"rows into Spark {dead[0]['rows']}"
     )
+    walls = sorted(d["wall_ms"] for d in scans)
+    cpus = sorted(d["cpu_ms"] for d in scans)
+    print(
+        f"dead-letter scan (no Spark), the same {len(dl_bodies)} events, {DL_RUNS} runs: "
+        f"wall {', '.join(f'{w:.0f}' for w in walls)} ms (median {walls[len(walls) // 2]:.0f}); "
+        f"CPU median {cpus[len(cpus) // 2]:.0f} ms"
+    )
     if profiles:
         print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
     write_report(
@@ -353,6 +383,7 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
             "files_source": files_alone,
             "jetstream_batch_read": js_batch,
             "deadletters": dead,
+            "deadletter_scans": scans,
             "profiles": profiles,
         },
     )
