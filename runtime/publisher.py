@@ -49,6 +49,7 @@ import secrets
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import msgspec
@@ -264,6 +265,19 @@ class LatencyReservoir:
         self._ring[self._count % self._size] = seconds
         self._count += 1
 
+    def add_many(self, seconds: float, n: int) -> None:
+        """`add(seconds)` n times (every event of a committed batch has its latency)."""
+        size, ring = self._size, self._ring
+        if n >= size:  # the whole ring, whatever position it is at
+            ring[:] = array("d", [seconds]) * size
+        elif n > 0:
+            start = self._count % size
+            first = min(n, size - start)
+            ring[start : start + first] = array("d", [seconds]) * first
+            if n > first:
+                ring[: n - first] = array("d", [seconds]) * (n - first)
+        self._count += max(0, n)
+
     def __len__(self) -> int:
         return min(self._count, self._size)
 
@@ -277,6 +291,57 @@ class LatencyReservoir:
 
     def clear(self) -> None:
         self._count = 0
+
+
+class _Slots:
+    """The in-flight window: `acquire(n)` takes n slots at once or waits, first come first
+    served, holding none meanwhile (so two batches waiting can never each hold part of
+    what the other needs); `release(n)` gives them back. An atomic batch takes its slots
+    in one step instead of one semaphore round per event."""
+
+    __slots__ = ("_free", "_waiters")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    async def acquire(self, n: int = 1) -> None:
+        if not self._waiters and self._free >= n:
+            self._free -= n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted as the cancel landed: give the slots back
+            else:
+                self._waiters.remove(entry)
+                self._wake()  # a smaller waiter behind it may fit now
+            raise
+
+    def release(self, n: int = 1) -> None:
+        self._free += n
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            n, fut = waiters[0]
+            if fut.done():  # cancelled, its acquire not yet resumed to remove it
+                waiters.popleft()
+                continue
+            if self._free < n:
+                return
+            waiters.popleft()
+            self._free -= n
+            fut.set_result(None)
 
 
 class _Batch:
@@ -476,7 +541,7 @@ class JetStreamPublisher:
         # reply subject -> (batch, index, sent_at); insertion order is send order, and every
         # entry has the same timeout, so the first entry is always the next one to expire.
         self._inflight: OrderedDict[str, tuple[_Batch, int, float]] = OrderedDict()
-        self._window = asyncio.Semaphore(max_in_flight)
+        self._window = _Slots(max_in_flight)
         self._prefix = ""
         self._next_token = 0
         self._sub: Any | None = None
@@ -488,7 +553,6 @@ class JetStreamPublisher:
         self.batches = 0  # committed atomic batches
         self.batch_fallbacks = 0  # refused batches published again event by event
         self._open_batches = asyncio.Semaphore(max_open_batches)
-        self._take_window = asyncio.Lock()  # one batch at a time takes its window slots
         self._commits: dict[str, asyncio.Future[Msg | None]] = {}
         self._lanes: dict[str, _Lane] = {}  # stream -> events waiting for a batch
         self._lane_tasks: set[asyncio.Task[None]] = set()
@@ -660,20 +724,28 @@ class JetStreamPublisher:
         room = max_payload - base if max_payload > 0 else None
         alone: list[int] = []
         lane = self._lanes.setdefault(key, _Lane())
-        for i, ev in enumerate(events):
-            if room is None or (not ev.headers and len(ev.data) + 4 * len(ev.id) <= room):
-                lane.queue.append((call, i))
-                call.outstanding += 1
-                continue
-            probe = batch_headers(ev, probe_id, MAX_ATOMIC_BATCH * 10, commit=True)
-            if oversize_error(ev.data, probe, max_payload) is None:
-                lane.queue.append((call, i))
-                call.outstanding += 1
-            elif why := oversize_error(ev.data, {**ev.headers, MSG_ID_HEADER: ev.id}, max_payload):
-                call.results[i] = Failed(ev.id, why, False)  # never sent: it would reset the link
-                self.failed += 1
-            else:
-                alone.append(i)  # fits without the batch headers: published on its own
+        if room is None or all(
+            not ev.headers and len(ev.data) + 4 * len(ev.id) <= room for ev in events
+        ):  # the usual case: every event fits, all queued at once
+            lane.queue.extend(zip(repeat(call), range(len(events))))
+            call.outstanding = len(events)
+        else:
+            for i, ev in enumerate(events):
+                if not ev.headers and len(ev.data) + 4 * len(ev.id) <= room:
+                    lane.queue.append((call, i))
+                    call.outstanding += 1
+                    continue
+                probe = batch_headers(ev, probe_id, MAX_ATOMIC_BATCH * 10, commit=True)
+                if oversize_error(ev.data, probe, max_payload) is None:
+                    lane.queue.append((call, i))
+                    call.outstanding += 1
+                elif why := oversize_error(
+                    ev.data, {**ev.headers, MSG_ID_HEADER: ev.id}, max_payload
+                ):
+                    call.results[i] = Failed(ev.id, why, False)  # never sent: resets the link
+                    self.failed += 1
+                else:
+                    alone.append(i)  # fits without the batch headers: published on its own
         if call.outstanding:
             call.done = asyncio.get_running_loop().create_future()
             self._pump(key, lane)
@@ -711,14 +783,11 @@ class JetStreamPublisher:
             if len(evs) > 1:
                 n = len(evs)
                 async with self._open_batches:
-                    async with self._take_window:  # whole batches take slots: no deadlock
-                        for _ in range(n):
-                            await self._window.acquire()
+                    await self._window.acquire(n)  # the whole batch's slots at once
                     try:
                         outcomes = await self._send_batch(evs, key)
                     finally:
-                        for _ in range(n):
-                            self._window.release()
+                        self._window.release(n)
             if outcomes is None:  # refused (or one event): each call's share event by event
                 if len(evs) > 1:
                     self.batch_fallbacks += 1
@@ -856,8 +925,7 @@ class JetStreamPublisher:
         self.published += n
         self.batches += 1
         lat = loop.time() - sent_at
-        for _ in range(n):
-            self.latency.add(lat)
+        self.latency.add_many(lat, n)
         if self._histogram is not None:
             self._histogram.observe(lat)
         return [Published(ev.id, ack.stream, first + j, False) for j, ev in enumerate(evs)]

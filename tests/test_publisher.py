@@ -26,6 +26,7 @@ from runtime.publisher import (
     LatencyReservoir,
     Outgoing,
     Published,
+    _Slots,
     api_error_retryable,
     duplicate_window_for,
     jittered,
@@ -156,6 +157,64 @@ def test_latency_reservoir_quantiles_and_ring() -> None:
     for _ in range(100):
         r.add(5.0)  # the ring keeps only the newest 100
     assert len(r) == 100 and r.quantile(0.01) == 5.0
+
+
+@pytest.mark.unit
+@given(
+    size=st.integers(1, 20),
+    ops=st.lists(st.tuples(st.booleans(), st.floats(0, 1), st.integers(1, 45)), max_size=30),
+)
+def test_latency_reservoir_add_many_is_add_repeated(
+    size: int, ops: list[tuple[bool, float, int]]
+) -> None:
+    many, one = LatencyReservoir(size=size), LatencyReservoir(size=size)
+    for bulk, seconds, n in ops:
+        if bulk:
+            many.add_many(seconds, n)
+        else:
+            many.add(seconds)
+        for _ in range(n if bulk else 1):
+            one.add(seconds)
+        assert len(many) == len(one) and many._ring[: len(many)] == one._ring[: len(one)]
+        assert many._count % size == one._count % size
+
+
+@pytest.mark.unit
+async def test_slots_take_many_at_once_first_come_first_served() -> None:
+    slots = _Slots(5)
+    await slots.acquire(3)
+    big = asyncio.ensure_future(slots.acquire(4))  # 2 free: waits, holding none
+    await asyncio.sleep(0)
+    small = asyncio.ensure_future(slots.acquire(1))  # fits, but waits behind the first
+    await asyncio.sleep(0)
+    assert not big.done() and not small.done() and slots.free == 2
+    slots.release(2)
+    await asyncio.sleep(0)
+    assert big.done() and not small.done() and slots.free == 0
+    slots.release(4)
+    await asyncio.sleep(0)
+    assert small.done() and slots.free == 3
+    # a waiter cancelled gives way to the ones behind it and takes nothing
+    blocked = asyncio.ensure_future(slots.acquire(5))
+    behind = asyncio.ensure_future(slots.acquire(2))
+    await asyncio.sleep(0)
+    blocked.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await blocked
+    await asyncio.sleep(0)
+    assert behind.done() and slots.free == 1
+    # granted just as it was cancelled: the slots go back
+    slots.release(3)
+    late = asyncio.ensure_future(slots.acquire(5))  # 4 free: waits
+    other = asyncio.ensure_future(slots.acquire(1))
+    await asyncio.sleep(0)
+    assert slots.free == 4 and not late.done()
+    slots.release(2)  # 6 free: `late` granted 5, `other` 1 ...
+    late.cancel()  # ... but `late` is cancelled before it resumes
+    with contextlib.suppress(asyncio.CancelledError):
+        await late
+    await other
+    assert slots.free == 5  # `late` gave its 5 back
 
 
 @pytest.mark.unit

@@ -418,10 +418,18 @@ class BrokerBridge(SupervisedActor):
         dead-lettered ids with their reasons. The log is keyed by (stream, id); `events`
         carry each id in one stream only."""
         by_id = {e.id: e for e in events}
+        duplicates = 0
         if published:  # acked: forgotten off this path, batched with other calls' acks
-            keys = [key_of(by_id[p.id]) for p in published]
-            # sequences matter only to ack-token records: the rest are not shipped
-            seqs = {key_of(by_id[p.id]): (p.stream, p.seq) for p in published if by_id[p.id].token}
+            keys: list[tuple[str, str]] = []
+            seqs: dict[tuple[str, str], tuple[str, int]] = {}
+            for p in published:  # one pass: keys, token sequences, duplicates
+                e = by_id[p.id]
+                key = (e.stream, e.id)  # key_of(e)
+                keys.append(key)
+                if e.token:  # sequences matter only to ack-token records
+                    seqs[key] = (p.stream, p.seq)
+                if p.duplicate:
+                    duplicates += 1
             await self._forgetter(group).add(keys, seqs)
         retry = [(by_id[f.id], f.error) for f in failed if f.retryable]
         poison = [(by_id[f.id], f.error) for f in failed if not f.retryable]
@@ -431,8 +439,8 @@ class BrokerBridge(SupervisedActor):
         if parked:
             await group.fail([(by_id[f.id], f.error) for f in parked], now_ms(), park=True)
             self.counters["parked"] += len(parked)
-        self.counters["published"] += sum(1 for p in published if not p.duplicate)
-        self.counters["duplicates"] += sum(1 for p in published if p.duplicate)
+        self.counters["published"] += len(published) - duplicates
+        self.counters["duplicates"] += duplicates
         self.counters["failed"] += len(failed)
         return dead
 
@@ -593,6 +601,10 @@ def _one_stream_per_id(events: Sequence[Event]) -> list[list[Event]]:
     """Split a batch so no part carries one id in two streams (two distinct events: the log
     keys by (stream, id)), since the publisher reports outcomes by id. One part when ids
     are unique across streams, the usual case."""
+    if events:
+        first = events[0].stream
+        if all(e.stream == first for e in events):  # one stream: ids cannot clash
+            return [list(events)]
     parts: list[tuple[list[Event], dict[str, str]]] = []
     for e in events:
         for part, streams in parts:

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any
 
 from actors.queue.logger import LogKey
@@ -87,11 +87,13 @@ class Forgetter:
         while len(self._pending) >= self.max_pending:  # bounded: the sender drains it
             self._room.clear()
             await self._room.wait()
-        seqs = seqs or {}
         if not self._pending:
             self._since = asyncio.get_running_loop().time()
-        for key in keys:
-            self._pending[tuple(key)] = seqs.get(key)  # type: ignore[assignment]
+        if seqs:
+            for key in keys:
+                self._pending[tuple(key)] = seqs.get(key)  # type: ignore[assignment]
+        else:  # the usual case (no ack tokens): no lookup a key
+            self._pending.update(zip(map(tuple, keys), repeat(None)))  # type: ignore[arg-type]
         if len(self._pending) >= self.min_keys:
             self._enough.set()
         self._idle.clear()
@@ -117,8 +119,12 @@ class Forgetter:
         try:
             while self._pending:  # bounded: each pass takes up to max_keys keys out
                 await self._linger()
-                take = list(islice(self._pending, self.max_keys))
-                taken = {k: self._pending.pop(k) for k in take}
+                if len(self._pending) <= self.max_keys:  # all of it: no pop a key
+                    taken, self._pending = self._pending, {}
+                    take = list(taken)
+                else:
+                    take = list(islice(self._pending, self.max_keys))
+                    taken = {k: self._pending.pop(k) for k in take}
                 self._room.set()
                 self._sending = len(take)
                 try:
