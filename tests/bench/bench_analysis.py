@@ -86,7 +86,12 @@ def scan_deadletters(nats: NatsEndpoint, stream: str, events: int) -> dict[str, 
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         scan.stop()
-    return {"wall_ms": wall * 1000, "cpu_ms": cpu * 1000, "letters": sum(published)}
+    return {
+        "events": events,
+        "wall_ms": wall * 1000,
+        "cpu_ms": cpu * 1000,
+        "letters": sum(published),
+    }
 
 
 async def publish(url: str, rsvps: list[bytes], warm: list[bytes], dl: list[bytes]) -> float:

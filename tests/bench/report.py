@@ -293,7 +293,25 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
             f"whole stream (`count`, {b['partitions']} partitions): {b['events_per_s']:,.0f} "
             "events/s.",
         ]
+    dead, scans = d.get("deadletters") or [], d.get("deadletter_scans") or []
+    if dead and scans:
+        out += ["", _dead_letter_line(dead, scans)]
     return out
+
+
+def _dead_letter_line(dead: list[dict[str, Any]], scans: list[dict[str, Any]]) -> str:
+    """The Spark dead-letter query against the driver's scan over the same events."""
+
+    def mid(rows: list[dict[str, Any]], key: str) -> float:
+        return sorted(r[key] for r in rows)[len(rows) // 2]
+
+    return (
+        f"Dead letters, {len(scans)} times over the same {scans[0].get('events', 0):,} events "
+        f"({scans[0]['letters']} malformed), medians: the "
+        f"Spark dead-letter query's batch {mid(dead, 'triggerExecution'):,.0f} ms "
+        f"(addBatch {mid(dead, 'addBatch'):,.0f}); the driver's scan without Spark "
+        f"{mid(scans, 'wall_ms'):,.0f} ms, {mid(scans, 'cpu_ms'):,.0f} ms of CPU."
+    )
 
 
 def gateway_section(d: dict[str, Any]) -> list[str]:
