@@ -427,37 +427,44 @@ def batch_wire(
     nats-py's own checks: headers of its own, a subject or id that is not printable ASCII
     without spaces, a payload over `max_payload`."""
     n = len(evs)
-    bid = batch_id.encode()
-    commit_reply = reply.encode() + b" "
+    if not n:
+        return b""
+    ids = [ev.id for ev in evs]
+    # one check of every id at once: each non-empty, together printable ASCII, no spaces
+    if not all(ids) or not _PLAIN("".join(ids)) or any(ev.headers for ev in evs):
+        return None
+    if max_payload > 0 and max(len(ev.data) for ev in evs) > max_payload:
+        return None
     subjects: dict[str, bytes] = {}
+    for subject in {ev.subject for ev in evs}:
+        if not _PLAIN(subject):
+            return None
+        subjects[subject] = subject.encode()
+    bid = batch_id.encode()
+    head = b"NATS/1.0\r\nNats-Msg-Id: %b\r\nNats-Batch-Id: " + bid.replace(b"%", b"%%")
+    head += b"\r\nNats-Batch-Sequence: %d\r\n"
+    # the header block's length less its id and sequence digits (ids are ASCII: 1 byte a char)
+    fixed = len(head % (b"", 0)) - 1 + 2
+    # control line and header block in one formatting: HPUB <subject> <hdr len> <total len>
+    line = b"HPUB %b %d %d\r\n" + head + b"\r\n"
     parts: list[bytes] = []
     add = parts.append
-    for j, ev in enumerate(evs, 1):
-        subject = subjects.get(ev.subject)
-        if subject is None:
-            if not _PLAIN(ev.subject):
-                return None
-            subject = subjects[ev.subject] = ev.subject.encode()
-        if ev.headers or not _PLAIN(ev.id) or (0 < max_payload < len(ev.data)):
-            return None
-        last = j == n
-        hdr = (
-            b"NATS/1.0\r\nNats-Msg-Id: %b\r\nNats-Batch-Id: %b\r\nNats-Batch-Sequence: %d\r\n%b"
-            % (
-                ev.id.encode(),
-                bid,
-                j,
-                b"Nats-Batch-Commit: 1\r\n\r\n" if last else b"\r\n",
-            )
+    for j in range(1, n):
+        ev = evs[j - 1]
+        mid = ids[j - 1]
+        size = (
+            fixed + len(mid) + (1 if j < 10 else 2 if j < 100 else 3 if j < 1000 else len(str(j)))
         )
-        size = len(hdr)
-        add(
-            b"HPUB %b %b%d %d\r\n"
-            % (subject, commit_reply if last else b"", size, size + len(ev.data))
-        )
-        add(hdr)
+        add(line % (subjects[ev.subject], size, size + len(ev.data), mid.encode(), j))
         add(ev.data)
         add(b"\r\n")
+    ev = evs[-1]
+    hdr = head % (ids[-1].encode(), n) + b"Nats-Batch-Commit: 1\r\n\r\n"
+    size = len(hdr)
+    add(b"HPUB %b %b %d %d\r\n" % (subjects[ev.subject], reply.encode(), size, size + len(ev.data)))
+    add(hdr)
+    add(ev.data)
+    add(b"\r\n")
     return b"".join(parts)
 
 
@@ -928,7 +935,11 @@ class JetStreamPublisher:
         self.latency.add_many(lat, n)
         if self._histogram is not None:
             self._histogram.observe(lat)
-        return [Published(ev.id, ack.stream, first + j, False) for j, ev in enumerate(evs)]
+        stream = ack.stream
+        return [
+            Published(ev.id, stream, seq, False)
+            for ev, seq in zip(evs, range(first, first + n), strict=True)
+        ]
 
     # ---- ack handling ----------------------------------------------------------------
 

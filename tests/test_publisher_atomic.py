@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
@@ -102,6 +104,37 @@ def test_batch_wire_is_what_nats_py_sends_or_none() -> None:
         Outgoing(id="a", subject="s", data=b"x" * 11),
     ):
         assert batch_wire([*evs, odd], "b", "r", 10) is None, odd
+
+
+@pytest.mark.unit
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(
+        st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=12),
+        min_size=1,
+        max_size=40,
+    ),
+    subjects=st.lists(st.sampled_from(["raw.t", "raw.u.v", "s"]), min_size=1, max_size=40),
+    batch_id=st.text(
+        st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=20
+    ),
+)
+def test_batch_wire_matches_nats_py_on_any_plain_batch(
+    ids: list[str], subjects: list[str], batch_id: str
+) -> None:
+    evs = [
+        Outgoing(id=i, subject=subjects[k % len(subjects)], data=b"x" * (k % 7))
+        for k, i in enumerate(ids)
+    ]
+    assert batch_wire(evs, batch_id, "_INBOX.r.1", 1 << 20) == nats_py_wire(
+        evs, batch_id, "_INBOX.r.1"
+    )
+
+
+@pytest.mark.unit
+def test_batch_wire_sequences_of_every_width() -> None:
+    evs = [Outgoing(id=f"e{i}", subject="raw.t", data=b"{}") for i in range(1002)]
+    assert batch_wire(evs, "b", "r", 0) == nats_py_wire(evs, "b", "r")
 
 
 # ---- against the server -------------------------------------------------------------------

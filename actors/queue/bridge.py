@@ -312,12 +312,21 @@ class BrokerBridge(SupervisedActor):
         assert pub is not None
         by_stream: dict[str | None, list[Outgoing]] = {}
         streams: dict[str, str | None] = {}  # subject -> stream, for this call
-        for e in events:
-            if e.subject not in streams:
-                # cached across calls too
-                stream, _ = await self._target(target_subject(e, self._compacted))
-                streams[e.subject] = stream if self.atomic else None  # None: event by event
-            by_stream.setdefault(streams[e.subject], []).append(Outgoing(e.id, e.subject, e.data))
+        subject = events[0].subject if events else ""
+        if events and all(e.subject == subject for e in events):  # the usual case: one subject
+            stream, _ = await self._target(target_subject(events[0], self._compacted))
+            by_stream[stream if self.atomic else None] = [
+                Outgoing(e.id, subject, e.data) for e in events
+            ]
+        else:
+            for e in events:
+                if e.subject not in streams:
+                    # cached across calls too
+                    stream, _ = await self._target(target_subject(e, self._compacted))
+                    streams[e.subject] = stream if self.atomic else None  # None: event by event
+                by_stream.setdefault(streams[e.subject], []).append(
+                    Outgoing(e.id, e.subject, e.data)
+                )
 
         async def share(
             stream: str | None, items: list[Outgoing]
