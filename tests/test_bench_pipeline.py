@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.bench.pipeline import event_log_conf, latency_parts, slot_waits
+import pytest
+
+from tests.bench.pipeline import event_log_conf, lag_growth, latency_parts, slot_waits
 
 
 def _job(job: int, pool: str, at: int, end: int, stages: dict[int, tuple[int, list[int]]]) -> list:
@@ -92,3 +94,22 @@ def test_latency_parts_match_each_accept_to_the_batch_behind_its_update() -> Non
     assert [round(x) for x in got["wait"]] == [-200, 300, 600]
     assert [round(x) for x in got["batch"]] == [800, 700, 600]
     assert [round(x) for x in got["deliver"]] == [50, 50, 20]
+
+
+def _accepted(rate: int, seconds: float) -> list[tuple[float, int]]:
+    """(time, events accepted so far), a batch of rate/10 every 0.1 s."""
+    return [(i / 10, (i + 1) * rate // 10) for i in range(int(seconds * 10))]
+
+
+@pytest.mark.unit
+def test_lag_growth_is_flat_when_the_top_n_keeps_up_and_the_shortfall_when_not() -> None:
+    acc = _accepted(5000, 12)
+    # keeping up: each update counts what was accepted 0.8 s before it (a steady lag)
+    steady = [(t, acc[int((t - 0.8) * 10)][1]) for t in (1.5, 2.9, 4.4, 5.8, 7.1, 8.7, 10.2)]
+    assert abs(lag_growth(acc, steady, 1.0, 11.9) or 0) < 50
+    # behind: the updates count 4,000 events/s of the 5,000 offered
+    behind = [(t, int(4000 * t)) for t in (1.5, 2.9, 4.4, 5.8, 7.1, 8.7, 10.2)]
+    assert lag_growth(acc, behind, 1.0, 11.9) == pytest.approx(1000, rel=0.05)
+    # too few updates inside the window to say
+    assert lag_growth(acc, steady[:2], 1.0, 11.9) is None
+    assert lag_growth(acc, steady, 20.0, 30.0) is None

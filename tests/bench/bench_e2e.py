@@ -46,6 +46,7 @@ from tests.bench.pipeline import (
     Pipeline,
     Watcher,
     durations_summary,
+    lag_growth,
     latency_parts,
     pipeline,
 )
@@ -53,10 +54,12 @@ from tests.bench.pipeline import (
 RATES = tuple(
     int(r) for r in os.environ.get("TIERFLOW_BENCH_E2E_RATES", "1000,5000,10000").split(",")
 )
-SECONDS = float(os.environ.get("TIERFLOW_BENCH_E2E_SECONDS", "6"))
+# 12 s a rate: enough top-N updates at 5k/s for the lag's trend (`lag_growth`)
+SECONDS = float(os.environ.get("TIERFLOW_BENCH_E2E_SECONDS", "12"))
 TRIGGER_S = float(os.environ.get("TIERFLOW_BENCH_E2E_TRIGGER_S", "0.5"))
 PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
+LAG_SKIP_S = 1.0  # the lag's trend is taken after the first second (the query's first batch)
 BATCH, CONCURRENCY = 100, 16
 WARM = 1000
 
@@ -145,15 +148,16 @@ async def phase(
     assert len(top_ms) == len(accepted)
     loop = asyncio.get_running_loop()
     progress = await loop.run_in_executor(None, p.progress, wall0)
-    parts = latency_parts(
-        cumulative(accepted, sizes, base), frames, topn_spans(progress, wall0 - t0)
-    )
+    cum = cumulative(accepted, sizes, base)
+    parts = latency_parts(cum, frames, topn_spans(progress, wall0 - t0))
+    growth = lag_growth(cum, frames, t0 + LAG_SKIP_S, max(t for t, _ in accepted))
     return {
         "rate": rate,
         "seconds": seconds,
         "events": len(events),
         "accepted_rate": report.rate,
         "shown_rate": len(events) / (topn_done - t0),
+        "lag_growth_per_s": growth,
         "topn": summary(top_ms),
         "raw": summary(raw_ms),
         "updates": len(frames),
@@ -314,6 +318,10 @@ def test_end_to_end_latency(bench_ray: Any, tmp_path: Path) -> None:
             f"{w['p99_ms'] / t['p99_ms']:>13.2f}"
         )
     print("shown/s: events over the time until the top-N counted them all")
+    for r in rows:
+        g = r["lag_growth_per_s"]
+        shown = "-" if g is None else f"{g:+,.0f}/s ({g / r['accepted_rate']:+.2f} of accepted)"
+        print(f"  {r['rate']:,.0f}/s top-N lag growth: {shown}")
     print_parts(rows)
     for r in rows:
         print_batches(f"{r['rate']:,.0f}/s", r["batches"])

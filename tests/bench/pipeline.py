@@ -86,6 +86,34 @@ def durations_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def lag_growth(
+    accepted: list[tuple[float, int]],
+    frames: list[tuple[float, int]],
+    start: float,
+    end: float,
+) -> float | None:
+    """How fast the top-N's lag grows while events arrive: the least-squares slope (events/s)
+    of lag = events accepted - events counted, at each top-N update between `start` and
+    `end`. About 0 when the analysis keeps up (each batch takes what arrived meanwhile);
+    the shortfall of its rate when it falls behind. None with fewer than 3 updates.
+
+    `accepted`: (time, events accepted up to then), rising; `frames`: (time, events counted).
+    """
+    import bisect
+
+    times = [t for t, _ in accepted]
+    points = []
+    for t, counted in frames:
+        if start <= t <= end and (i := bisect.bisect_right(times, t)):
+            points.append((t, accepted[i - 1][1] - counted))
+    if len(points) < 3:
+        return None
+    mt = sum(t for t, _ in points) / len(points)
+    ml = sum(lag for _, lag in points) / len(points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (lag - ml) for t, lag in points) / var if var else None
+
+
 def latency_parts(
     accepted: list[tuple[float, int]],
     frames: list[tuple[float, int]],
