@@ -72,6 +72,12 @@ DL_RUNS = 3
 DL_BAD = (b'{"rsvp": ', b"\xff not utf-8", b"not json")
 
 
+def runs_ms(values: list[float]) -> str:
+    """Each run's ms, sorted, and their median."""
+    v = sorted(values)
+    return f"{', '.join(f'{x:.0f}' for x in v)} ms (median {v[len(v) // 2]:.0f})"
+
+
 def scan_deadletters(nats: NatsEndpoint, stream: str, events: int) -> dict[str, Any]:
     """One `DeadLetterScan` over `stream` from its start, in one pass: wall and CPU ms
     until its position passes the last event, and the dead letters it published."""
@@ -357,20 +363,16 @@ def test_topn_events_per_second_jetstream_vs_files(tmp_path: Path) -> None:
         "trigger and read limit (the whole backlog in a batch), the goal's one topn job; "
         "read only: the same micro-batches into the noop sink, no query"
     )
-    adds = sorted(d["addBatch"] for d in dead)
-    trig = sorted(d["triggerExecution"] for d in dead)
     print(
         f"dead-letter query, one batch of {len(dl_bodies)} events ({len(DL_BAD)} malformed), "
-        f"{DL_RUNS} runs: addBatch {', '.join(f'{a:.0f}' for a in adds)} ms (median "
-        f"{adds[len(adds) // 2]:.0f}); triggerExecution median {trig[len(trig) // 2]:.0f} ms; "
+        f"{DL_RUNS} runs: addBatch {runs_ms([d['addBatch'] for d in dead])}; "
+        f"triggerExecution {runs_ms([d['triggerExecution'] for d in dead])}; "
         f"rows into Spark {dead[0]['rows']}"
     )
-    walls = sorted(d["wall_ms"] for d in scans)
-    cpus = sorted(d["cpu_ms"] for d in scans)
     print(
         f"dead-letter scan (no Spark), the same {len(dl_bodies)} events, {DL_RUNS} runs: "
-        f"wall {', '.join(f'{w:.0f}' for w in walls)} ms (median {walls[len(walls) // 2]:.0f}); "
-        f"CPU median {cpus[len(cpus) // 2]:.0f} ms"
+        f"wall {runs_ms([d['wall_ms'] for d in scans])}; "
+        f"CPU {runs_ms([d['cpu_ms'] for d in scans])}"
     )
     if profiles:
         print_profile(f"analysis from JetStream, {PROFILE_S:g} s", profiles)
