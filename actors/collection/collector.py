@@ -592,7 +592,11 @@ class Collector(SupervisedActor):
             out = self._apply_logic(events)
             await self._committer.submit(out)
             return out
-        logged = asyncio.ensure_future(self._committer.submit(events))
+        # In the batch (or refused, nothing taken) before the logic runs, so the batch's
+        # delay counts down meanwhile; `ensure_future(submit(...))` would not have run
+        # before the logic returned. The Ray call itself goes out from the flusher's task
+        # (this loop), at the batch's turn: under load one is always in flight anyway.
+        logged = self._committer.enqueue(events)
         try:
             out = self._apply_logic(events)
         finally:

@@ -103,7 +103,8 @@ class GroupCommitter(Generic[R]):
       submission order. A submission of `policy.max_events` or more is flushed alone.
     - Flushes start in the order their batches closed; at most `max_in_flight` run at
       once (1: strictly one after another). While they run, the next batch keeps
-      filling (up to the policy's size bounds).
+      filling (up to the policy's size bounds). A flush that ends starts the next due
+      batch's flush before its own submitters resume.
     - Every submitter of a batch gets `flush`'s return value, or its exception.
     - At most `max_pending_events` events are held (waiting or in flight); past that,
       `submit` raises `Overloaded` at once. A single request larger than the bound
@@ -166,6 +167,17 @@ class GroupCommitter(Generic[R]):
 
         Raises `Overloaded` (nothing taken) or whatever the batch's flush raised.
         """
+        return await self.enqueue(events)
+
+    def enqueue(self, events: Sequence[Event]) -> asyncio.Future[R]:
+        """`submit` in two steps: take `events` into the open batch and wake the flusher
+        now, before the caller runs anything else; await the returned future for the
+        flush result. So a caller can do synchronous work (HML's logic) while its events
+        are already in the batch and the batch's delay is already counting.
+
+        Raises `Overloaded` at once (nothing taken). Await the future: it carries the
+        flush's exception, and cancelling it does not withdraw the events (as `submit`).
+        """
         n = len(events)
         if n == 0:
             raise ValueError("submit needs at least one event")
@@ -196,7 +208,7 @@ class GroupCommitter(Generic[R]):
             self._seal()
         assert self._wake is not None
         self._wake.set()
-        return await asyncio.shield(batch.future)
+        return asyncio.shield(batch.future)
 
     async def aclose(self) -> None:
         """Flush what is pending, wait for it, and refuse further submits."""
@@ -224,18 +236,7 @@ class GroupCommitter(Generic[R]):
         try:
             while True:
                 wake.clear()
-                timeout: float | None = None
-                batch = self._open
-                if batch is not None and self._in_flight < self.max_in_flight:
-                    waited = (self._clock() - batch.opened) * 1000.0
-                    if self._closing or self.policy.should_flush(
-                        len(batch.events), batch.nbytes, waited
-                    ):
-                        self._seal()
-                    else:
-                        timeout = self.policy.wait_ms(waited) / 1000.0
-                while self._ready and self._in_flight < self.max_in_flight:
-                    self._launch(self._ready.popleft())
+                timeout = self._advance()
                 if self._closing and self._open is None and not self._ready and not self._in_flight:
                     return
                 if timeout is None or timeout > 0:
@@ -248,6 +249,21 @@ class GroupCommitter(Generic[R]):
             self._fail_all(err)
             raise
 
+    def _advance(self) -> float | None:
+        """Close the open batch if the policy says so and start flushes while slots are
+        free; the seconds until the open batch is due (None: nothing to time)."""
+        timeout: float | None = None
+        batch = self._open
+        if batch is not None and self._in_flight < self.max_in_flight:
+            waited = (self._clock() - batch.opened) * 1000.0
+            if self._closing or self.policy.should_flush(len(batch.events), batch.nbytes, waited):
+                self._seal()
+            else:
+                timeout = self.policy.wait_ms(waited) / 1000.0
+        while self._ready and self._in_flight < self.max_in_flight:
+            self._launch(self._ready.popleft())
+        return timeout
+
     def _launch(self, batch: _Batch) -> None:
         self._in_flight += 1
         task = asyncio.get_running_loop().create_task(self._run(batch))
@@ -255,23 +271,33 @@ class GroupCommitter(Generic[R]):
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, batch: _Batch) -> None:
+        result: Any = None
+        error: Exception | None = None
         try:
             result = await self._flush(batch.events)
         except asyncio.CancelledError:
             batch.future.cancel()
             raise
         except Exception as err:
-            if not batch.future.done():
-                batch.future.set_exception(err)
-        else:
-            if not batch.future.done():
-                batch.future.set_result(result)
+            error = err
         finally:
             self._in_flight -= 1
             self._pending -= len(batch.events)
             self.flushes += 1
             if self._wake is not None:
                 self._wake.set()
+        # The next due flush starts before this batch's submitters resume: what they do
+        # next (answer, hand off, RBML's logic) then runs while that write is in flight,
+        # instead of ahead of it.
+        try:
+            if self._driver is not None and not self._driver.done():
+                self._advance()
+        finally:
+            if not batch.future.done():
+                if error is not None:
+                    batch.future.set_exception(error)
+                else:
+                    batch.future.set_result(result)
 
     def _fail_all(self, err: BaseException) -> None:
         """The driver died: answer every waiting submitter instead of leaving it hanging."""
