@@ -66,6 +66,7 @@ SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
 RUN_HEADER = "Tierflow-Run"  # on KV values: the query's checkpoint id (see `_put_latest`)
 GENERATION_HEADER = "Tierflow-Generation"  # on KV values: the job's batch-view generation
 _RECONNECT_WAIT_S = 2.0
+_EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: the expected last subject sequence did not match
 B64_PREFIX = "b64."
 NULL_KEY = "b64.-"  # never produced by encoding a string: base64 output is >= 2 characters
@@ -74,6 +75,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SUBJECT = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 _PLAIN_KV_KEY = re.compile(r"^[-/_=a-zA-Z0-9]([-/_=.a-zA-Z0-9]*[-/_=a-zA-Z0-9])?$")
 _HEADER_MAX = 512
+_HELD_MAX = 10_000  # KV values a sink remembers putting (`_put_latest`), ~1 MB
 _encoder = msgspec.json.Encoder(enc_hook=str)
 
 T = TypeVar("T")
@@ -152,6 +154,7 @@ class SinkStats:
     results: int = 0
     duplicates: int = 0
     kv_puts: int = 0
+    kv_reads: int = 0  # KV values read back before a put (see `_put_latest`)
     dead_letters: int = 0
     dead_letter_duplicates: int = 0
     last_batch_id: int | None = None
@@ -280,6 +283,10 @@ class ResultSink:
     idle_close_s: float = 30.0
     stats: SinkStats = field(default_factory=SinkStats, compare=False)
     _bucket_ready: bool = field(default=False, init=False, repr=False, compare=False)
+    # KV subject -> (sequence, batch id, run) of the value this sink last put there
+    _held: dict[str, tuple[int, int, str]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     _conn: _Connection = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -402,6 +409,8 @@ class ResultSink:
             puts.append(_KvPut(f"$KV.{self.kv_bucket}.{kv}", payload))
         if results:
             await self._ensure_bucket(nc)
+        if len(self._held) > _HELD_MAX:
+            self._held.clear()
         acks = await self._publish_all(nc, results)  # KV shows only what results hold
         dups = sum(1 for a in acks if a.duplicate)
         sem = asyncio.Semaphore(self.max_in_flight)
@@ -435,19 +444,48 @@ class ResultSink:
         means the checkpoint was reset: refused with SinkError (batch ids restart at 0, so
         the new run's result ids would be dropped as the old run's duplicates). Generations
         come first: a newer one's value is left alone, an older one's is replaced.
+
+        The put is first tried without reading the key, conditional on the revision this
+        sink put there itself for an earlier batch of this run, or on no value at all for
+        a key it has not put: JetStream stores it only when KV holds exactly that, which
+        is a value the checks below accept. Any other value fails the put, and the key is
+        read and judged as above. So the rules are the same; a batch's keys cost one round
+        trip each instead of two while this sink is their only writer.
         """
         import nats.errors
-        from nats.js.errors import APIError, NotFoundError
+        from nats.js.errors import APIError
 
         js = nc.jetstream(timeout=self.timeout)
-        stream = f"KV_{self.kv_bucket}"
         headers = {BATCH_HEADER: str(batch_id), RUN_HEADER: self.run_id}
         if self.generation:
             headers[GENERATION_HEADER] = str(self.generation)
+        held = self._held.pop(put.subject, None)
+        if held is None or (held[1] < batch_id and held[2] == self.run_id):
+            expect = {_EXPECT_LAST: str(0 if held is None else held[0])}
+            try:
+                ack = await js_publish(js, put.subject, put.payload, headers={**headers, **expect})
+                self._held[put.subject] = (ack.seq, batch_id, self.run_id)
+                return True
+            except (TimeoutError, nats.errors.TimeoutError):
+                pass  # maybe stored: the read says
+            except APIError as err:
+                if err.err_code != _WRONG_LAST_SEQUENCE:
+                    raise SinkError(f"KV put to {put.subject!r} failed: {err}") from err
+        return await self._put_checked(js, put, batch_id, headers)
+
+    async def _put_checked(
+        self, js: Any, put: _KvPut, batch_id: int, headers: dict[str, str]
+    ) -> bool:
+        """`_put_latest` reading the key's value first and judging it."""
+        import nats.errors
+        from nats.js.errors import APIError, NotFoundError
+
+        stream = f"KV_{self.kv_bucket}"
         for attempt in range(self.attempts + 5):
             if attempt:
                 await asyncio.sleep(0.05 * attempt)
             try:
+                self.stats.kv_reads += 1
                 last = await js.get_last_msg(stream, put.subject)
                 held_seq, held = last.seq or 0, dict(last.headers or {})
             except NotFoundError:
@@ -469,9 +507,10 @@ class ResultSink:
                     )
                 if batch >= batch_id:
                     return False
-            expect = {"Nats-Expected-Last-Subject-Sequence": str(held_seq)}
+            expect = {_EXPECT_LAST: str(held_seq)}
             try:
-                await js_publish(js, put.subject, put.payload, headers={**headers, **expect})
+                ack = await js_publish(js, put.subject, put.payload, headers={**headers, **expect})
+                self._held[put.subject] = (ack.seq, batch_id, self.run_id)
                 return True
             except (TimeoutError, nats.errors.TimeoutError):
                 continue  # maybe stored: the next read says

@@ -274,6 +274,36 @@ def test_a_replayed_old_batch_never_overwrites_a_newer_kv_value(nats_url: str) -
     assert newer.kv_puts == 1 and kv_values(nats_url, "order_kv")["a"]["count"] == 8
 
 
+def test_a_sink_puts_its_own_keys_without_reading_them_and_reads_any_other(
+    nats_url: str,
+) -> None:
+    """A key nobody has put, or one whose value this sink put for an earlier batch, is put
+    in one conditional write (no read); a value anyone else put (another sink, a restart of
+    the driver) fails that write, and the key is read and judged as before: a newer batch's
+    value stays, an older one's is replaced, and this sink's own replay leaves KV alone."""
+    sink = ResultSink(nats_url, "results", "own_kv", "own", run_id="run-a")
+    assert sink.publish_results([{"key": "a", "n": 1}, {"key": "b", "n": 1}], 0).kv_puts == 2
+    assert sink.publish_results([{"key": "a", "n": 2}, {"key": "c", "n": 1}], 1).kv_puts == 2
+    assert sink.stats.kv_reads == 0
+    replay = sink.publish_results([{"key": "a", "n": 2}], 1)  # its own batch 1 again
+    assert (replay.kv_puts, replay.kv_stale) == (0, 1) and sink.stats.kv_reads == 1
+
+    twin = ResultSink(nats_url, "results", "own_kv", "own", run_id="run-a")  # e.g. a restart
+    done = twin.publish_results([{"key": "a", "n": 5}, {"key": "b", "n": 5}], 5)
+    assert done.kv_puts == 2 and twin.stats.kv_reads == 2  # values it did not put: read
+    late = sink.publish_results([{"key": "a", "n": 3}, {"key": "b", "n": 3}], 2)
+    assert (late.kv_puts, late.kv_stale) == (0, 2)  # its remembered revisions are gone
+    assert sink.publish_results([{"key": "a", "n": 9}], 9).kv_puts == 1
+    assert kv_values(nats_url, "own_kv") == {
+        "a": {"key": "a", "n": 9},
+        "b": {"key": "b", "n": 5},
+        "c": {"key": "c", "n": 1},
+    }
+    reset = ResultSink(nats_url, "results", "own_kv", "own", run_id="run-b")
+    with pytest.raises(SinkError, match="checkpoint was reset"):
+        reset.publish_results([{"key": "c", "n": 1}], 0)
+
+
 def test_a_reset_checkpoint_is_a_clear_error_and_kv_stays(nats_url: str) -> None:
     """Hole 16: a query whose checkpoint was reset (a new run, batch ids back at 0) would
     see its new results dropped as duplicates of the old run's ids while KV went back in
