@@ -578,7 +578,13 @@ class AnalysisDriver(SupervisedActor):
         """A generation of a job that does not merge: its query under the generation's
         checkpoint and result ids, from the stream's first sequence, nothing merged."""
         from jobs.plans import build_plan
-        from jobs.running import JobWriter, in_pool, processing_time, read_stream
+        from jobs.running import (
+            JobWriter,
+            in_pool,
+            processing_time,
+            read_stream,
+            state_partitions,
+        )
         from jobs.sink import ResultSink
 
         assert self.spark is not None
@@ -589,7 +595,7 @@ class AnalysisDriver(SupervisedActor):
         ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
         sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
         writer = JobWriter(sink, plan.batch_rows(ckpt), on_batch, ckpt)
-        with in_pool(self.spark, spec.name):
+        with in_pool(self.spark, spec.name), state_partitions(self.spark, spec.state_partitions):
             return (
                 plan.df.writeStream.queryName(spec.name)
                 .outputMode(plan.output_mode)

@@ -106,6 +106,28 @@ def in_pool(spark: SparkSession, name: str) -> Iterator[None]:
         sc.setLocalProperty(POOL_PROPERTY, before)  # type: ignore[arg-type]  # None unsets
 
 
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+
+
+@contextlib.contextmanager
+def state_partitions(spark: SparkSession, n: int) -> Iterator[None]:
+    """Queries started inside keep their state (and shuffle their rows) in `n` partitions;
+    `n` <= 0 leaves the session's. Spark copies the session's settings when a query starts
+    and records the count in a new checkpoint, from which a restart takes it again, so an
+    existing checkpoint resumes with the count it was made with. A small aggregation
+    needs no more: every partition costs each stateful stage a task and a state store
+    commit a batch, empty ones too (a one-key sum in two partitions has one always empty)."""
+    if n <= 0:
+        yield
+        return
+    before = spark.conf.get(SHUFFLE_PARTITIONS)
+    spark.conf.set(SHUFFLE_PARTITIONS, str(n))
+    try:
+        yield
+    finally:
+        spark.conf.set(SHUFFLE_PARTITIONS, before)
+
+
 def processing_time(trigger_s: float) -> dict[str, Any]:
     """The ``trigger`` arguments of a micro-batch every `trigger_s` (<= 0: back to back)."""
     if trigger_s <= 0:
@@ -169,7 +191,7 @@ def start_job(
     writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
     if trigger is None:
         trigger = processing_time(spec.trigger_s if trigger_s is None else trigger_s)
-    with in_pool(spark, spec.name):
+    with in_pool(spark, spec.name), state_partitions(spark, spec.state_partitions):
         return (
             plan.df.writeStream.queryName(spec.name)
             .outputMode(plan.output_mode)

@@ -63,6 +63,10 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # only runs batches back to back; under a backlog a batch takes what has arrived
     trigger_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     max_events_per_trigger: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # partitions of the query's state (and its shuffles); 0: the session's
+    # spark.sql.shuffle.partitions. Fixed in the checkpoint when the query first starts: a
+    # restart resumes with the checkpoint's count whatever this says (jobs/running.py)
+    state_partitions: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
 
 
 def check_spec(spec: JobSpec) -> JobSpec:
@@ -150,7 +154,7 @@ def parse_job(text: str) -> JobSpec:
             window.update(length=length, slide=slide)
         elif key == "watermark":
             window["watermark"] = value
-        elif key in ("n", "capacity", "lg_k", "seed", "max_events_per_trigger"):
+        elif key in ("n", "capacity", "lg_k", "seed", "max_events_per_trigger", "state_partitions"):
             data[key] = _number(key, value, int)
         elif key == "trigger_s":
             data[key] = _number(key, value, float)

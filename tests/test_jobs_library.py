@@ -95,8 +95,9 @@ def test_specs_from_cli_words_and_json() -> None:
     )
     assert (spec.kind, spec.n, spec.field) == ("topn", 5, "group.group_topics[].topic_name")
     assert spec.window == WindowSpec(length="5m", slide="10s", watermark="30s")
-    count = parse_job("name=c kind=count stream=s by=a.b,c by_as=x,y")
+    count = parse_job("name=c kind=count stream=s by=a.b,c by_as=x,y state_partitions=1")
     assert count.by == ["a.b", "c"] and count.by_as == ["x", "y"]
+    assert (count.state_partitions, spec.state_partitions) == (1, 0)  # 0: the session's
     again = parse_job(msgspec.json.encode(spec).decode())
     assert again == spec
 
@@ -118,6 +119,7 @@ def test_specs_from_cli_words_and_json() -> None:
         ("name=x kind=count stream=s by=a count_as=key", "taken by the result row"),
         ("name=x kind=count stream=s by=a.b[] time_field=t[] window=1m", "cannot explode"),
         ("name=x kind=topn stream=s field=a n=ten", "n must be a number"),
+        ("name=x kind=topn stream=s field=a state_partitions=-1", r">= 0 - at `\$.state_part"),
     ],
 )
 def test_bad_specs_are_refused_with_the_reason(text: str, why: str) -> None:

@@ -95,6 +95,7 @@ def test_specs_follow_the_contract() -> None:
     assert (topn.field, topn.n, topn.capacity) == ("group.group_topics[].topic_name", 10, 100_000)
     window = specs[1].window
     assert window is not None and (window.length, window.slide) == ("5 minutes", "10 seconds")
+    assert [s.state_partitions for s in specs] == [0, 1, 1, 1, 1]  # the top-N: the session's
 
 
 @pytest.mark.unit
@@ -119,6 +120,10 @@ def test_meetup_queries_equal_the_plain_python_answer(
         assert q.awaitTermination(240), f"{q.name} did not finish"
         assert q.exception() is None, q.exception()
     assert min(len(q.recentProgress) for q in queries) >= 3
+    session = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    for q, s in zip(queries, specs, strict=True):  # the panels' state in one partition
+        parts = {int(o["numShufflePartitions"]) for o in q.lastProgress["stateOperators"]}
+        assert parts == {s.state_partitions or session}, (s.name, parts)
 
     got = kv_by_query(nats_url)
     want = reference(RSVPS)

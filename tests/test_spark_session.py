@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from cluster.demo.meetup import PANEL_TRIGGER_S, TOPN_TRIGGER_S, meetup_jobs
-from jobs.running import STAGGER_SPREAD, in_pool, processing_time, staggered
+from jobs.running import (
+    SHUFFLE_PARTITIONS,
+    STAGGER_SPREAD,
+    in_pool,
+    processing_time,
+    staggered,
+    state_partitions,
+)
 from jobs.spark_session import LATENCY_DEFAULTS, POOL_PROPERTY, analysis_conf, query_pool
 from runtime.waiting import wait_until
 
@@ -135,3 +142,46 @@ def test_a_stateful_checkpoint_resumes_across_the_checkpoint_file_managers(
     run(ours, "ac")
     run(None, "b")
     assert seen == [(0, {"a": 2, "b": 1}), (1, {"a": 3, "c": 1}), (2, {"b": 2})]
+
+
+def test_a_query_keeps_its_state_in_the_partitions_it_was_started_with(
+    spark: Any, tmp_path: Path
+) -> None:
+    """`state_partitions` sets the partitions of a query started inside (the session's own
+    setting is back right after), and a restart outside resumes that checkpoint with the
+    count it was made with and its counts; a new checkpoint outside takes the session's."""
+    inbox = tmp_path / "in"
+    inbox.mkdir()
+    session_partitions = spark.conf.get(SHUFFLE_PARTITIONS)
+    assert session_partitions != "1"
+    seen: list[tuple[int, dict[str, int]]] = []
+
+    def record(df: Any, batch_id: int) -> None:
+        seen.append((batch_id, {r["k"]: r["count"] for r in df.collect()}))
+
+    def run(keys: str, ckpt: Path, partitions: int) -> int:
+        (inbox / f"{len(list(inbox.iterdir()))}.json").write_text(
+            "".join(f'{{"k": "{k}"}}\n' for k in keys)
+        )
+        with state_partitions(spark, partitions):
+            query = (
+                spark.readStream.schema("k string")
+                .json(str(inbox))
+                .groupBy("k")
+                .count()
+                .writeStream.outputMode("update")
+                .foreachBatch(record)
+                .option("checkpointLocation", str(ckpt))
+                .trigger(availableNow=True)
+                .start()
+            )
+        assert spark.conf.get(SHUFFLE_PARTITIONS) == session_partitions
+        query.awaitTermination(120)
+        assert query.exception() is None
+        (state,) = query.lastProgress["stateOperators"]
+        return int(state["numShufflePartitions"])
+
+    assert run("aab", tmp_path / "ckpt", 1) == 1
+    assert run("ac", tmp_path / "ckpt", 0) == 1  # the checkpoint's count, not the session's
+    assert seen == [(0, {"a": 2, "b": 1}), (1, {"a": 3, "c": 1})]
+    assert run("", tmp_path / "other", 0) == int(session_partitions)

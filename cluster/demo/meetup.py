@@ -46,6 +46,10 @@ WINDOW_MS, SLIDE_MS, MINUTE_MS = 300_000, 10_000, 60_000
 # which leaves the cores to the top-N (measured: docs/benchmarks.md, `make demo`'s shape).
 TOPN_TRIGGER_S = 0.5
 PANEL_TRIGGER_S = 5.0
+# A panel's batch (~1,000 RSVPs, its keys: one, or the cities of a minute or two) needs no
+# parallel state: in one partition each of its stateful stages is one task and one state
+# store instead of two, which leaves the task slots to the top-N (jobs/running.py).
+PANEL_STATE_PARTITIONS = 1
 QUERIES = (
     "meetup_topn",
     "meetup_topn_window",
@@ -68,7 +72,8 @@ def meetup_jobs(
     """The five Meetup queries of docs/contracts.md over `stream`.
 
     `meetup_topn` (the live panel) runs a micro-batch every `topn_trigger_s`, the other four
-    every `panel_trigger_s`; `trigger_s` sets one trigger for all five.
+    every `panel_trigger_s` with their state in `PANEL_STATE_PARTITIONS` partitions;
+    `trigger_s` sets one trigger for all five.
     """
     if trigger_s is not None:
         topn_trigger_s = panel_trigger_s = trigger_s
@@ -78,6 +83,7 @@ def meetup_jobs(
         "max_events_per_trigger": max_events_per_trigger,
     }
     live = {**common, "trigger_s": topn_trigger_s}
+    common["state_partitions"] = PANEL_STATE_PARTITIONS
     return [
         JobSpec(name="meetup_topn", kind="topn", field=TOPICS, n=TOP_N, capacity=capacity, **live),
         JobSpec(
