@@ -41,7 +41,7 @@ from runtime.nats import NatsServer, connect, free_port
 from runtime.ray_supervisor import supervised_options
 from runtime.services import ensure_streams
 from runtime.waiting import await_until
-from tests.bench.common import Profiler, print_profile, write_report
+from tests.bench.common import GcPauses, Profiler, print_profile, write_report
 
 CLIENTS = tuple(
     int(c) for c in os.environ.get("TIERFLOW_BENCH_GW_CLIENTS", "1,100,1000").split(",")
@@ -51,6 +51,8 @@ SECONDS = float(os.environ.get("TIERFLOW_BENCH_GW_SECONDS", "10"))
 PROFILE = os.environ.get("TIERFLOW_BENCH_PROFILE", "1") != "0"
 PROFILE_S = 8.0
 NS = "bench-gateway"
+# 0: leave the clients' process's heap as earlier benches left it (see GcPauses)
+FREEZE = os.environ.get("TIERFLOW_BENCH_GW_FREEZE", "1") != "0"
 
 
 class _Data(msgspec.Struct):
@@ -137,31 +139,35 @@ async def phase(
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=0)
     headers = {"Authorization": "Bearer bench"}
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as s:
-        if kind == "ws":
-            url = f"{gw_url}/v1/ws"
-            tasks = [asyncio.create_task(ws_client(url, stats, n, stop, s)) for _ in range(clients)]
-        else:
-            url = f"{gw_url}/v1/sse/bench?from=new"
-            tasks = [
-                asyncio.create_task(sse_client(url, stats, n, stop, s)) for _ in range(clients)
-            ]
-        await await_until(lambda: stats.ready >= clients, timeout=120, what="clients ready")
-        on_ready()  # e.g. start the profiler: the fan-out, not the connecting, is sampled
-        cpu0 = cpu_s(gw_pid), cpu_s(os.getpid())
-        nc = await connect(nats_url)
-        js = nc.jetstream()
-        t0 = time.perf_counter()
-        for i in range(n):  # a fixed rate, not as fast as possible
-            await js.publish("raw.bench", msgspec.json.encode({"i": i, "t": time.time()}))
-            await asyncio.sleep(max(0.0, t0 + (i + 1) / RATE - time.perf_counter()))
-        await nc.close()
-        done, pending = await asyncio.wait(tasks, timeout=30)
-        cpu1 = cpu_s(gw_pid), cpu_s(os.getpid())
-        stop.set()
-        for t in pending:
-            t.cancel()  # incomplete: counted as such below
-        await asyncio.gather(*pending, return_exceptions=True)
+    gc_pauses = GcPauses()
+    with gc_pauses.frozen(FREEZE):
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as s:
+            if kind == "ws":
+                url = f"{gw_url}/v1/ws"
+                tasks = [
+                    asyncio.create_task(ws_client(url, stats, n, stop, s)) for _ in range(clients)
+                ]
+            else:
+                url = f"{gw_url}/v1/sse/bench?from=new"
+                tasks = [
+                    asyncio.create_task(sse_client(url, stats, n, stop, s)) for _ in range(clients)
+                ]
+            await await_until(lambda: stats.ready >= clients, timeout=120, what="clients ready")
+            on_ready()  # e.g. start the profiler: the fan-out, not the connecting, is sampled
+            cpu0 = cpu_s(gw_pid), cpu_s(os.getpid())
+            nc = await connect(nats_url)
+            js = nc.jetstream()
+            t0 = time.perf_counter()
+            for i in range(n):  # a fixed rate, not as fast as possible
+                await js.publish("raw.bench", msgspec.json.encode({"i": i, "t": time.time()}))
+                await asyncio.sleep(max(0.0, t0 + (i + 1) / RATE - time.perf_counter()))
+            await nc.close()
+            done, pending = await asyncio.wait(tasks, timeout=30)
+            cpu1 = cpu_s(gw_pid), cpu_s(os.getpid())
+            stop.set()
+            for t in pending:
+                t.cancel()  # incomplete: counted as such below
+            await asyncio.gather(*pending, return_exceptions=True)
     lat = sorted(stats.latencies)
 
     def q(x: float) -> float:
@@ -180,6 +186,7 @@ async def phase(
         "max_ms": lat[-1] * 1000 if lat else float("nan"),
         "gw_cpu_ms_per_event": (cpu1[0] - cpu0[0]) * 1000 / n,
         "clients_cpu_ms_per_event": (cpu1[1] - cpu0[1]) * 1000 / n,
+        "clients_gc": {"frozen": FREEZE, **gc_pauses.summary()},
     }
 
 
@@ -269,6 +276,13 @@ def test_gateway_fan_out(bench_ray: Any, tmp_path: Path) -> None:
             f"{r['p99_ms']:>9.1f}{r['max_ms']:>9.1f}{r['vs_one']:>20.2f}"
             f"{_ms(r['spread_p50_ms']):>11}/{_ms(r['spread_p99_ms']):<10}"
             f"{r['gw_cpu_ms_per_event']:>16.2f}, {r['clients_cpu_ms_per_event']:<8.2f}"
+        )
+    for r in rows:
+        g = r["clients_gc"]
+        print(
+            f"  {r['protocol']} {r['clients']:,} clients: the clients' process collected "
+            f"{g['collections']} times ({g['full']} full, longest {g['max_ms']} ms; heap "
+            f"{'frozen' if g['frozen'] else 'not frozen'})"
         )
     print(
         f"gateway: events_sent {stats['events_sent']:,}, lag warnings {stats['lag_warnings']}, "
