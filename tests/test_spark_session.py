@@ -95,6 +95,28 @@ def test_a_query_started_in_a_pool_runs_its_batches_there(spark: Any, tmp_path: 
 CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
 
 
+def add_keys(inbox: Path, keys: str) -> None:
+    """One more JSON file of `{"k": ...}` rows in `inbox`, one row per character."""
+    (inbox / f"{len(list(inbox.iterdir()))}.json").write_text(
+        "".join(f'{{"k": "{k}"}}\n' for k in keys)
+    )
+
+
+def start_key_count(spark: Any, inbox: Path, ckpt: Path, record: Any) -> Any:
+    """A stateful count per `k` over `inbox`, every batch to `record`, until caught up."""
+    return (
+        spark.readStream.schema("k string")
+        .json(str(inbox))
+        .groupBy("k")
+        .count()
+        .writeStream.outputMode("update")
+        .foreachBatch(record)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
 def test_a_stateful_checkpoint_resumes_across_the_checkpoint_file_managers(
     spark: Any, tmp_path: Path
 ) -> None:
@@ -109,25 +131,13 @@ def test_a_stateful_checkpoint_resumes_across_the_checkpoint_file_managers(
         seen.append((batch_id, {r["k"]: r["count"] for r in df.collect()}))
 
     def run(manager: str | None, keys: str, where: Path = ckpt) -> None:
-        (inbox / f"{len(list(inbox.iterdir()))}.json").write_text(
-            "".join(f'{{"k": "{k}"}}\n' for k in keys)
-        )
+        add_keys(inbox, keys)
         if manager is None:
             spark.conf.unset(CHECKPOINT_MANAGER)
         else:
             spark.conf.set(CHECKPOINT_MANAGER, manager)
         try:
-            query = (
-                spark.readStream.schema("k string")
-                .json(str(inbox))
-                .groupBy("k")
-                .count()
-                .writeStream.outputMode("update")
-                .foreachBatch(record)
-                .option("checkpointLocation", str(where))
-                .trigger(availableNow=True)
-                .start()
-            )
+            query = start_key_count(spark, inbox, where, record)
             query.awaitTermination(120)
             assert not query.isActive
             assert query.exception() is None
@@ -160,21 +170,9 @@ def test_a_query_keeps_its_state_in_the_partitions_it_was_started_with(
         seen.append((batch_id, {r["k"]: r["count"] for r in df.collect()}))
 
     def run(keys: str, ckpt: Path, partitions: int) -> int:
-        (inbox / f"{len(list(inbox.iterdir()))}.json").write_text(
-            "".join(f'{{"k": "{k}"}}\n' for k in keys)
-        )
+        add_keys(inbox, keys)
         with state_partitions(spark, partitions):
-            query = (
-                spark.readStream.schema("k string")
-                .json(str(inbox))
-                .groupBy("k")
-                .count()
-                .writeStream.outputMode("update")
-                .foreachBatch(record)
-                .option("checkpointLocation", str(ckpt))
-                .trigger(availableNow=True)
-                .start()
-            )
+            query = start_key_count(spark, inbox, ckpt, record)
         assert spark.conf.get(SHUFFLE_PARTITIONS) == session_partitions
         query.awaitTermination(120)
         assert query.exception() is None
