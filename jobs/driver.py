@@ -578,13 +578,7 @@ class AnalysisDriver(SupervisedActor):
         """A generation of a job that does not merge: its query under the generation's
         checkpoint and result ids, from the stream's first sequence, nothing merged."""
         from jobs.plans import build_plan
-        from jobs.running import (
-            JobWriter,
-            in_pool,
-            processing_time,
-            read_stream,
-            state_partitions,
-        )
+        from jobs.running import processing_time, read_stream, start_plan
         from jobs.sink import ResultSink
 
         assert self.spark is not None
@@ -594,16 +588,7 @@ class AnalysisDriver(SupervisedActor):
         plan = build_plan(spec, source)
         ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
         sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
-        writer = JobWriter(sink, plan.batch_rows(ckpt), on_batch, ckpt)
-        with in_pool(self.spark, spec.name), state_partitions(self.spark, spec.state_partitions):
-            return (
-                plan.df.writeStream.queryName(spec.name)
-                .outputMode(plan.output_mode)
-                .foreachBatch(writer)
-                .option("checkpointLocation", str(ckpt))
-                .trigger(**processing_time(trigger_s))
-                .start()
-            )
+        return start_plan(self.spark, spec, plan, sink, ckpt, on_batch, processing_time(trigger_s))
 
     def _serve(self, view: BatchView) -> None:
         serve_view(self.nats, view)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.batch_view import BatchView, checkpoint_dir
-from jobs.plans import build_plan
+from jobs.plans import Plan, build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
 from jobs.spark_session import POOL_PROPERTY, query_pool
 from jobs.specs import JobSpec, check_spec, deadletter_query_name
@@ -188,9 +188,24 @@ def start_job(
     plan = build_plan(spec, source, view)
     checkpoint = checkpoint_dir(checkpoint_root, spec.name, view)
     sink = ResultSink.for_query(nats, spec.name, generation=view.generation if view else 0)
-    writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
     if trigger is None:
         trigger = processing_time(spec.trigger_s if trigger_s is None else trigger_s)
+    return start_plan(spark, spec, plan, sink, checkpoint, on_batch, trigger)
+
+
+def start_plan(
+    spark: SparkSession,
+    spec: JobSpec,
+    plan: Plan,
+    sink: ResultSink,
+    checkpoint: Path,
+    on_batch: Callable[[int, BatchReport], None] | None,
+    trigger: dict[str, Any],
+) -> StreamingQuery:
+    """Start `plan`'s query into `sink` under `checkpoint`: in the job's scheduler pool and
+    with its state partitions (both taken when the query starts). One place for
+    `start_job` and the driver's fresh generations."""
+    writer = JobWriter(sink, plan.batch_rows(checkpoint), on_batch, checkpoint)
     with in_pool(spark, spec.name), state_partitions(spark, spec.state_partitions):
         return (
             plan.df.writeStream.queryName(spec.name)
