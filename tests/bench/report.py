@@ -316,6 +316,17 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
             f"whole stream (`count`, {b['partitions']} partitions): {b['events_per_s']:,.0f} "
             "events/s.",
         ]
+    warm = d.get("warm_pairs") or []
+    if warm:
+        ratios = ", ".join(
+            f"{p['jetstream']['events_per_s'] / p['files']['events_per_s']:.2f}" for p in warm
+        )
+        out += [
+            "",
+            f"Before the measured top-N pair, {len(warm)} unmeasured pairs (jetstream, then "
+            "files) let HotSpot compile the query code both sources share; their jetstream / "
+            f"files: {ratios}.",
+        ]
     dead, scans = d.get("deadletters") or [], d.get("deadletter_scans") or []
     if dead and scans:
         out += ["", _dead_letter_line(dead, scans)]
