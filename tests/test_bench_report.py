@@ -1,0 +1,81 @@
+"""The bench report shows the Spark benches' warm-up apart from what they measure, and reads
+issue 13's goals from the measured rows, never from a warm-up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.bench.report import analysis_section, demo_section, e2e_section, goal_rows
+
+pytestmark = pytest.mark.unit
+
+
+def _phase(rate: float, topn_p99: float, raw_p99: float = 50.0) -> dict[str, Any]:
+    return {
+        "rate": rate,
+        "seconds": 45.0,
+        "accepted_rate": rate,
+        "shown_rate": rate,
+        "lag_growth_per_s": 0.0,
+        "topn": {"p50_ms": topn_p99 / 2, "p99_ms": topn_p99},
+        "raw": {"p50_ms": raw_p99 / 2, "p99_ms": raw_p99},
+    }
+
+
+def _e2e(warmup: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "k": 1,
+        "trigger_s": 0.5,
+        "seconds": 12.0,
+        "warmup": warmup,
+        "rates": [_phase(1000, 1_400.0), _phase(5000, 2_900.0)],
+    }
+
+
+def _goal(reports: dict[str, Any], figure: str) -> list[str]:
+    (row,) = [r for r in goal_rows(reports) if r[0].startswith(figure)]
+    return row
+
+
+def test_the_e2e_warm_up_is_its_own_row_and_the_goal_is_the_measured_rate() -> None:
+    lines = e2e_section(_e2e(_phase(1000, 4_900.0)))
+    rows = [line for line in lines if line.startswith("| 1,000")]
+    assert rows[0].startswith("| 1,000 (warm-up) |") and "4,900" in rows[0]
+    assert rows[1].startswith("| 1,000 |") and "1,400" in rows[1]
+    assert any(line.startswith("Warm-up: the first 45 s") for line in lines)
+    goal = _goal({"e2e": _e2e(_phase(1000, 4_900.0))}, "e2e top-N p99 at 1,000/s")
+    assert goal[1] == "1,400 ms" and goal[3] == "yes"
+
+
+def test_a_run_without_warm_up_shows_no_warm_up_row_nor_note() -> None:
+    lines = e2e_section(_e2e(None))
+    assert not any("warm-up" in line.lower() for line in lines)
+
+
+def test_the_demo_shows_its_warm_up_and_its_goal_is_the_measured_phase() -> None:
+    demo = {"jobs": 5, **_phase(200, 1_900.0), "seconds": 20.0, "warmup": _phase(200, 5_700.0)}
+    lines = demo_section(demo)
+    assert any(line.startswith("| warm-up | 200 |") and "5,700" in line for line in lines)
+    assert any(line.startswith("| measured | 200 |") and "1,900" in line for line in lines)
+    goal = _goal({"demo": demo}, "make demo")
+    assert goal[1] == "1,900 ms" and goal[3] == "yes"
+
+
+def test_the_analysis_section_names_the_warm_pairs_ratios() -> None:
+    def run(events_per_s: float) -> dict[str, Any]:
+        return {"events_per_s": events_per_s, "processing_events_per_s": events_per_s}
+
+    d = {
+        "events": 40_000,
+        "batch": 5_000,
+        "master": "local[2]",
+        "jetstream": {**run(8_000), "p50_ms": 500, "p99_ms": 700},
+        "files": {**run(10_000), "p50_ms": 400, "p99_ms": 600},
+        "warm_pairs": [{"jetstream": run(7_000), "files": run(10_000)}],
+    }
+    lines = analysis_section(d)
+    assert any("unmeasured pairs" in line and "files: 0.70." in line for line in lines)
+    (top,) = [line for line in lines if line.startswith("| top-N, jetstream |")]
+    assert top.endswith("| 0.80 |")
