@@ -301,9 +301,7 @@ def print_parts(rows: list[dict[str, Any]]) -> None:
         if "clients_gc" in r:
             g = r["clients_gc"]
             print(
-                f"  {r['rate']:,.0f}/s the producer's and watchers' process collected "
-                f"{g['collections']} times ({g['full']} full, longest {g['max_ms']} ms; heap "
-                f"{'frozen' if g['frozen'] else 'not frozen'})"
+                f"  {r['rate']:,.0f}/s the producer's and watchers' process {GcPauses.describe(g)}"
             )
 
 

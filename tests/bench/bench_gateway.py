@@ -280,9 +280,8 @@ def test_gateway_fan_out(bench_ray: Any, tmp_path: Path) -> None:
     for r in rows:
         g = r["clients_gc"]
         print(
-            f"  {r['protocol']} {r['clients']:,} clients: the clients' process collected "
-            f"{g['collections']} times ({g['full']} full, longest {g['max_ms']} ms; heap "
-            f"{'frozen' if g['frozen'] else 'not frozen'})"
+            f"  {r['protocol']} {r['clients']:,} clients: the clients' process "
+            f"{GcPauses.describe(g)}"
         )
     print(
         f"gateway: events_sent {stats['events_sent']:,}, lag warnings {stats['lag_warnings']}, "

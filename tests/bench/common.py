@@ -109,6 +109,14 @@ class GcPauses:
             if freeze:
                 gc.unfreeze()
 
+    @staticmethod
+    def describe(g: Mapping[str, Any]) -> str:
+        """A `summary` (with ``frozen``) as the benches print it."""
+        return (
+            f"collected {g['collections']} times ({g['full']} full, longest {g['max_ms']} ms; "
+            f"heap {'frozen' if g['frozen'] else 'not frozen'})"
+        )
+
     def summary(self) -> dict[str, Any]:
         """Collections in the window: count, the full (generation 2) ones, the longest."""
         return {
