@@ -130,6 +130,9 @@ class SparkConfig(_Strict):
     # every query of the driver dead this many times in a row: the driver restarts its
     # process and JVM (at most once per 5 minutes; jobs/escalation.py)
     restart_after_failures: Positive = 5
+    # map the driver JVM's class-data-sharing archive when `tierflow check` has built one
+    # (runtime/class_archive.py): a SparkSession ~4.5 s sooner here
+    class_archive: bool = True
 
 
 class RoleConfig(_Strict):

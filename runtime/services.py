@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.class_archive import DRIVER_OPTIONS, archive_path, use_option, with_java_option
 from runtime.compaction import check_update, max_msgs_per_subject, stream_subjects
 from runtime.config import Config
 from runtime.geo import ensure_copies, with_local_sources
@@ -291,11 +292,24 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
         builder = builder.config("spark.driver.host", LOCAL_HOST).config(
             "spark.driver.bindAddress", LOCAL_HOST
         )
-    for key, value in cfg.spark.conf.items():
-        builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
+    conf = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cfg.spark.conf.items()}
+    for key, value in driver_class_archive(cfg, conf).items():
+        builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(cfg.spark.log_level)
     return session
+
+
+def driver_class_archive(cfg: Config, conf: dict[str, str]) -> dict[str, str]:
+    """`conf` with the driver JVM mapping this machine's class archive, when there is one
+    and neither the config nor `conf`'s own JVM options say otherwise (runtime/class_archive.py)."""
+    options = conf.get(DRIVER_OPTIONS, "")
+    if not cfg.spark.class_archive or "SharedArchiveFile" in options or "ArchiveClasses" in options:
+        return conf
+    path = archive_path()
+    if path is None or not path.is_file():
+        return conf
+    return with_java_option(conf, use_option(path))
 
 
 # --------------------------------------------------------------------------- together

@@ -1,0 +1,105 @@
+"""Where the Spark driver JVM's class-data-sharing archive lives, and the flag that maps it.
+
+A fresh Spark JVM spends most of its first ten seconds loading and verifying the same
+~20,000 classes from Spark's jars. JDK 13+ can dump the classes a run loaded into an
+archive (``-XX:ArchiveClassesAtExit``) that later JVMs map instead
+(``-XX:SharedArchiveFile``; JEP 350, "dynamic CDS"). Measured on this project's 2-core
+machine (docs/benchmarks.md): a SparkSession in 7.2 s instead of 11.7, a streaming
+query's first batch 11.8 s after the start instead of 18.7. That is every analysis-driver
+restart, every `tierflow sql` and history command, and every Spark test.
+
+The archive is only valid for the JVM and class path it was made with, so its file name
+carries a digest of both (the java binary and version, pyspark's version and its jar
+list): another JDK or pyspark finds no archive and starts as before. A JVM handed an
+archive that does not match prints a warning and runs without it (``-Xshare:auto``, the
+default), so a stale file costs nothing but that warning. `jobs.class_training` builds it
+(`tierflow check` runs that once per machine); this module only names and uses it, and
+imports nothing above the foundation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+CACHE_ENV = "TIERFLOW_CACHE_DIR"
+DRIVER_OPTIONS = "spark.driver.extraJavaOptions"
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> Path:
+    """``$TIERFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/tierflow``, else ``~/.cache/tierflow``:
+    per user and machine, not per state dir, so every run and test on the machine shares
+    one archive."""
+    env = os.environ if environ is None else environ
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tierflow"
+
+
+def spark_java() -> str | None:
+    """The java that spark-submit runs: ``$JAVA_HOME/bin/java``, else the one on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, "bin", "java").exists():
+        return str(Path(home, "bin", "java").resolve())
+    found = shutil.which("java")
+    return str(Path(found).resolve()) if found else None
+
+
+def java_version_text(java: str) -> str:
+    try:
+        return subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        ).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def spark_jars() -> list[str]:
+    """pyspark's jar names, sorted: the class path spark-submit gives the driver."""
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    return sorted(p.name for p in jars.glob("*.jar")) if jars.is_dir() else []
+
+
+def archive_key(java: str, version_text: str, pyspark_version: str, jars: list[str]) -> str:
+    """A digest of what makes an archive valid: the JVM and the class path."""
+    h = hashlib.sha256()
+    for part in (java, version_text, pyspark_version, *jars):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def archive_path(directory: Path | None = None) -> Path | None:
+    """This machine's archive path for the installed java and pyspark (whether or not it
+    has been built); None without java."""
+    java = spark_java()
+    if java is None:
+        return None
+    import pyspark
+
+    key = archive_key(java, java_version_text(java), pyspark.__version__, spark_jars())
+    return (directory or cache_dir()) / f"spark-driver-{key}.jsa"
+
+
+def with_java_option(conf: dict[str, str], option: str) -> dict[str, str]:
+    """`conf` with `option` appended to the driver's JVM options (the user's come first)."""
+    mine = conf.get(DRIVER_OPTIONS, "").strip()
+    if option in mine.split():
+        return dict(conf)
+    return {**conf, DRIVER_OPTIONS: f"{mine} {option}".strip()}
+
+
+def use_option(path: Path) -> str:
+    return f"-XX:SharedArchiveFile={path}"
+
+
+def dump_options(path: Path) -> str:
+    """Dump the loaded classes at exit; the JVM's per-class "skipping" lines are silenced
+    (signed jars and generated classes cannot be archived; they load as before)."""
+    return f"-XX:ArchiveClassesAtExit={path} -Xlog:cds=off -Xlog:cds+dynamic=off"

@@ -1,0 +1,129 @@
+"""Spark's class archive (runtime/class_archive.py, jobs/class_training.py): named by what
+makes it valid, appended to the user's JVM options, only ever put in place whole, and
+really mapped by a fresh Spark driver JVM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from jobs import class_training
+from runtime import class_archive
+from runtime.class_archive import (
+    DRIVER_OPTIONS,
+    archive_key,
+    cache_dir,
+    use_option,
+    with_java_option,
+)
+from runtime.config import load
+from runtime.services import driver_class_archive
+
+JAVA = "/usr/lib/jvm/java-17/bin/java"
+
+
+@pytest.mark.unit
+def test_the_cache_dir_follows_the_environment() -> None:
+    assert cache_dir({"TIERFLOW_CACHE_DIR": "/x/y", "XDG_CACHE_HOME": "/c"}) == Path("/x/y")
+    assert cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/tierflow")
+    assert cache_dir({}) == Path.home() / ".cache" / "tierflow"
+
+
+@pytest.mark.unit
+def test_the_key_changes_with_the_jvm_and_the_class_path() -> None:
+    base = archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jar", "b.jar"])
+    assert base == archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jar", "b.jar"])
+    others = {
+        archive_key("/opt/jdk21/bin/java", 'version "17.0.15"', "4.3.0", ["a.jar", "b.jar"]),
+        archive_key(JAVA, 'version "17.0.16"', "4.3.0", ["a.jar", "b.jar"]),
+        archive_key(JAVA, 'version "17.0.15"', "4.3.1", ["a.jar", "b.jar"]),
+        archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jar", "c.jar"]),
+        archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jarb.jar"]),  # no run-together
+    }
+    assert base not in others and len(others) == 5
+
+
+@pytest.mark.unit
+def test_the_option_goes_after_the_users_own_and_only_once() -> None:
+    opt = use_option(Path("/c/a.jsa"))
+    assert with_java_option({}, opt) == {DRIVER_OPTIONS: opt}
+    mine = {DRIVER_OPTIONS: "-Dfoo=1 -Xss4m", "other": "x"}
+    added = with_java_option(mine, opt)
+    assert added == {DRIVER_OPTIONS: f"-Dfoo=1 -Xss4m {opt}", "other": "x"}
+    assert with_java_option(added, opt) == added
+    assert mine == {DRIVER_OPTIONS: "-Dfoo=1 -Xss4m", "other": "x"}  # not changed in place
+
+
+@pytest.mark.unit
+def test_the_session_conf_maps_an_archive_only_when_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    archive = tmp_path / "spark-driver-k.jsa"
+    monkeypatch.setattr("runtime.services.archive_path", lambda: archive)
+    cfg = load(environ={})
+    assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b"}  # none built yet
+    archive.write_bytes(b"x")
+    assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b", DRIVER_OPTIONS: use_option(archive)}
+    off = msgspec.structs.replace(
+        cfg, spark=msgspec.structs.replace(cfg.spark, class_archive=False)
+    )
+    assert driver_class_archive(off, {}) == {}
+    # the user's own archive, or a dump of one, wins
+    for own in ("-XX:SharedArchiveFile=/mine.jsa", "-XX:ArchiveClassesAtExit=/new.jsa"):
+        assert driver_class_archive(cfg, {DRIVER_OPTIONS: own}) == {DRIVER_OPTIONS: own}
+
+
+def test_a_partial_or_foreign_archive_is_refused(tmp_path: Path) -> None:
+    java = class_archive.spark_java()
+    assert java is not None
+    junk = tmp_path / "junk.jsa"
+    junk.write_bytes(b"\0" * 4096)
+    assert not class_training.maps(java, junk, str(tmp_path))
+
+
+def test_a_present_archive_is_not_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = class_archive.archive_path(tmp_path)
+    assert path is not None and path.parent == tmp_path
+    path.write_bytes(b"built before")
+
+    def no_training(*args: object, **kw: object) -> None:
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(class_training, "subprocess", SimpleNamespace(run=no_training))
+    built = class_training.build(tmp_path)
+    assert (built.path, built.fresh) == (path, False)
+    assert path.read_bytes() == b"built before"
+
+
+@pytest.mark.timeout(600)
+def test_a_fresh_spark_driver_loads_sparks_classes_from_the_archive(tmp_path: Path) -> None:
+    """The machine's archive (built here when `tierflow check` has not) is what a new
+    session's JVM loads SparkContext from, per the JVM's own class-load log."""
+    built = class_training.build()
+    log = tmp_path / "classload.log"
+    script = textwrap.dedent(
+        f"""
+        from runtime.config import load
+        from runtime.services import spark_session
+        cfg = load(environ={{}}, overrides={{
+            "state_dir": {str(tmp_path / "state")!r},
+            "spark": {{"master": "local[1]", "conf": {{
+                "spark.driver.extraJavaOptions": "-Xlog:class+load=info:file={log}"}}}},
+        }})
+        spark_session(cfg).stop()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, capture_output=True)
+    lines = log.read_text().splitlines()
+    context = [line for line in lines if " org.apache.spark.SparkContext " in line]
+    assert context and "source: shared objects file (top)" in context[0], (built, context)
+    shared = sum("shared objects file (top)" in line for line in lines)
+    assert shared > 5_000, f"only {shared} of {len(lines)} classes from {built.path}"
