@@ -195,7 +195,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def build(directory: Path | None = None, *, force: bool = False) -> Built:
-    """This machine's archive, built unless it is there already; raises RuntimeError with
+    """This venv's archive, built unless it is there already; raises RuntimeError with
     the training's output when it cannot be built."""
     path = archive_path(directory)
     java = spark_java()

@@ -9,12 +9,12 @@ query's first batch 11.8 s after the start instead of 18.7. That is every analys
 restart, every `tierflow sql` and history command, and every Spark test.
 
 The archive is only valid for the JVM and class path it was made with, so its file name
-carries a digest of both (the java binary and version, pyspark's version and its jar
-list): another JDK or pyspark finds no archive and starts as before. A JVM handed an
-archive that does not match prints a warning and runs without it (``-Xshare:auto``, the
-default), so a stale file costs nothing but that warning. `jobs.class_training` builds it
-(`tierflow check` runs that once per machine); this module only names and uses it, and
-imports nothing above the foundation.
+carries a digest of both (the java binary and version, pyspark's version and the paths of
+its jars): another JDK, pyspark or venv finds no archive of its own and starts as before.
+A JVM handed an archive that does not match runs without it (``-Xshare:auto``, the
+default) after one warning line, so a stale file costs no more. `jobs.class_training`
+builds it (`tierflow check` runs that once per venv); this module only names and uses it,
+and imports nothing above the foundation.
 """
 
 from __future__ import annotations
@@ -59,11 +59,13 @@ def java_version_text(java: str) -> str:
 
 
 def spark_jars() -> list[str]:
-    """pyspark's jar names, sorted: the class path spark-submit gives the driver."""
+    """pyspark's jars, sorted, by absolute path: the class path spark-submit gives the
+    driver (the archive records paths, so another venv's copy of the same jars is another
+    class path)."""
     import pyspark
 
-    jars = Path(pyspark.__file__).parent / "jars"
-    return sorted(p.name for p in jars.glob("*.jar")) if jars.is_dir() else []
+    jars = Path(pyspark.__file__).resolve().parent / "jars"
+    return sorted(str(p) for p in jars.glob("*.jar")) if jars.is_dir() else []
 
 
 def archive_key(java: str, version_text: str, pyspark_version: str, jars: list[str]) -> str:

@@ -45,8 +45,9 @@ def test_the_key_changes_with_the_jvm_and_the_class_path() -> None:
         archive_key(JAVA, 'version "17.0.15"', "4.3.1", ["a.jar", "b.jar"]),
         archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jar", "c.jar"]),
         archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["a.jarb.jar"]),  # no run-together
+        archive_key(JAVA, 'version "17.0.15"', "4.3.0", ["/other-venv/a.jar", "b.jar"]),
     }
-    assert base not in others and len(others) == 5
+    assert base not in others and len(others) == 6
 
 
 @pytest.mark.unit

@@ -32,7 +32,7 @@ def check(
     class_archive: Annotated[
         bool,
         typer.Option(
-            help="build Spark's class archive when this machine has none (once, ~1-2 min): "
+            help="build Spark's class archive when this venv has none (once, ~1.5 min): "
             "every later Spark JVM starts ~5 s sooner"
         ),
     ] = True,
@@ -47,7 +47,7 @@ def check(
     console.print(f"java {java}, nats-server {binary}: ok")
     if class_archive:
         if (path := archive_path()) is not None and not path.is_file():
-            console.print("building Spark's class archive (once per machine)...")
+            console.print("building Spark's class archive (once per venv)...")
         try:
             built = build_class_archive()
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
