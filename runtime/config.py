@@ -24,6 +24,7 @@ import msgspec
 
 from runtime.autoscaling import AutoscalingConfig
 from runtime.autoscaling import validate as validate_autoscaling
+from runtime.class_archive import CACHE_ENV
 from runtime.compaction import CompactConfig
 from runtime.errors import ConfigError
 from runtime.geo_config import ReplicateConfig
@@ -31,6 +32,8 @@ from runtime.logic import LogicConfig, compile_logic
 from runtime.query import FilterError, compile_filter
 
 ENV_PREFIX = "TIERFLOW_"
+# variables under the prefix that name no config key: the config file, the cache dir
+NOT_CONFIG_KEYS = frozenset({"TIERFLOW_CONFIG", CACHE_ENV})
 DEFAULT_FILE = "tierflow.toml"
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="0 picks a free port")]
@@ -489,7 +492,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """Nested dict from ``TIERFLOW_A__B=v`` variables (keys lower-cased)."""
     out: dict[str, Any] = {}
     for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name in ("TIERFLOW_CONFIG",):
+        if not name.startswith(ENV_PREFIX) or name in NOT_CONFIG_KEYS:
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
         if not path:

@@ -77,6 +77,15 @@ def test_config_file_via_env_var(tmp_path: Path) -> None:
     assert load(environ={"TIERFLOW_CONFIG": str(path)}).roles.gateway.port == 9090
 
 
+def test_the_cache_dir_variable_is_not_a_config_key(tmp_path: Path) -> None:
+    """`TIERFLOW_CACHE_DIR` (where Spark's class archive lives) shares the prefix of the
+    config's overrides; every CLI command loads the config with it set."""
+    path = write(tmp_path, "[roles.gateway]\nport = 9090\n")
+    environ = {"TIERFLOW_CACHE_DIR": str(tmp_path), "TIERFLOW_CONFIG": str(path)}
+    assert load(environ=environ).roles.gateway.port == 9090
+    assert env_overrides(environ) == {}
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
