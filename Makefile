@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test test-fast bench chaos lint fmt setup java chromium clean
+.PHONY: demo test test-fast test-long bench chaos lint fmt setup java chromium clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,10 @@ bench: $(BENCH_STAMP) java
 chaos: $(STAMP) java
 	$(PY) -m pytest -q -p no:cacheprovider -m chaos $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "no chaos scenarios collected yet"; else exit $$rc; fi
+
+# Full forms of tests whose short form `make test` runs (tests marked `long`).
+test-long: $(STAMP) java
+	$(PY) -m pytest -q -p no:cacheprovider -m long $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -246,7 +246,17 @@ def matches(got: dict[str, Any], want: dict[str, dict[str, Any]]) -> bool:
     return all(k in got and want[k].items() <= got[k].items() for k in want)
 
 
-@pytest.mark.parametrize("mtls", [False, True], ids=["tokens", "tokens-and-mutual-tls"])
+LONG_ONLY = pytest.mark.skipif(
+    "'long' not in (config.getoption('markexpr') or '')",
+    reason="make test-long: tokens-and-mutual-tls, which make test runs, has the tokens too",
+)
+
+
+@pytest.mark.parametrize(
+    "mtls",
+    [pytest.param(False, marks=[pytest.mark.long, LONG_ONLY]), True],
+    ids=["tokens", "tokens-and-mutual-tls"],
+)
 def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
     tmp_path: Path, mtls: bool
 ) -> None:
