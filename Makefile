@@ -47,12 +47,13 @@ test: $(STAMP) java chromium lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m unit $(PYTEST_ARGS)
 
-# Benchmarks print numbers and assert no speed; files are tests/bench/bench_*.py.
+# Benchmarks print numbers and assert no speed; files are tests/bench/bench_*.py. Each
+# bench's own wall time is listed at the end (--durations=0).
 # Then tests/bench/report.py merges reports/bench_*.json into reports/bench.json, draws
 # reports/*.png and prints the table (also for a partial run: what did not run says so).
 bench: $(BENCH_STAMP) java
 	@mkdir -p reports && rm -f reports/bench_*.json
-	$(PY) -m pytest -q -s -p no:cacheprovider -o python_files='bench_*.py' tests/bench $(PYTEST_ARGS); \
+	$(PY) -m pytest -q -s -p no:cacheprovider --durations=0 -o python_files='bench_*.py' tests/bench $(PYTEST_ARGS); \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "no benchmarks collected"; exit 0; fi; \
 	$(PY) -m tests.bench.report || exit 1; exit $$rc
 

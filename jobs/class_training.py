@@ -223,11 +223,33 @@ def build(directory: Path | None = None, *, force: bool = False) -> Built:
                     raise RuntimeError(f"the class archive training run failed:\n{tail}")
                 if not maps(java, partial, _classpath_file(partial).read_text()):
                     raise RuntimeError(f"a JVM would not map the archive just built ({partial})")
+                os.replace(_classpath_file(partial), _classpath_file(path))
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)
                 _classpath_file(partial).unlink(missing_ok=True)
+    prune(path.parent)
     return Built(path, time.monotonic() - t0, fresh=True)
+
+
+def is_stale(classpath: str) -> bool:
+    """An archive whose class path names jars none of which exist any more (its venv is
+    gone): 180 MB no JVM can use."""
+    jars = [p for p in classpath.split(os.pathsep) if p.endswith(".jar")]
+    return bool(jars) and not any(Path(j).exists() for j in jars)
+
+
+def prune(directory: Path) -> list[Path]:
+    """Delete the archives of venvs that are gone (each archive keeps its class path next
+    to it); archives without one are left alone."""
+    gone = []
+    for cp in directory.glob("spark-driver-*.jsa.classpath"):
+        if is_stale(cp.read_text()):
+            archive = cp.with_suffix("")
+            for f in (archive, cp, archive.with_suffix(".lock")):
+                f.unlink(missing_ok=True)
+            gone.append(archive)
+    return gone
 
 
 def _project_root() -> str:

@@ -128,3 +128,21 @@ def test_a_fresh_spark_driver_loads_sparks_classes_from_the_archive(tmp_path: Pa
     assert context and "source: shared objects file (top)" in context[0], (built, context)
     shared = sum("shared objects file (top)" in line for line in lines)
     assert shared > 5_000, f"only {shared} of {len(lines)} classes from {built.path}"
+
+
+@pytest.mark.unit
+def test_archives_of_venvs_that_are_gone_are_pruned(tmp_path: Path) -> None:
+    jar = tmp_path / "venv" / "jars" / "spark-core.jar"
+    jar.parent.mkdir(parents=True)
+    jar.write_bytes(b"")
+    live, dead, unknown = (tmp_path / f"spark-driver-{k}.jsa" for k in ("live", "dead", "old"))
+    for archive in (live, dead, unknown):
+        archive.write_bytes(b"archive")
+        archive.with_suffix(".lock").write_bytes(b"")
+    Path(f"{live}.classpath").write_text(f"{tmp_path}/venv/conf:{jar}")
+    Path(f"{dead}.classpath").write_text(f"{tmp_path}/gone/conf:{tmp_path}/gone/jars/a.jar")
+    assert class_training.prune(tmp_path) == [dead]
+    assert live.exists() and unknown.exists() and Path(f"{live}.classpath").exists()
+    assert not dead.exists() and not Path(f"{dead}.classpath").exists()
+    assert not dead.with_suffix(".lock").exists()
+    assert not class_training.is_stale("/x/conf")  # no jars named: not judged
