@@ -85,7 +85,10 @@ def archive_path(directory: Path | None = None) -> Path | None:
         return None
     import pyspark
 
-    key = archive_key(java, java_version_text(java), pyspark.__version__, spark_jars())
+    # SPARK_CONF_DIR heads the driver's class path when it is set (a cluster's conf dir)
+    conf = os.environ.get("SPARK_CONF_DIR", "")
+    classpath = [conf, *spark_jars()] if conf else spark_jars()
+    key = archive_key(java, java_version_text(java), pyspark.__version__, classpath)
     return (directory or cache_dir()) / f"spark-driver-{key}.jsa"
 
 

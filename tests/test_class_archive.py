@@ -146,3 +146,14 @@ def test_archives_of_venvs_that_are_gone_are_pruned(tmp_path: Path) -> None:
     assert not dead.exists() and not Path(f"{dead}.classpath").exists()
     assert not dead.with_suffix(".lock").exists()
     assert not class_training.is_stale("/x/conf")  # no jars named: not judged
+
+
+def test_a_spark_conf_dir_is_another_class_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spark-submit puts `SPARK_CONF_DIR` first on the driver's class path (a cluster's
+    conf dir): an archive made without it would not map, so it names another archive."""
+    monkeypatch.delenv("SPARK_CONF_DIR", raising=False)
+    plain = class_archive.archive_path(tmp_path)
+    monkeypatch.setenv("SPARK_CONF_DIR", "/cluster/conf")
+    assert class_archive.archive_path(tmp_path) not in (plain, None)
