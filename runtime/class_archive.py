@@ -19,6 +19,7 @@ and imports nothing above the foundation.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -49,7 +50,10 @@ def spark_java() -> str | None:
     return str(Path(found).resolve()) if found else None
 
 
+@functools.cache
 def java_version_text(java: str) -> str:
+    """`java -version`'s banner ("" when it cannot run); once per binary and process, as
+    `require_java` and the archive's key both read it on every SparkSession's start."""
     try:
         return subprocess.run(
             [java, "-version"], capture_output=True, text=True, timeout=30, check=False

@@ -12,13 +12,18 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.class_archive import DRIVER_OPTIONS, archive_path, use_option, with_java_option
+from runtime.class_archive import (
+    DRIVER_OPTIONS,
+    archive_path,
+    java_version_text,
+    use_option,
+    with_java_option,
+)
 from runtime.compaction import check_update, max_msgs_per_subject, stream_subjects
 from runtime.config import Config
 from runtime.geo import ensure_copies, with_local_sources
@@ -220,13 +225,7 @@ def java_major_version(java: str | None = None) -> int | None:
     java = java or shutil.which("java")
     if not java:
         return None
-    try:
-        out = subprocess.run(
-            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
-        ).stderr
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    m = _JAVA_VERSION.search(out)
+    m = _JAVA_VERSION.search(java_version_text(java))
     if not m:
         return None
     major = int(m.group(1))
