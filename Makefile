@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
+# make test's pytest workers (pytest-xdist; one module stays on one worker, so module and
+# session fixtures are shared as before). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
@@ -40,7 +43,7 @@ demo: $(STAMP) java
 	$(VENV)/bin/tierflow demo
 
 test: $(STAMP) java chromium lint
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # The tests marked `unit`: pure code, no engine (tests/conftest.py fails a unit test that
 # starts nats-server, Ray, Spark or any other process), so neither Java nor Chromium.
