@@ -56,7 +56,17 @@ def test_status_when_not_running(cli_env: dict[str, str]) -> None:
     assert json.loads(out.stdout) == {"running": False}
 
 
-def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_path: Path) -> None:
+def test_detached_runtime_serves_every_tier_runs_a_job_and_down_leaves_no_process(
+    cli_env: dict[str, str],
+) -> None:
+    """One detached runtime, driven the way a user does from a shell: `up --detach`, status,
+    the collection and access tiers, `tierflow jobs` (which joins the runtime's Ray, starts
+    the analysis driver on demand, and a real Spark query consumes what the collector
+    accepted), scaling, metrics; then `down` leaves no process it started, the analysis
+    driver's included. (One runtime for all of it: each `up` costs make test a Ray start.)"""
+    from cluster.demo.rsvps import RsvpGenerator
+    from runtime.waiting import wait_until
+
     cfg = load(environ=cli_env)
     up = run(["up", "--detach"], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
@@ -89,15 +99,16 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         table = run(["status"], cli_env)
         assert table.returncode == 0 and "services" in table.stdout and "nats" in table.stdout
 
-        # The collection tier runs: an event posted to the collector is counted by the
-        # live logger replicas that `logger inspect` asks.
+        # The collection tier runs: RSVPs posted to the collector are counted by the live
+        # logger replicas that `logger inspect` asks.
+        rsvps = RsvpGenerator(3).take(50)
         req = urllib.request.Request(
             state["collector"]["url"] + "/v1/streams/meetup/events",
-            data=b'{"id": "cli-1"}',
-            headers={"Content-Type": "application/json"},
+            data="\n".join(json.dumps(r) for r in rsvps).encode(),
+            headers={"Content-Type": "application/x-ndjson"},
         )
         with urllib.request.urlopen(req, timeout=30) as resp:
-            assert json.loads(resp.read())["ids"] == ["cli-1"]
+            assert json.loads(resp.read())["accepted"] == 50
         inspect = run(["logger", "inspect", "--json"], cli_env)
         assert inspect.returncode == 0, inspect.stderr
         replicas = json.loads(inspect.stdout)
@@ -107,6 +118,25 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
         # The data access tier runs too: the dashboard is served at the gateway's root.
         with urllib.request.urlopen(state["gateway"]["url"] + "/", timeout=30) as resp:
             assert resp.status == 200 and b"tierflow" in resp.read()
+
+        # The analysis tier on demand: a catalog job starts and consumes the RSVPs.
+        listed = run(["jobs", "list", "--json"], cli_env)
+        assert listed.returncode == 0, listed.stderr
+        assert {"name": "meetup_responses", "state": "available"}.items() <= next(
+            r for r in json.loads(listed.stdout) if r["name"] == "meetup_responses"
+        ).items()
+        begun = run(["jobs", "start", "meetup_responses", "--json"], cli_env, timeout=300)
+        assert begun.returncode == 0, begun.stderr
+
+        def processed() -> bool:
+            rows = json.loads(run(["jobs", "list", "--json"], cli_env).stdout)
+            row = next(r for r in rows if r["name"] == "meetup_responses")
+            # committed_seq is the next stream sequence the query will read
+            return (row.get("committed_seq") or 0) > 50 and row.get("results", 0) > 0
+
+        wait_until(processed, timeout=240, interval=2, what="the job processed the RSVPs")
+        stopped = run(["jobs", "stop", "meetup_responses", "--json"], cli_env)
+        assert stopped.returncode == 0 and json.loads(stopped.stdout)[0]["stopped"]
 
         scaled = run(["scale", "collector", "2"], cli_env)
         assert scaled.returncode == 0 and "2 replicas" in scaled.stdout, scaled.stderr
@@ -119,7 +149,8 @@ def test_up_detach_status_down_leaves_no_process(cli_env: dict[str, str], tmp_pa
             metrics = resp.read().decode()
         assert 'tierflow_service_healthy{service="nats"} 1.0' in metrics
         assert "tierflow_ray_nodes_alive 1.0" in metrics
-        # Everything that runtime spawned by now is ours to stop.
+        # Everything that runtime spawned by now (the analysis driver's processes too) is
+        # ours to stop.
         started += [runstate.process_identity(p) for p in runstate.descendants(main_pid)]
     finally:
         down = run(["down"], cli_env)
@@ -204,45 +235,6 @@ def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     assert runstate.wait_gone(servers, 10) == []
-
-
-def test_jobs_start_list_stop_against_a_detached_runtime(cli_env: dict[str, str]) -> None:
-    """`tierflow jobs` joins the running runtime's Ray, starts the analysis driver on
-    demand, and a real Spark query consumes what the collector accepted."""
-    from cluster.demo.rsvps import RsvpGenerator
-    from runtime.waiting import wait_until
-
-    assert run(["up", "--detach"], cli_env).returncode == 0
-    try:
-        listed = run(["jobs", "list", "--json"], cli_env)
-        assert listed.returncode == 0, listed.stderr
-        assert {"name": "meetup_responses", "state": "available"}.items() <= next(
-            r for r in json.loads(listed.stdout) if r["name"] == "meetup_responses"
-        ).items()
-        started = run(["jobs", "start", "meetup_responses", "--json"], cli_env, timeout=300)
-        assert started.returncode == 0, started.stderr
-        state = runstate.read_state(load(environ=cli_env))
-        rsvps = RsvpGenerator(3).take(50)
-        body = "\n".join(json.dumps(r) for r in rsvps).encode()
-        req = urllib.request.Request(
-            state["collector"]["url"] + "/v1/streams/meetup/events",
-            data=body,
-            headers={"Content-Type": "application/x-ndjson"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert json.loads(resp.read())["accepted"] == 50
-
-        def processed() -> bool:
-            rows = json.loads(run(["jobs", "list", "--json"], cli_env).stdout)
-            row = next(r for r in rows if r["name"] == "meetup_responses")
-            # committed_seq is the next stream sequence the query will read
-            return (row.get("committed_seq") or 0) > 50 and row.get("results", 0) > 0
-
-        wait_until(processed, timeout=240, interval=2, what="the job processed the RSVPs")
-        stopped = run(["jobs", "stop", "meetup_responses", "--json"], cli_env)
-        assert stopped.returncode == 0 and json.loads(stopped.stdout)[0]["stopped"]
-    finally:
-        assert run(["down"], cli_env).returncode == 0
 
 
 # --------------------------------------------------------------------------- tables at 80 columns
