@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -62,6 +63,21 @@ def java_version_text(java: str) -> str:
         return ""
 
 
+def jvm_build(version_text: str) -> str:
+    """The JVM's identity in `java -version`'s banner, without what describes this run: the
+    launcher's "Picked up JAVA_TOOL_OPTIONS: ..." notes and the VM line's modes ("mixed mode,
+    sharing", or "emulated-client" for C1 only, as make test runs every JVM). The same JVM
+    maps the same archive under any of those."""
+    lines = (line for line in version_text.splitlines() if not _PICKED_UP.match(line))
+    return "\n".join(_RUN_MODES.sub(r"\1)", line) for line in lines)
+
+
+# what the launcher prints for JAVA_TOOL_OPTIONS, _JAVA_OPTIONS and JDK_JAVA_OPTIONS
+_PICKED_UP = re.compile(r"(NOTE: )?Picked up \w+: ")
+# "(build 17.0.15+6-Debian-1deb12u1, mixed mode, sharing)": the build, then the modes
+_RUN_MODES = re.compile(r"(\(build [^,)]+)[^)]*\)")
+
+
 def spark_jars() -> list[str]:
     """pyspark's jars, sorted, by absolute path: the class path spark-submit gives the
     driver (the archive records paths, so another venv's copy of the same jars is another
@@ -75,7 +91,7 @@ def spark_jars() -> list[str]:
 def archive_key(java: str, version_text: str, pyspark_version: str, jars: list[str]) -> str:
     """A digest of what makes an archive valid: the JVM and the class path."""
     h = hashlib.sha256()
-    for part in (java, version_text, pyspark_version, *jars):
+    for part in (java, jvm_build(version_text), pyspark_version, *jars):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:16]

@@ -18,6 +18,7 @@ import pytest
 from runtime.config import Config, load
 from runtime.nats import NatsServer
 from runtime.services import local_ray, spark_session
+from tests.ordering import costliest_first, load_costs, module_of
 from tests.support import NatsFactory
 
 
@@ -114,3 +115,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     finally:
         patch.undo()
+
+
+# --------------------------------------------------------------------------- module order
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Costliest modules first (tests/ordering.py says why): make test's two workers then
+    end together instead of one finishing a long module alone."""
+    items[:] = costliest_first(items, lambda item: module_of(item.nodeid), load_costs())

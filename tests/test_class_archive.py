@@ -19,6 +19,7 @@ from runtime.class_archive import (
     DRIVER_OPTIONS,
     archive_key,
     cache_dir,
+    jvm_build,
     use_option,
     with_java_option,
 )
@@ -78,6 +79,27 @@ def test_the_session_conf_maps_an_archive_only_when_allowed(
     # the user's own archive, or a dump of one, wins
     for own in ("-XX:SharedArchiveFile=/mine.jsa", "-XX:ArchiveClassesAtExit=/new.jsa"):
         assert driver_class_archive(cfg, {DRIVER_OPTIONS: own}) == {DRIVER_OPTIONS: own}
+
+
+def test_java_options_from_the_environment_leave_the_key_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's "Picked up JAVA_TOOL_OPTIONS" note and the VM's run modes are not the
+    JVM: with C1 only (make test's JVMs) the same JVM keeps its archive."""
+    java = class_archive.spark_java()
+    assert java is not None
+    read = class_archive.java_version_text.__wrapped__
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)
+    plain = read(java)
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
+    c1 = read(java)
+    assert "Picked up JAVA_TOOL_OPTIONS" in c1 and c1 != plain  # what the launcher prints
+    assert jvm_build(c1) == jvm_build(plain)
+    assert "(build " in jvm_build(plain) and "mode" not in jvm_build(plain)
+    key = archive_key(java, c1, "4.3.0", ["/a.jar"])
+    assert key == archive_key(java, plain, "4.3.0", ["/a.jar"])
+    other = plain.replace("(build ", "(build 9", 1)
+    assert archive_key(java, other, "4.3.0", ["/a.jar"]) != key
 
 
 def test_a_partial_or_foreign_archive_is_refused(tmp_path: Path) -> None:
