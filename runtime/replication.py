@@ -364,10 +364,13 @@ class ReplicaGroup:
             )
         try:
             self._replicas = [self._start(i) for i in range(k + 1)]
-            self.promote(0)
+            # a replica's first answer waits on its worker's start (seconds on a busy node):
+            # that is the ready timeout's to bound, not a call's
+            self.promote(0, timeout=max(ready_timeout, call_timeout))
             if self.unacknowledged:
                 raise ReplicaGroupError(
-                    f"{role!r} replicas {self.unacknowledged} did not start within {call_timeout}s"
+                    f"{role!r} replicas {self.unacknowledged} did not start within "
+                    f"{max(ready_timeout, call_timeout)}s"
                 )
         except BaseException:
             self.shutdown()
@@ -397,17 +400,19 @@ class ReplicaGroup:
 
     # -- operations
 
-    def promote(self, index: int) -> int:
+    def promote(self, index: int, timeout: float | None = None) -> int:
         """Make replica `index` primary under a new epoch; returns that epoch.
 
         If a replica reports a newer epoch (an earlier controller allocated it), the group
         jumps past it, so the returned epoch is always the newest any replica has seen.
+        A replica that does not answer within `timeout` (the call timeout by default) is
+        listed in `unacknowledged`.
         """
         self._check_index(index)
         epoch = self._epoch + 1
         for _ in range(3):
             refs = [r.set_epoch.remote(epoch, index) for r in self._replicas]
-            results = self._gather(refs, self._call_timeout)
+            results = self._gather(refs, self._call_timeout if timeout is None else timeout)
             newer = [r.current for r in results if isinstance(r, FencedError)]
             if not newer:
                 break

@@ -295,8 +295,11 @@ async def test_leadership_stops_work_at_once_when_deposed(nc: Client) -> None:
         await asyncio.sleep(TTL / 2)  # a standby must not be working: nothing may tick
         assert work.ticks == ticks and lead.role == "standby"
         await kv.delete(f"ingest.{stream}")  # the other node let go
-        await await_until(lambda: lead.role == "active", TTL + 5, what="active again")
-        assert work.starts == 2 and len(lead.terms) == 2
+        # the role turns active before its work's task has run: wait for the work's start
+        await await_until(
+            lambda: lead.role == "active" and work.starts == 2, TTL + 5, what="working again"
+        )
+        assert len(lead.terms) == 2 and work.starts == 2
 
 
 @on_session_loop
