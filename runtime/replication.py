@@ -366,11 +366,11 @@ class ReplicaGroup:
             self._replicas = [self._start(i) for i in range(k + 1)]
             # a replica's first answer waits on its worker's start (seconds on a busy node):
             # that is the ready timeout's to bound, not a call's
-            self.promote(0, timeout=max(ready_timeout, call_timeout))
+            start_timeout = max(ready_timeout, call_timeout)
+            self.promote(0, timeout=start_timeout)
             if self.unacknowledged:
                 raise ReplicaGroupError(
-                    f"{role!r} replicas {self.unacknowledged} did not start within "
-                    f"{max(ready_timeout, call_timeout)}s"
+                    f"{role!r} replicas {self.unacknowledged} did not start within {start_timeout}s"
                 )
         except BaseException:
             self.shutdown()

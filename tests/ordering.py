@@ -57,9 +57,10 @@ def costs_from_junit(xml_text: str) -> dict[str, float]:
         # classname is dotted: tests.test_x, or tests.test_x.TestClass for a class's tests
         parts = case.get("classname", "").split(".")
         ends = [i for i, part in enumerate(parts) if part.startswith("test_")]
-        path = "/".join(parts[: ends[0] + 1]) + ".py" if ends else None
-        if path is not None:
-            out[path] = out.get(path, 0.0) + float(case.get("time", 0) or 0)
+        if not ends:
+            continue
+        path = "/".join(parts[: ends[0] + 1]) + ".py"
+        out[path] = out.get(path, 0.0) + float(case.get("time", 0) or 0)
     return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
