@@ -70,6 +70,8 @@ async def stream_records(
     digest: Callable[[bytes], str] = payload_digest,
 ) -> list[Record]:
     """(`Nats-Msg-Id`, payload digest) of every message in `stream`, in stream order."""
+    from nats.js.errors import ServiceUnavailableError
+
     js = nc.jetstream()
     info = await js.stream_info(stream)
     last = info.state.last_seq
@@ -91,6 +93,11 @@ async def stream_records(
             except TimeoutError:
                 if subject:  # a filtered read may end before the stream's last seq
                     break
+                continue
+            except ServiceUnavailableError:
+                # 503 no responders: right after a node loss the new consumer's
+                # assignment may not have reached its server; it answers once it has.
+                await asyncio.sleep(0.1)
                 continue
             for msg in msgs:
                 seq = msg.metadata.sequence.stream

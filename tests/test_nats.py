@@ -135,6 +135,11 @@ async def read_stream(
                 msgs = await sub.fetch(batch=500, timeout=1.0)
             except nats.errors.TimeoutError:
                 continue
+            except nats.js.errors.ServiceUnavailableError:
+                # 503 no responders: the new consumer's assignment has not reached its
+                # server yet (seen right after a leader change); it answers once it has.
+                await asyncio.sleep(0.1)
+                continue
             for m in msgs:
                 out.append((m.metadata.sequence.stream, m.headers[MSG_ID], m.data))
     finally:
