@@ -42,7 +42,7 @@ from tests.bench.common import summary, write_report
 pytestmark = pytest.mark.timeout(1500)
 
 STREAM, SUBJECT = "geo", "raw.geo"
-RATE, SECONDS, BATCH = 1000, 20, 20
+RATE, SECONDS, BATCH = 1000, 10, 20  # 10,000 lag samples
 SITE_LOSS_EVENTS = 20_000
 
 

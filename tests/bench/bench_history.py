@@ -63,19 +63,28 @@ def body(i: int) -> bytes:
     ).encode()
 
 
+FILL_CHUNK, FILL_IN_FLIGHT = 5000, 4
+
+
 async def fill(url: str, first: int, n: int) -> None:
-    """Publish events first..first+n-1 as atomic batches (the bridge's publisher): the
-    fill is set-up, not a figure, and per-message acks made it 100 s of this bench."""
+    """Publish events first..first+n-1 as atomic batches (the bridge's publisher), a few
+    chunks in flight so its batches overlap: the fill is set-up, not a figure (per-message
+    acks made it 100 s of this bench; one chunk at a time 49 s, four at a time 45 s)."""
     nc = await connect(url)
     pub = JetStreamPublisher(nc)
+
+    async def chunk(start: int) -> None:
+        events = [
+            Outgoing(f"h-{i}", f"raw.{STREAM}", body(i))
+            for i in range(start, min(start + FILL_CHUNK, first + n))
+        ]
+        acked, failed = await pub.publish_atomic(events, stream=STREAM)
+        assert not failed and len(acked) == len(events), failed[:3]
+
     try:
-        for start in range(first, first + n, 5000):
-            events = [
-                Outgoing(f"h-{i}", f"raw.{STREAM}", body(i))
-                for i in range(start, min(start + 5000, first + n))
-            ]
-            acked, failed = await pub.publish_atomic(events, stream=STREAM)
-            assert not failed and len(acked) == len(events), failed[:3]
+        starts = range(first, first + n, FILL_CHUNK)
+        for k in range(0, len(starts), FILL_IN_FLIGHT):
+            await asyncio.gather(*(chunk(s) for s in starts[k : k + FILL_IN_FLIGHT]))
     finally:
         await pub.close()
         await nc.close()
@@ -189,7 +198,10 @@ async def kv_results(url: str) -> dict[str, dict[Any, Any]]:
 def recompute_vs_live(
     spark: Any, url: str, table: StreamTable, root: Path, high_water: int
 ) -> dict[str, Any]:
-    """Each `LIVE_SPECS` job live (streaming, availableNow) and recomputed: equal?"""
+    """Each `LIVE_SPECS` job live (streaming, availableNow) and recomputed: equal?
+
+    One after another: side by side, the three live jobs took as long as in a row (58 s
+    against 57 s for 1M events on 2 cores), with each one's time no longer its own."""
     out: dict[str, Any] = {}
     nats = NatsEndpoint(url)
     for spec in LIVE_SPECS:

@@ -36,7 +36,7 @@ from nats.js.errors import NotFoundError
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
 
-EVENTS = 20_000
+EVENTS = 10_000  # per run; the fsync-per-message rows take ~5 s each at this size
 PAYLOAD = 500
 STREAM = "bench"
 SUBJECT = "raw.bench"
