@@ -421,8 +421,10 @@ async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
         async def roles() -> list[str]:
             return [s["role"] for s in await asyncio.gather(*(call(h, "stats") for h in handles))]
 
+        # An actor still being created under load answers `stats` late: a timed-out
+        # call is "not yet", bounded by the wait's own deadline.
         await await_until(
-            lambda: _sorted(roles()), 60, interval=0.1, what="one active, one standby"
+            lambda: _sorted(roles()), 60, interval=0.1, swallow=True, what="one active, one standby"
         )
         stats = await asyncio.gather(*(call(h, "stats") for h in handles))
         active = 0 if stats[0]["role"] == "active" else 1
@@ -432,7 +434,9 @@ async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
         async def victim_wrote() -> bool:
             return ((await call(victim, "stats"))["last_written_pos"] or 0) >= 1000
 
-        await await_until(victim_wrote, 30, interval=0.05, what="1000 frames buffered")
+        await await_until(
+            victim_wrote, 30, interval=0.05, swallow=True, what="1000 frames buffered"
+        )
         killed_at = time.time()
         os.kill(before["pid"], signal.SIGKILL)
 
@@ -442,7 +446,9 @@ async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
             return s if terms and terms[-1]["first_write_at"] else None
 
         try:
-            after = await await_until(took_over, 30, interval=0.05, what="standby takes over")
+            after = await await_until(
+                took_over, 30, interval=0.05, swallow=True, what="standby takes over"
+            )
         except AssertionError as err:
             seen = await asyncio.gather(
                 *(call(h, "stats") for h in handles), return_exceptions=True
