@@ -148,6 +148,9 @@ def train(out: Path, work: Path) -> None:
     _classpath_file(out).write_text(jvm.System.getProperty("java.class.path"))
     register(spark)
     _register_source(spark)
+    # All five at once: the same classes load, in 39 s instead of 47 one after another (two
+    # cores); the session's 20 s and the archive's dump at exit, 26 s, stay.
+    queries = []
     for spec in training_jobs():
         source = spark.readStream.format(SOURCE).load()
         plan = build_plan(spec, source)
@@ -156,7 +159,7 @@ def train(out: Path, work: Path) -> None:
         def write(df: Any, batch_id: int, shape: Any = shape) -> None:
             shape([r.asDict(recursive=True) for r in df.collect()], batch_id)
 
-        query = (
+        queries.append(
             plan.df.writeStream.queryName(spec.name)
             .outputMode(plan.output_mode)
             .foreachBatch(write)
@@ -164,9 +167,10 @@ def train(out: Path, work: Path) -> None:
             .trigger(availableNow=True)
             .start()
         )
+    for query in queries:
         query.awaitTermination(TIMEOUT_S)
         if query.exception() is not None:
-            raise RuntimeError(f"training query {spec.name} failed: {query.exception()}")
+            raise RuntimeError(f"training query {query.name} failed: {query.exception()}")
     spark.stop()
 
 
