@@ -86,6 +86,12 @@ class StatusMetrics:
             ["stream", "site", "origin"],
             registry=self.registry,
         )
+        self.replication_kicks = Gauge(
+            "tierflow_replication_source_kicks",
+            "Leader changes this runtime asked of its site's copies stalled on nats-server's "
+            "source retry backoff (runtime/geo.py SourceWatch)",
+            registry=self.registry,
+        )
         self.replication_up = Gauge(
             "tierflow_replication_copy_up",
             "1 when a stream's copy on `site` answers",
@@ -107,6 +113,8 @@ class StatusMetrics:
         for q in (status.get("analysis") or {}).get("queries", []):
             if q.get("lag") is not None:
                 self.query_lag.labels(q["name"]).set(q["lag"])
+        if "replication_kicks" in status:
+            self.replication_kicks.set(status["replication_kicks"])
         for r in status.get("replication") or []:
             self.replication_up.labels(r["stream"], r["site"]).set(1 if r.get("up") else 0)
             if r.get("lag") is not None:

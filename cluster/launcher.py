@@ -35,7 +35,7 @@ from jobs.specs import decode_spec
 from runtime import runstate
 from runtime.autoscaling import Controller, Sample
 from runtime.config import Config, SourceConfig
-from runtime.geo import replication_lag
+from runtime.geo import SourceWatch, local_site, replication_lag
 from runtime.roles import SCALABLE_ROLES
 from runtime.services import Services, connect_nats, ensure_streams
 from runtime.supervision import Intensity
@@ -73,6 +73,9 @@ class Runtime:
         self._auto_stop = threading.Event()
         self._auto_thread: threading.Thread | None = None
         self._snap: tuple[float, dict[str, list[dict[str, Any]]]] = (0.0, {})
+        self.geo_watch: SourceWatch | None = None
+        self._geo_stop = asyncio.Event()
+        self._geo_task: asyncio.Task[None] | None = None
         self._rates: dict[str, dict[str, float]] = {}
 
     async def start(self) -> None:
@@ -81,6 +84,7 @@ class Runtime:
         self.nc = await connect_nats(self.cfg, self.services.nats_url, name="tierflow-up")
         self.streams = await ensure_streams(self.nc, self.cfg)
         await ensure_results_bucket(self.nc)
+        await self._start_geo_watch()
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
         if self.demo_rate:
             await self._start_demo_source()
@@ -100,6 +104,18 @@ class Runtime:
             ssl_context=server_ssl_context(self.cfg),
         )
         self.admin_url = f"{http_scheme(self.cfg)}://{self.cfg.admin.host}:{port}"
+
+    async def _start_geo_watch(self) -> None:
+        """This site's stream copies kicked off nats-server's source retry backoff once a
+        lost origin answers again (runtime/geo.py `SourceWatch`)."""
+        groups = [s.replicate for s in self.cfg.streams.values() if s.replicate is not None]
+        if not groups:
+            return
+        here = await local_site(self.nc, groups[0].site)
+        self.geo_watch = SourceWatch(sites=frozenset({here}))
+        self._geo_task = asyncio.create_task(
+            self.geo_watch.run(self.nc, self.cfg, self._geo_stop), name="tierflow-geo-watch"
+        )
 
     def _start_gateways(self) -> None:
         """The data access tier: gateways sharing one port (dashboard at `/`)."""
@@ -180,6 +196,11 @@ class Runtime:
 
     async def stop(self) -> None:
         self._auto_stop.set()
+        self._geo_stop.set()
+        if self._geo_task is not None:  # a look in progress ends within its 2-s bound
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._geo_task, 10)
+            self._geo_task = None
         if self._auto_thread is not None:  # a resize in progress finishes first
             await asyncio.get_running_loop().run_in_executor(None, self._auto_thread.join, 900)
             self._auto_thread = None
@@ -305,6 +326,8 @@ class Runtime:
             out["analysis"] = await self._analysis_status()
         if self.nc is not None and any(s.replicate for s in self.cfg.streams.values()):
             out["replication"] = await replication_lag(self.nc, self.cfg)  # bounded: 2 s
+            if self.geo_watch is not None:
+                out["replication_kicks"] = self.geo_watch.kicked
         return out
 
     async def _roles_status(self) -> dict[str, Any]:

@@ -8,19 +8,29 @@ visible. Sourced messages keep their headers, and JetStream checks a sourced mes
 Nats-Msg-Id against the copy's duplicate window like a publish: an event acknowledged on
 both sites (a producer's retry after a failover) is stored once in each copy.
 
+A copy that lost its origin (the origin's site down, or the link) gets it back by itself,
+but late: nats-server retries a source on a backoff that grows by 10 s with every failed
+try during the outage, up to 2 minutes, and only the site that *accepts* a leaf connection
+retries at once when it comes back. `SourceWatch` (run by the tierflow runtime) asks the
+copy's stream leader to step down once the origin answers again: the new leader sets its
+sources up at once, from where the copy stands (the same path as any leader change, so
+nothing is copied twice or skipped).
+
 Pure: `origin_subject`, `origin_transform`, `origin_patterns`, `copy_sources`, `copy_config`,
-`link_deny`, `lag_rows`.
+`link_deny`, `lag_rows`, `stalled_copies`, `kick_due`.
 I/O (one nats-py connection to any site, other sites reached by their domain's API
 prefix `$JS.<site>.API` across the leaf links): `local_site`, `ensure_copies`,
-`with_local_sources`, `stream_copy_info`, `replication_lag`.
+`with_local_sources`, `stream_copy_info`, `replication_lag`, `kick_copy`, `SourceWatch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ORIGIN_PREFIX = "geo"
 API_TIMEOUT_S = 2.0
+# A source hears from its origin at least every second (nats-server's source heartbeat),
+# so five seconds of silence while the origin answers means it is waiting on a retry.
+STALL_S = 5.0
+KICK_AFTER_S = 15.0  # between kicks of one copy, doubling while it stays stalled
+KICK_MAX_S = 300.0
 
 
 def origin_subject(site: str, subject: str) -> str:
@@ -180,10 +195,14 @@ def lag_rows(stream: str, site: str, info: Mapping[str, Any] | None) -> list[dic
                 "site": site,
                 "from": _origin(src),
                 "lag": int(src.get("lag") or 0),
-                "active_s": round(active / 1e9, 3) if isinstance(active, int | float) else None,
+                # nats-server says -1 for a source that never heard from its origin
+                "active_s": round(active / 1e9, 3)
+                if isinstance(active, int | float) and active >= 0
+                else None,
                 "error": (src.get("error") or {}).get("description"),
                 "up": True,
                 "messages": int((info.get("state") or {}).get("messages") or 0),
+                "replicas": int((info.get("config") or {}).get("num_replicas") or 1),
             }
         )
     return rows
@@ -206,11 +225,112 @@ async def replication_lag(nc: Client, cfg: Config) -> list[dict[str, Any]]:
     ]
 
 
+def stalled_copies(
+    rows: Iterable[Mapping[str, Any]], stall_s: float = STALL_S
+) -> list[tuple[str, str]]:
+    """(stream, site) of each copy that answers and has a source silent for `stall_s` or
+    more (or never heard) while that source's origin copy answers too: a copy waiting on
+    nats-server's retry backoff. A copy whose origin is down is left alone (nothing to
+    kick it towards), and so is an R1 copy: it has no raft group, so nats-server answers
+    a leader change with success and does nothing; it waits out the backoff."""
+    rows = list(rows)
+    answering = {(r["stream"], r["site"]) for r in rows if r.get("up")}
+    out: list[tuple[str, str]] = []
+    for r in rows:
+        if not r.get("up") or (r["stream"], r.get("from")) not in answering:
+            continue
+        if int(r.get("replicas") or 1) < 2:
+            continue
+        active = r.get("active_s")
+        key = (r["stream"], r["site"])
+        if (active is None or active >= stall_s) and key not in out:
+            out.append(key)
+    return out
+
+
+def kick_due(kicks: int, last_at: float | None, now: float) -> bool:
+    """Whether a stalled copy kicked `kicks` times so far (the last at `last_at`) is kicked
+    again now: at once the first time, then after 15 s, 30 s, 60 s... up to 5 minutes, so a
+    source that stays broken for another reason (a denied subject, a wrong domain) costs a
+    leader change only now and then."""
+    if kicks == 0 or last_at is None:
+        return True
+    return now - last_at >= min(KICK_MAX_S, KICK_AFTER_S * 2 ** (kicks - 1))
+
+
+async def kick_copy(nc: Client, site: str, stream: str) -> str | None:
+    """Ask `site`'s copy of `stream` to change its leader; returns None, or why not."""
+    msg = await nc.request(
+        f"$JS.{site}.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=API_TIMEOUT_S
+    )
+    body = json.loads(msg.data or b"{}")
+    err = body.get("error")
+    return None if not err else str(err.get("description") or err)
+
+
+@dataclasses.dataclass
+class SourceWatch:
+    """Kicks copies stalled on nats-server's source retry backoff (`stalled_copies`) on the
+    schedule of `kick_due`; forgets a copy once its sources hear from their origins."""
+
+    sites: frozenset[str] | None = None  # the copies on these sites only (None: every site)
+    stall_s: float = STALL_S
+    kicks: dict[tuple[str, str], tuple[int, float]] = dataclasses.field(default_factory=dict)
+    kicked: int = 0  # leader changes asked for, for status
+
+    async def tick(self, nc: Client, rows: list[dict[str, Any]], now: float) -> list[str]:
+        """One look at `rows` (`replication_lag`); returns the copies kicked, as site/stream."""
+        stalled = [
+            (stream, site)
+            for stream, site in stalled_copies(rows, self.stall_s)
+            if self.sites is None or site in self.sites
+        ]
+        for key in [k for k in self.kicks if k not in stalled]:
+            del self.kicks[key]  # its sources hear from their origins again
+        done = []
+        for stream, site in stalled:
+            n, last = self.kicks.get((stream, site), (0, None))
+            if not kick_due(n, last, now):
+                continue
+            self.kicks[(stream, site)] = (n + 1, now)
+            try:
+                why = await kick_copy(nc, site, stream)
+            except Exception as err:  # the copy stopped answering meanwhile
+                why = repr(err)
+            if why is None:
+                self.kicked += 1
+                done.append(f"{site}/{stream}")
+                log.info(
+                    "geo: %s's copy of %s waited on its source retry: leader changed", site, stream
+                )
+            else:
+                log.warning(
+                    "geo: %s's copy of %s is stalled, no leader change: %s", site, stream, why
+                )
+        return done
+
+    async def run(
+        self, nc: Client, cfg: Config, stop: asyncio.Event, interval_s: float = 1.0
+    ) -> None:
+        """Until `stop`: look every `interval_s` (a `replication_lag` round, bounded by its
+        2-s API timeout)."""
+        while not stop.is_set():
+            try:
+                await self.tick(nc, await replication_lag(nc, cfg), time.monotonic())
+            except Exception:
+                log.exception("geo: source watch")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
 __all__ = [
     "ORIGIN_PREFIX",
     "copy_config",
     "copy_sources",
+    "SourceWatch",
     "ensure_copies",
+    "kick_copy",
+    "kick_due",
     "lag_rows",
     "link_deny",
     "local_site",
@@ -218,6 +338,7 @@ __all__ = [
     "origin_subject",
     "origin_transform",
     "replication_lag",
+    "stalled_copies",
     "stream_copy_info",
     "with_local_sources",
 ]

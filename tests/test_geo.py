@@ -20,11 +20,15 @@ import pytest
 from cluster.chaos.site_loss import judge, read_copy, run_site_loss
 from runtime.config import ConfigError, validate
 from runtime.geo import (
+    SourceWatch,
     copy_config,
+    kick_copy,
+    kick_due,
     lag_rows,
     link_deny,
     origin_subject,
     replication_lag,
+    stalled_copies,
     stream_copy_info,
 )
 from runtime.geo_config import ReplicateConfig
@@ -97,7 +101,7 @@ def test_lag_rows_name_the_origin_of_each_source() -> None:
     }  # fmt: skip
     assert lag_rows(STREAM, "site-b", info) == [
         {"stream": STREAM, "site": "site-b", "from": "site-a", "lag": 3, "active_s": 1.5,
-         "error": None, "up": True, "messages": 7}
+         "error": None, "up": True, "messages": 7, "replicas": 1}
     ]  # fmt: skip
     assert lag_rows(STREAM, "site-a", None)[0]["up"] is False
 
@@ -249,6 +253,124 @@ async def test_a_publish_on_one_site_is_not_captured_directly_by_the_other(
         await nca.close()
 
 
+async def test_a_kicked_copy_changes_leader_and_sources_each_event_once(
+    sites: NatsSites, tmp_path: Path
+) -> None:
+    """What `SourceWatch` asks of a stalled copy, done to a live one: its leader steps down,
+    a new one takes over, and the events its origin takes before, during and after the
+    change are each sourced once (the new leader resumes from the copy's own position)."""
+    a, b = sites.site("site-a"), sites.site("site-b")
+    nca = await connect(a.url)
+    try:
+        await ensure_streams(nca, _cfg(tmp_path, ["site-b"]))
+        info = await stream_copy_info(nca, "site-b", STREAM)
+        assert info is not None
+        leader = info["cluster"]["leader"]
+        js = nca.jetstream()
+        ids = [f"kick-{i}" for i in range(60)]
+        for i in ids[:20]:
+            await js.publish(SUBJECT, i.encode(), headers={"Nats-Msg-Id": i})
+        assert await kick_copy(nca, "site-b", STREAM) is None
+        for i in ids[20:40]:  # while B's copy elects its new leader
+            await js.publish(SUBJECT, i.encode(), headers={"Nats-Msg-Id": i})
+
+        async def moved() -> bool:
+            now = await stream_copy_info(nca, "site-b", STREAM)
+            return bool(now) and now["cluster"].get("leader") not in (None, leader)
+
+        await await_until(moved, 30, 0.1, "a new leader for B's copy")
+        for i in ids[40:]:
+            await js.publish(SUBJECT, i.encode(), headers={"Nats-Msg-Id": i})
+
+        async def sourced() -> Counter[str]:
+            got = Counter(i for i, _ in await read_copy(b.url, STREAM))
+            return got if all(got[i] for i in ids) else Counter()
+
+        got = await await_until(sourced, 30, 0.2, "B sourced all 60", swallow=True)
+        assert [got[i] for i in ids] == [1] * 60 and set(got.values()) == {1}
+    finally:
+        await nca.close()
+
+
+def _row(site: str, origin: str, active_s: float | None, up: bool = True) -> dict[str, Any]:
+    return {"stream": STREAM, "site": site, "from": origin, "lag": 0, "active_s": active_s,
+            "error": None, "up": up, "messages": 1, "replicas": 3}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_copy_is_stalled_when_its_source_is_silent_and_the_origin_answers() -> None:
+    a_up = _row("site-a", "site-b", 0.4)
+    a_down = {"stream": STREAM, "site": "site-a", "from": "-", "lag": None, "up": False}
+    # silent 12 s while A answers: waiting on nats-server's retry backoff
+    assert stalled_copies([a_up, _row("site-b", "site-a", 12.0)]) == [(STREAM, "site-b")]
+    # never heard from its origin (nats-server's -1 is None in the rows)
+    assert stalled_copies([a_up, _row("site-b", "site-a", None)]) == [(STREAM, "site-b")]
+    assert lag_rows(STREAM, "site-b", {"sources": [{"active": -1}]})[0]["active_s"] is None
+    # heard within the last heartbeats: fine
+    assert stalled_copies([a_up, _row("site-b", "site-a", 0.8)]) == []
+    assert stalled_copies([a_up, _row("site-b", "site-a", 4.9)]) == []
+    # the origin is down: nothing to kick the copy towards
+    assert stalled_copies([a_down, _row("site-b", "site-a", 30.0)]) == []
+    # both stalled: each copy named once
+    rows = [_row("site-a", "site-b", 9.0), _row("site-b", "site-a", 9.0)]
+    assert stalled_copies(rows) == [(STREAM, "site-a"), (STREAM, "site-b")]
+    assert stalled_copies(rows, stall_s=10.0) == []
+    # an R1 copy has no raft group: nats-server says yes to a leader change and does nothing
+    assert stalled_copies([a_up, {**_row("site-b", "site-a", 12.0), "replicas": 1}]) == []
+
+
+@pytest.mark.unit
+def test_kicks_back_off_while_a_copy_stays_stalled() -> None:
+    assert kick_due(0, None, 100.0)
+    assert not kick_due(1, 100.0, 114.9) and kick_due(1, 100.0, 115.0)
+    assert not kick_due(2, 100.0, 129.9) and kick_due(2, 100.0, 130.0)
+    assert not kick_due(3, 100.0, 159.9) and kick_due(3, 100.0, 160.0)
+    assert not kick_due(20, 100.0, 399.9) and kick_due(20, 100.0, 400.0)  # at most 5 min
+
+
+class _Nc:
+    """A NATS connection that records requests and answers STEPDOWN like nats-server."""
+
+    def __init__(self, errors: dict[str, str] | None = None) -> None:
+        self.subjects: list[str] = []
+        self.errors = errors or {}
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> Any:
+        self.subjects.append(subject)
+        site = subject.split(".")[1]
+        body: dict[str, Any] = {"success": True}
+        if site in self.errors:
+            body = {"error": {"code": 400, "description": self.errors[site]}}
+        return type("Msg", (), {"data": msgspec.json.encode(body)})()
+
+
+@pytest.mark.unit
+async def test_the_source_watch_kicks_its_sites_stalled_copies_on_schedule() -> None:
+    down = "$JS.site-b.API.STREAM.LEADER.STEPDOWN." + STREAM
+    stalled = [_row("site-a", "site-b", 0.3), _row("site-b", "site-a", 20.0)]
+    nc = _Nc()
+    watch = SourceWatch(sites=frozenset({"site-b"}))
+    assert await watch.tick(nc, stalled, 0.0) == [f"site-b/{STREAM}"]
+    assert nc.subjects == [down] and watch.kicked == 1
+    assert await watch.tick(nc, stalled, 10.0) == []  # not again before 15 s
+    assert await watch.tick(nc, stalled, 15.0) == [f"site-b/{STREAM}"]
+    assert watch.kicks[(STREAM, "site-b")] == (2, 15.0)
+    # it hears from its origin again: forgotten, so a later outage starts afresh
+    assert (
+        await watch.tick(nc, [_row("site-a", "site-b", 0.3), _row("site-b", "site-a", 0.2)], 16.0)
+        == []
+    )
+    assert watch.kicks == {}
+    assert await watch.tick(nc, stalled, 17.0) == [f"site-b/{STREAM}"]
+    # another site's copy is that site's runtime's to kick
+    other = SourceWatch(sites=frozenset({"site-a"}))
+    assert await other.tick(nc, stalled, 0.0) == [] and len(nc.subjects) == 3
+    # an R1 copy cannot change leader: said, not counted
+    r1 = SourceWatch()
+    assert await r1.tick(_Nc({"site-b": "stream not clustered"}), stalled, 0.0) == []
+    assert r1.kicked == 0 and r1.kicks[(STREAM, "site-b")] == (1, 0.0)
+
+
 # --------------------------------------------------------------------------- site-loss (short)
 
 
@@ -313,7 +435,7 @@ def test_status_and_metrics_show_replication_lag_per_stream_and_site() -> None:
          "error": None, "up": True, "messages": 5},
         {"stream": STREAM, "site": "site-a", "from": "-", "lag": None, "up": False},
     ]  # fmt: skip
-    snap = {"services": {}, "children": [], "replication": rows}
+    snap = {"services": {}, "children": [], "replication": rows, "replication_kicks": 2}
     tables = status_tables(snap, wide=True, width=200)
     geo = [t for t in tables if t.title == "geo"]
     assert len(geo) == 1 and geo[0].row_count == 2
@@ -325,6 +447,7 @@ def test_status_and_metrics_show_replication_lag_per_stream_and_site() -> None:
         in text
     )
     assert 'tierflow_replication_copy_up{site="site-a",stream="orders"} 0.0' in text
+    assert "tierflow_replication_source_kicks 2.0" in text
     assert 'tierflow_replication_copy_up{site="site-b",stream="orders"} 1.0' in text
 
 

@@ -174,7 +174,8 @@ def from_site_loss(name: str, seed: int, rate: float, rep: Any, elapsed_s: float
                 throughput_eps=0.0,
                 detail=f"first ack on B {rep.kill_to_first_ack_s} s after the kill; "
                 f"{rep.missing_on_b_during_outage} acked events not on B while A was down; "
-                f"caught up {rep.catch_up_s} s after A returned",
+                f"caught up {rep.catch_up_s} s after A returned "
+                f"({rep.kicks} copies moved off the source retry backoff)",
                 error="" if rep.kill_to_first_ack_s is not None else "no ack on B after the kill",
             )
         )

@@ -38,7 +38,7 @@ import msgspec
 
 from cluster.chaos.proxy import Blackhole, FaultProxy
 from runtime.config import Config, validate
-from runtime.geo import link_deny, replication_lag
+from runtime.geo import SourceWatch, link_deny, replication_lag
 from runtime.nats import connect, js_publish
 from runtime.services import ensure_streams
 from runtime.sites import NatsSites
@@ -112,6 +112,7 @@ class SiteLossReport:
     kill_after_s: float | None = None  # the kill, in seconds after the load started
     partition_s: float = 0.0  # the link between the sites cut this long before the kill
     catch_up_s: float | None = None  # A restarted -> both copies hold every acked event
+    kicks: int = 0  # copies moved off nats-server's source retry backoff (SourceWatch)
     checks: list[CopyCheck] = field(default_factory=list)
     error: str = ""
 
@@ -295,9 +296,9 @@ async def read_copy(
         await _close_quietly(nc)
 
 
-async def _converged(nc_any: Any, cfg: Config) -> bool:
-    """Every copy answers, lags no origin, and all copies hold the same number of events."""
-    rows = await replication_lag(nc_any, cfg)
+def converged(rows: list[dict[str, Any]]) -> bool:
+    """Every copy answers, lags no origin, and all copies hold the same number of events
+    (`rows`: runtime/geo.py `replication_lag`)."""
     ok = all(r["up"] and r["lag"] == 0 and not r.get("error") for r in rows)
     return bool(rows) and ok and len({r["messages"] for r in rows}) == 1
 
@@ -383,11 +384,16 @@ async def run_site_loss(
         back = time.monotonic()
         await asyncio.to_thread(sites.start_site, "site-a")
         nc = await connect(b.url, name="site-loss-watch")
+        # What each site's tierflow runtime runs (cluster/launcher.py): without it the
+        # copies wait 10-120 s on nats-server's source retry backoff.
+        watch = SourceWatch()
         try:
-            deadline = time.monotonic() + 300  # sources retry a lost origin every 10-120 s
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
-                if await _converged(nc, cfg):
+                rows = await replication_lag(nc, cfg)
+                if converged(rows):
                     break
+                rep.kicks += len(await watch.tick(nc, rows, time.monotonic()))
                 await asyncio.sleep(0.2)
             else:
                 rep.error = f"copies not converged: {await replication_lag(nc, cfg)}"

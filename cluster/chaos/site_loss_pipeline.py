@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.chaos.site_loss import STREAM, SUBJECT, SiteLossReport, judge, read_copy
+from cluster.chaos.site_loss import (
+    STREAM,
+    SUBJECT,
+    SiteLossReport,
+    converged,
+    judge,
+    read_copy,
+)
 from cluster.loadgen import LoadReport, drive
 from cluster.verify import payload_digest
 from runtime.config import Config, load
@@ -167,12 +174,10 @@ async def _drained(rt: Any) -> bool:
 async def _converged(url: str, cfg: Config) -> bool:
     nc = await connect(url, name="site-loss-watch")
     try:
-        rows = await replication_lag(nc, cfg)
+        return converged(await replication_lag(nc, cfg))
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 2)
-    ok = all(r["up"] and r["lag"] == 0 and not r.get("error") for r in rows)
-    return bool(rows) and ok and len({r["messages"] for r in rows}) == 1
 
 
 def _acked_times(events: list[dict[str, Any]], batch_times: dict[int, float]) -> dict[str, float]:
@@ -282,6 +287,7 @@ async def run_pipeline_site_loss(
             finally:
                 await nc.close()
         rep.catch_up_s = round(time.monotonic() - back, 3)
+        rep.kicks = sum(rt.geo_watch.kicked for rt in p.runtimes.values() if rt.geo_watch)
         for site in (b, a):
             stored = await read_copy(site.url, digest=payload_digest)
             rep.checks.append(judge(site.name, acked_hash, sent, stored))

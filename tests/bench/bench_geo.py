@@ -124,7 +124,7 @@ def test_geo(tmp_path: Path) -> None:
         f"geo: site-loss {loss.acked:,} acked, lost {loss.lost}, duplicated {loss.duplicated}, "
         f"kill -> first ack on B {loss.kill_to_first_ack_s} s, "
         f"A's producer acked by B {loss.failover_ack_s} s after the kill, "
-        f"A caught up in {loss.catch_up_s} s"
+        f"A caught up in {loss.catch_up_s} s ({loss.kicks} source kicks)"
     )
     piped = asyncio.run(
         run_site_loss_pipeline(events=SITE_LOSS_EVENTS, rate=1000.0, workdir=tmp_path / "pipe")
@@ -134,7 +134,7 @@ def test_geo(tmp_path: Path) -> None:
         f"geo: site-loss (pipeline) {piped.acked:,} acked, lost {piped.lost}, "
         f"duplicated {piped.duplicated}, kill -> first ack on B {piped.kill_to_first_ack_s} s, "
         f"{piped.missing_on_b_during_outage} acked events not on B while A was down, "
-        f"A caught up in {piped.catch_up_s} s"
+        f"A caught up in {piped.catch_up_s} s ({piped.kicks} source kicks)"
     )
     write_report("geo", {"lag": lag, "site_loss": data, "site_loss_pipeline": piped_data})
     assert loss.ok, data
