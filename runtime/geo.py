@@ -325,9 +325,9 @@ class SourceWatch:
 
 __all__ = [
     "ORIGIN_PREFIX",
+    "SourceWatch",
     "copy_config",
     "copy_sources",
-    "SourceWatch",
     "ensure_copies",
     "kick_copy",
     "kick_due",
