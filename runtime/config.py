@@ -33,7 +33,9 @@ from runtime.query import FilterError, compile_filter
 
 ENV_PREFIX = "TIERFLOW_"
 # variables under the prefix that name no config key: the config file, the cache dir
-NOT_CONFIG_KEYS = frozenset({"TIERFLOW_CONFIG", CACHE_ENV})
+# not settings: the config file's path, the class archive's cache dir, and the free-port
+# share of a test worker (runtime/nats.py PORT_SLICE_ENV)
+NOT_CONFIG_KEYS = frozenset({"TIERFLOW_CONFIG", CACHE_ENV, "TIERFLOW_PORT_SLICE"})
 DEFAULT_FILE = "tierflow.toml"
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="0 picks a free port")]

@@ -58,16 +58,33 @@ QUIET_PORTS_FROM = 20000  # ports below the kernel's ephemeral range, from here 
 PORT_TRIES = 200
 
 
-def quiet_ports(range_file: Path = EPHEMERAL_RANGE) -> range:
+PORT_SLICE_ENV = "TIERFLOW_PORT_SLICE"
+
+
+def quiet_ports(range_file: Path = EPHEMERAL_RANGE, slice_spec: str | None = None) -> range:
     """Ports below the kernel's ephemeral range: a port chosen there stays free until its
     server binds it, where one the kernel handed out (bind to port 0) may go to any
     outgoing connection first (a collector failed to bind that way in a fresh `make
-    test`). Empty when the range is unknown or starts too low to leave any."""
+    test`). Empty when the range is unknown or starts too low to leave any.
+
+    `slice_spec` ``"i/n"`` (default: ``$TIERFLOW_PORT_SLICE``) keeps the i-th of n equal
+    parts: processes that choose ports side by side (make test's pytest workers) then never
+    choose the same one in the moment between choosing and binding it. Two collectors
+    bind with SO_REUSEPORT, so such a pair would both bind and share the port's traffic."""
     try:
         low = int(range_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return range(0)
-    return range(QUIET_PORTS_FROM, max(QUIET_PORTS_FROM, low))
+    ports = range(QUIET_PORTS_FROM, max(QUIET_PORTS_FROM, low))
+    spec = os.environ.get(PORT_SLICE_ENV, "") if slice_spec is None else slice_spec
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        return ports
+    if not 0 <= i < n or len(ports) < n:
+        return ports
+    step = len(ports) // n
+    return range(ports.start + i * step, ports.start + (i + 1) * step)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

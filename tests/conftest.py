@@ -8,6 +8,7 @@ Chromium and the tierflow CLI all are processes).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -16,10 +17,25 @@ from typing import Any
 import pytest
 
 from runtime.config import Config, load
-from runtime.nats import NatsServer
+from runtime.nats import PORT_SLICE_ENV, NatsServer
 from runtime.services import local_ray, spark_session
 from tests.ordering import costliest_first, load_costs, module_of
 from tests.support import NatsFactory
+
+
+def _port_slice(environ: dict[str, str]) -> str | None:
+    """This pytest-xdist worker's share of the free-port range (runtime/nats.py
+    `quiet_ports`), e.g. "1/2" for gw1 of two; None outside xdist."""
+    worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker.startswith("gw") or not count:
+        return None
+    return f"{int(worker[2:])}/{int(count)}"
+
+
+# Set at import, before any fixture picks a port: every process a test starts (Ray, the
+# CLI, `tierflow up`) inherits it.
+if (_slice := _port_slice(dict(os.environ))) is not None:
+    os.environ.setdefault(PORT_SLICE_ENV, _slice)
 
 
 @pytest.fixture(scope="session")

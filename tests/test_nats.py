@@ -442,6 +442,21 @@ async def test_connect_unreachable_fails_fast() -> None:
         await asyncio.wait_for(connect(url, connect_attempts=2), 15)
 
 
+def test_each_pytest_worker_chooses_ports_from_its_own_share() -> None:
+    from tests.conftest import _port_slice
+
+    both = {"PYTEST_XDIST_WORKER_COUNT": "2"}
+    assert _port_slice({**both, "PYTEST_XDIST_WORKER": "gw0"}) == "0/2"
+    assert _port_slice({**both, "PYTEST_XDIST_WORKER": "gw1"}) == "1/2"
+    assert _port_slice({}) is None  # one process: the whole range
+    # ...and the variable is no config key (TIERFLOW_* are settings otherwise)
+    from runtime.config import NOT_CONFIG_KEYS, load
+    from runtime.nats import PORT_SLICE_ENV
+
+    assert PORT_SLICE_ENV in NOT_CONFIG_KEYS
+    load(environ={PORT_SLICE_ENV: "1/2"})
+
+
 def test_free_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
     """A port the kernel hands out for port 0 can go to an outgoing connection before its
     server binds it (a collector failed that way); ports below the ephemeral range cannot."""
@@ -449,9 +464,13 @@ def test_free_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
 
     ranges = tmp_path / "range"
     ranges.write_text("32768\t60999\n")
-    assert quiet_ports(ranges) == range(QUIET_PORTS_FROM, 32768)
+    assert quiet_ports(ranges, "") == range(QUIET_PORTS_FROM, 32768)
+    # make test's two workers choose from halves of their own
+    assert quiet_ports(ranges, "0/2") == range(QUIET_PORTS_FROM, 26384)
+    assert quiet_ports(ranges, "1/2") == range(26384, 32768)
+    assert quiet_ports(ranges, "2/2") == quiet_ports(ranges, "junk") == quiet_ports(ranges, "")
     ranges.write_text("1024 65535\n")
-    assert len(quiet_ports(ranges)) == 0
+    assert len(quiet_ports(ranges, "")) == 0
     assert len(quiet_ports(tmp_path / "missing")) == 0
     ports = free_ports(5)
     assert len(set(ports)) == 5
