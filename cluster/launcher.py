@@ -358,7 +358,15 @@ class Runtime:
             except Exception:  # the stream is not there yet
                 pass
             queries.append({"name": name, **scalars(q), "lag": lag})
-        return {"state": st.get("state"), "queries": queries}
+        # with a warm standby (spark.standby): which process runs the queries, and its
+        # takeover when it took them over from the other
+        took = st.get("took_over")
+        return {
+            "state": st.get("state"),
+            "pid": st.get("pid"),
+            "took_over": took,
+            "queries": queries,
+        }
 
     async def _logger_status(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,19 +91,28 @@ def _event(i: int) -> str:
     )
 
 
-def _register_source(spark: Any) -> None:
+def register_source(spark: Any) -> None:
     """A Python streaming source with jetstream's schema, rows made in memory: the JVM
-    side of a Python source (planning, offsets, Arrow reads) is the same as jetstream's."""
+    side of a Python source (planning, offsets, Arrow reads) is the same as jetstream's.
+    Option ``batches``: how many micro-batches it holds (`BATCHES`)."""
     import datetime as dt
 
     from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
-    class Reader(DataSourceStreamReader):
+    class Reader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+        def __init__(self, batches: int) -> None:
+            self.batches = batches
+
         def initialOffset(self) -> dict[str, int]:
             return {"batch": 0}
 
-        def latestOffset(self) -> dict[str, int]:
-            return {"batch": BATCHES}
+        def prepareForTriggerAvailableNow(self) -> None:
+            return None
+
+        def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:
+            # one batch further each time: each a micro-batch of its own, as a live stream's
+            return {"batch": min(self.batches, int(start["batch"]) + 1)}
 
         def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[Any]:
             return [InputPartition(b) for b in range(start["batch"], end["batch"])]
@@ -126,7 +135,7 @@ def _register_source(spark: Any) -> None:
             return SCHEMA_DDL
 
         def streamReader(self, schema: Any) -> DataSourceStreamReader:
-            return Reader()
+            return Reader(int(self.options.get("batches", BATCHES)))
 
     spark.dataSource.register(Source)
 
@@ -134,7 +143,6 @@ def _register_source(spark: Any) -> None:
 def train(out: Path, work: Path) -> None:
     """The training run (in the process that exits to write `out`)."""
     from jobs.jetstream import register
-    from jobs.plans import build_plan
     from jobs.spark_session import analysis_conf
     from runtime.config import load
     from runtime.services import spark_session
@@ -147,31 +155,53 @@ def train(out: Path, work: Path) -> None:
     assert jvm is not None
     _classpath_file(out).write_text(jvm.System.getProperty("java.class.path"))
     register(spark)
-    _register_source(spark)
+    register_source(spark)
     # All five at once: the same classes load, in 39 s instead of 47 one after another (two
     # cores); the session's 20 s and the archive's dump at exit, 26 s, stay.
+    run_jobs(spark, training_jobs(), work / "ckpt")
+    spark.stop()
+
+
+def run_jobs(
+    spark: Any,
+    specs: list[JobSpec],
+    checkpoints: Path,
+    batches: int = BATCHES,
+    abort: Callable[[], bool] | None = None,
+) -> bool:
+    """Run `specs`' plans at once over the in-memory source (`register_source`), each for
+    `batches` micro-batches into a sink that shapes its rows as the driver's does, and
+    wait for them; also a warm standby's warm-up (jobs/standby.py), which `abort` (asked
+    every 0.2 s) stops early. False if aborted."""
+    from jobs.plans import build_plan
+
     queries = []
-    for spec in training_jobs():
-        source = spark.readStream.format(SOURCE).load()
+    for spec in specs:
+        source = spark.readStream.format(SOURCE).option("batches", batches).load()
         plan = build_plan(spec, source)
-        shape = plan.batch_rows(work / "ckpt" / spec.name)
+        shape = plan.batch_rows(checkpoints / spec.name)
 
         def write(df: Any, batch_id: int, shape: Any = shape) -> None:
             shape([r.asDict(recursive=True) for r in df.collect()], batch_id)
 
         queries.append(
-            plan.df.writeStream.queryName(spec.name)
+            plan.df.writeStream.queryName(f"{spec.name}-{checkpoints.name}")
             .outputMode(plan.output_mode)
             .foreachBatch(write)
-            .option("checkpointLocation", str(work / "ckpt" / spec.name))
+            .option("checkpointLocation", str(checkpoints / spec.name))
             .trigger(availableNow=True)
             .start()
         )
+    deadline = time.monotonic() + TIMEOUT_S
     for query in queries:
-        query.awaitTermination(TIMEOUT_S)
+        while not query.awaitTermination(0.2 if abort else TIMEOUT_S):
+            if (abort is not None and abort()) or time.monotonic() > deadline:
+                for q in queries:
+                    q.stop()
+                return False
         if query.exception() is not None:
             raise RuntimeError(f"training query {query.name} failed: {query.exception()}")
-    spark.stop()
+    return True
 
 
 def _classpath_file(archive: Path) -> Path:

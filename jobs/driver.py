@@ -41,18 +41,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
+import inspect
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import ray
 
 from jobs.archive import (
     ArchiveSettings,
@@ -93,10 +96,20 @@ from jobs.running import staggered, start_job
 from jobs.sink import BatchReport, close_sinks
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
+from jobs.standby import (
+    WARM_UP_BATCHES,
+    YIELD_MAX_S,
+    end_old_jvm,
+    record_jvm,
+    should_yield,
+    standby_name,
+    takeover,
+    try_take,
+)
 from runtime.clock import now_ms
 from runtime.config import Config, validate
 from runtime.nats import NatsEndpoint
-from runtime.ray_supervisor import SupervisedActor
+from runtime.ray_supervisor import SupervisedActor, gcs_actor_info
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.services import spark_session
 from runtime.sql_check import SqlRefused
@@ -121,6 +134,23 @@ EXIT_ESCALATED = 70  # the driver's exit status when it restarts itself (jobs/es
 
 class JobsError(RuntimeError):
     """The analysis driver cannot be reached or refused a request; the message says why."""
+
+
+F = TypeVar("F")
+FORWARD_TIMEOUT_S = 30.0  # added to a forwarded call's own wait
+
+
+def on_active(method: F) -> F:
+    """A Ray method that answers from the active driver: a standby (jobs/standby.py) hands
+    the call to its peer, so callers may use either driver's name after a takeover."""
+
+    @functools.wraps(method)  # type: ignore[arg-type]
+    def call(self: AnalysisDriver, *args: Any, **kwargs: Any) -> Any:
+        if self.role == "active":
+            return method(self, *args, **kwargs)  # type: ignore[operator]
+        return self._forward(method.__name__, args, kwargs)  # type: ignore[attr-defined]
+
+    return call  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -183,6 +213,20 @@ def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: 
         f"{archive}/stream={stream} (or set a new [streams.{stream}.archive] path); the old "
         "archive stays readable on its own, and the new one holds the events again (same ids)"
     )
+
+
+def _own_wait(method: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
+    """How long a call may wait by its own arguments (``wait_s``, ``timeout``,
+    ``timeout_s``, passed or defaulted), so a forwarded call is not cut short."""
+    try:
+        bound = inspect.signature(method).bind(None, *args, **kwargs)
+    except TypeError:
+        return 0.0
+    bound.apply_defaults()
+    for key in ("wait_s", "timeout", "timeout_s"):
+        if isinstance(bound.arguments.get(key), int | float):
+            return float(bound.arguments[key])
+    return 0.0
 
 
 # --------------------------------------------------------------------------- the actor
@@ -254,6 +298,8 @@ class AnalysisDriver(SupervisedActor):
         nats_url: where the streams are (default ``nats.url`` of the config).
         jobs: the configured jobs (JobSpec mappings); each started unless `stop`ped.
         master: Spark master (default: see `default_master`).
+        peer: the Ray name of the other driver of a warm pair (jobs/standby.py): this one
+            starts as a standby and runs the queries only once it holds the store's lock.
     """
 
     def __init__(
@@ -265,12 +311,18 @@ class AnalysisDriver(SupervisedActor):
         jobs: Sequence[Mapping[str, Any]] = (),
         name: str | None = None,
         master: str | None = None,
+        peer: str | None = None,
     ) -> None:
         self.cfg = validate(dict(config or {}))
         self._configured = {s.name: s for s in (decode_spec(j) for j in jobs)}
         self._lock = threading.Lock()
         self._w = _Wanted()
-        super().__init__(state_dir, name=name)
+        # with a peer (jobs/standby.py) the checkpoint store is opened by whichever driver
+        # takes it over; alone, here as before
+        self.peer = peer
+        self.role = "active" if peer is None else "standby"
+        self.took_over: dict[str, Any] | None = None
+        super().__init__(state_dir, name=name, open_store=peer is None)
         self.nats = NatsEndpoint.from_config(self.cfg, "analysis", url=nats_url)
         if not self.nats.url:
             raise JobsError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
@@ -342,12 +394,22 @@ class AnalysisDriver(SupervisedActor):
     # ---- the reconcile thread (the only one making Spark control calls) -----------------
 
     def _run(self) -> None:
+        if self.role == "standby":
+            self._yield_to_peer()
         try:
             self.spark = self._start_spark()
         except Exception as err:  # reported by status(); a restart would fail the same way
             log.exception("analysis driver: Spark did not start")
             self.state, self.error = "failed", f"Spark did not start: {err!r}"
             return
+        if self.role == "standby":
+            self._stand_by()
+            if self.role != "active" and not self._take_over():
+                self._stop_all()
+                return
+        proc = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
+        if self.peer is not None and getattr(proc, "proc", None) is not None:
+            record_jvm(self.store_path, proc.proc.pid)  # type: ignore[union-attr]
         self.state = "running"
         while not self._closing.is_set():
             try:
@@ -357,6 +419,141 @@ class AnalysisDriver(SupervisedActor):
             self._wake.wait(RECONCILE_S)
             self._wake.clear()
         self._stop_all()
+
+    def _warm_up(self, abort: Callable[[], bool]) -> None:
+        """Run the top-N plan for a few micro-batches over an in-memory Python source in
+        this JVM, so that a takeover's first batch finds Spark's streaming code compiled and
+        a Python worker started (jobs/standby.py); `abort` ends it early."""
+        from jobs.class_training import register_source, run_jobs, training_jobs
+
+        started = time.monotonic()
+        work = self.state_dir / f"warm-up-{self.incarnation}"
+        try:
+            register_source(self.spark)
+            done = run_jobs(
+                self.spark, training_jobs()[:1], work, batches=WARM_UP_BATCHES, abort=abort
+            )
+            self.warmed_s: float | None = round(time.monotonic() - started, 1) if done else None
+        except Exception:  # a standby that did not warm up still takes over
+            log.exception("analysis driver %s: warm-up", self.name)
+            self.warmed_s = None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _stand_by(self) -> None:
+        """Take the store now if it is free (the pair's first start, or a peer that is
+        gone): a driver that runs the queries at once does not warm up. Else warm up and
+        wait for it (`_take_over`)."""
+        store = try_take(self.store_path, self._peer_active)
+        if store is not None:
+            self._become_active(store, time.monotonic(), time.monotonic())
+            return
+        self.state = "warming up"
+        freed: list[CheckpointStore] = []
+
+        def lock_freed() -> bool:
+            """The store came free during the warm-up: the queries cannot wait for it."""
+            if not freed and (got := try_take(self.store_path, self._peer_active)):
+                freed.append(got)
+            return bool(freed)
+
+        started = time.monotonic()
+        self._warm_up(lock_freed)
+        if freed:
+            self._become_active(freed[0], started, time.monotonic())
+            return
+        self.state = "standby"
+
+    def _take_over(self) -> bool:
+        """Wait, Spark up, until this driver holds the checkpoint store; then make sure the
+        previous holder's JVM is gone before any query starts (jobs/standby.py)."""
+        started = time.monotonic()
+        store = takeover(self.store_path, self._closing, self._peer_active)
+        if store is None:
+            return False
+        self._become_active(store, started, time.monotonic())
+        return True
+
+    def _become_active(self, store: CheckpointStore, started: float, locked: float) -> None:
+        """Hold `store` from now on; the previous holder's JVM is ended first."""
+        jvm = end_old_jvm(self.store_path)
+        self.adopt_store(store)
+        self.role = "active"
+        self.took_over = {
+            "at": time.time(),
+            "waited_s": round(locked - started, 3),
+            "old_jvm": jvm,
+            "fence_s": round(time.monotonic() - locked, 3),
+        }
+        log.warning("analysis driver %s: took the queries over: %s", self.name, self.took_over)
+
+    def _peer(self) -> Any:
+        return ray.get_actor(self.peer, namespace=self.cfg.ray.namespace)
+
+    def _yield_to_peer(self) -> None:
+        """Start Spark (a JVM and session, about 15 s of CPU) only when the peer is not
+        starting its own queries: after a takeover, the first batches of the new active
+        driver; at the pair's first start, the first driver's (jobs/standby.py)."""
+        second = ray.get_runtime_context().get_actor_name() == standby_name(self.name)
+        deadline = time.monotonic() + YIELD_MAX_S
+        while not self._closing.is_set() and time.monotonic() < deadline:
+            if not should_yield(self._peer_info(), second=second):
+                return
+            self._closing.wait(1.0)
+
+    def _peer_info(self) -> dict[str, Any] | None:
+        """The peer's `role_info`, or None when it is not up to answer. Asked only when Ray
+        has it alive: a call to an actor Ray is restarting waits for the restart."""
+        try:
+            peer = self._peer()
+            info = gcs_actor_info(peer._actor_id.hex())
+            if info is not None and info.get("State") != "ALIVE":
+                return None
+            return dict(ray.get(peer.role_info.remote(), timeout=2.0))
+        except Exception:  # gone, restarting or not answering
+            return None
+
+    def _peer_active(self) -> bool:
+        return (self._peer_info() or {}).get("role") == "active"
+
+    def _forward(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.peer is None:
+            raise JobsError(f"analysis driver {self.name!r} is {self.state}")
+        wait = _own_wait(getattr(type(self), method), args, kwargs)
+        try:
+            ref = self._peer().from_standby.remote(method, args, kwargs)
+            return ray.get(ref, timeout=float(wait) + FORWARD_TIMEOUT_S)
+        except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
+            raise JobsError(
+                f"analysis driver {self.name!r} is a standby and its active peer "
+                f"{self.peer!r} did not answer: {err}"
+            ) from None
+
+    def from_standby(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """A call a standby handed over; never handed on, so two standbys cannot loop."""
+        if self.role != "active":
+            raise JobsError(
+                "no analysis driver is active yet (both stand by: starting or taking over)"
+            )
+        return getattr(self, method)(*args, **kwargs)
+
+    def role_info(self) -> dict[str, Any]:
+        """This driver's own role (``active`` or ``standby``), answered without its peer;
+        `caught_up`: active, and every query has finished a batch in this process."""
+        queries = [q for q in list(self._w.queries.values()) if q.kind != "archive"]
+        return {
+            **self.heartbeat(),
+            "role": self.role,
+            "state": self.state,
+            "caught_up": self.role == "active"
+            and self.state == "running"
+            and bool(queries)
+            and all(q.last_batch is not None for q in queries),
+            "peer": self.peer,
+            "namespace": self.cfg.ray.namespace,
+            "warmed_s": getattr(self, "warmed_s", None),
+            "took_over": self.took_over,
+        }
 
     def _start_spark(self) -> SparkSession:
         # pyspark loads here, in the actor: the CLI imports this module for its names only
@@ -738,6 +935,16 @@ class AnalysisDriver(SupervisedActor):
     # ---- Ray methods (quick; never a Spark control call) --------------------------------
 
     def status(self) -> dict[str, Any]:
+        """The active driver's `local_status`; a standby's own (no queries) while no
+        driver is active."""
+        if self.role == "active":
+            return self.local_status()
+        try:
+            return self._forward("local_status", (), {})
+        except JobsError:
+            return {**self.role_info(), "error": self.error, "jobs": [], "queries": {}}
+
+    def local_status(self) -> dict[str, Any]:
         """State, and per query: last committed batch and offset, rates, latency, late
         events, results published and replayed results JetStream dropped as duplicates (both
         since this incarnation started), query restarts, the last error; dead letters per
@@ -776,6 +983,9 @@ class AnalysisDriver(SupervisedActor):
             wanted = sorted(self._w.jobs)
         return {
             **self.heartbeat(),
+            "role": self.role,
+            "peer": self.peer,
+            "took_over": self.took_over,
             "state": self.state,
             "error": self.error,
             "master": self.master,
@@ -786,6 +996,7 @@ class AnalysisDriver(SupervisedActor):
             "escalated_at": self._last_escalation,
         }
 
+    @on_active
     def progress(self, since: float = 0.0) -> dict[str, list[dict[str, Any]]]:
         """Per query, its recent batches (Spark keeps the last 100) that started at or after
         `since` (epoch s): batch id, when it started (``at``, epoch s), input rows and where
@@ -814,6 +1025,7 @@ class AnalysisDriver(SupervisedActor):
             out[name] = rows
         return out
 
+    @on_active
     def sql(
         self,
         sql: str,
@@ -851,6 +1063,7 @@ class AnalysisDriver(SupervisedActor):
             return {"status": 500, "error": f"the query failed: {err}"[:1000]}
         return {"status": 200, **json_result(result)}
 
+    @on_active
     def archives(self) -> dict[str, dict[str, Any]]:
         """Per archived stream: the archive's committed position and the last trim."""
         out: dict[str, dict[str, Any]] = {}
@@ -873,6 +1086,7 @@ class AnalysisDriver(SupervisedActor):
             }
         return out
 
+    @on_active
     def recompute(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
         """Recompute job `name` as a batch view over its stream's history (archive and
         tail) up to the stream's last sequence now, serve it, and run the job's next
@@ -918,11 +1132,13 @@ class AnalysisDriver(SupervisedActor):
         row = self._wait_for(name, lambda r: r and r["state"] != "starting", wait_s)
         return {**view.summary(), "state": row["state"] if row else "starting"}
 
+    @on_active
     def jobs(self) -> dict[str, dict[str, Any]]:
         """The wanted jobs' specs, by name."""
         with self._lock:
             return {n: msgspec.to_builtins(s) for n, s in self._w.jobs.items()}
 
+    @on_active
     def start(self, job: Mapping[str, Any] | str, wait_s: float = 60.0) -> dict[str, Any]:
         """Want `job` (a JobSpec mapping or JSON) from now on, also after restarts; wait up
         to `wait_s` for its query to run (or fail) and return its status row."""
@@ -940,6 +1156,7 @@ class AnalysisDriver(SupervisedActor):
         self._wake.set()
         return self._wait_for(spec.name, lambda row: row and row["state"] != "starting", wait_s)
 
+    @on_active
     def stop(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
         """Stop wanting job `name` (also after restarts); wait up to `wait_s` for its query
         to stop. Its checkpoint stays, so starting it again resumes where it stopped."""
@@ -955,11 +1172,12 @@ class AnalysisDriver(SupervisedActor):
     def _wait_for(self, name: str, done: Any, wait_s: float) -> Any:
         deadline = time.monotonic() + wait_s
         while True:
-            row = self.status()["queries"].get(name)
+            row = self.local_status()["queries"].get(name)
             if done(row) or time.monotonic() >= deadline:
                 return row
             time.sleep(0.1)
 
+    @on_active
     def await_idle(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait (at most `timeout` s) until every wanted query has committed all the input
         its stream held when this call began; ``{"idle": bool, "behind": {query: seq}}``."""
@@ -1005,7 +1223,8 @@ class AnalysisDriver(SupervisedActor):
         stopped = not self._thread.is_alive()
         if stopped:
             self.state = "stopped"
-            self.store.close()
+            if self.role == "active":  # a standby never opened it
+                self.store.close()
         return {"stopped": stopped, "state": self.state}
 
 

@@ -4,12 +4,13 @@
 analysis driver adds these under the config's own ``[spark] conf`` (which wins on every key
 it sets), measured with the Meetup queries on local[2] (docs/benchmarks.md):
 
-- Local checkpoints (``file:``) go through Hadoop's raw local file system: no ``.crc``
-  file next to every offset, commit and state file, and one rename less each. What Spark
-  relies on stays: a metadata file appears by an atomic rename of a complete temp file,
-  and a rename onto an existing name fails. Checksums guard against disk corruption, which
-  these few small files are no better protected from by a CRC file on the same disk.
-  HDFS, S3 and NFS paths other than ``file:`` are not affected.
+- `FileContext` on local paths (``file:``) is Hadoop's raw local file system: no ``.crc``
+  file next to what goes through it. The `FileSystem` API (``fs.file.impl``) keeps Hadoop's
+  checksummed `LocalFileSystem`: RocksDB's state store uploads its snapshots with
+  `FileSystem.copyFromLocalFile`, which casts the local file system to `LocalFileSystem`,
+  so with the raw one every snapshot upload failed (a ClassCastException Spark logs and
+  ignores): no snapshot was ever made, a restarted query rebuilt its state by replaying
+  every changelog since its first batch, and none was ever cleaned up.
 - Checkpoint and metadata files through Hadoop's `FileSystem` API
   (``FileSystemBasedCheckpointFileManager``) instead of `FileContext`: without Hadoop's
   native library, `FileContext` creates every file with a permission, which the raw local
@@ -35,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RAW_LOCAL_FS = {
-    "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     "spark.hadoop.fs.AbstractFileSystem.file.impl": "org.apache.hadoop.fs.local.RawLocalFs",
 }
 CHECKPOINT_FILES = {

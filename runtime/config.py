@@ -138,6 +138,10 @@ class SparkConfig(_Strict):
     # map the driver JVM's class-data-sharing archive when `tierflow check` has built one
     # (runtime/class_archive.py): a SparkSession ~4.5 s sooner here
     class_archive: bool = True
+    # a second driver with its Spark up on the same node, which takes the queries over
+    # when the active driver's process dies (jobs/standby.py): seconds instead of a new
+    # JVM's start; costs that JVM's memory (about 1 GB) while it waits
+    standby: bool = False
 
 
 class RoleConfig(_Strict):

@@ -86,6 +86,7 @@ __all__ = [
     "RaySupervisor",
     "SupervisedActor",
     "exit_from_death",
+    "gcs_actor_info",
     "start_supervisor",
     "supervised_options",
 ]
@@ -151,6 +152,7 @@ class SupervisedActor:
         *,
         name: str | None = None,
         open_timeout_s: float = 10.0,
+        open_store: bool = True,
     ) -> None:
         ctx = ray.get_runtime_context()
         actor_name = name or ctx.get_actor_name()
@@ -163,8 +165,19 @@ class SupervisedActor:
         self.actor_id = ctx.get_actor_id()
         self.started_at = time.time()
         self.state_dir = Path(state_dir)
-        self.store = _open_store(self.state_dir / "checkpoints" / self.name, open_timeout_s)
-        self.restore(self.store)
+        self.store: CheckpointStore  # set here, or by `adopt_store` when opened later
+        if open_store:
+            self.adopt_store(_open_store(self.store_path, open_timeout_s))
+
+    @property
+    def store_path(self) -> Path:
+        return self.state_dir / "checkpoints" / self.name
+
+    def adopt_store(self, store: CheckpointStore) -> None:
+        """Use `store` (opened at `store_path`) from now on and `restore` from it; for a
+        subclass that opens it later than `__init__` (`open_store=False`: a standby)."""
+        self.store = store
+        self.restore(store)
 
     def restore(self, store: CheckpointStore) -> None:
         """Reload state from `store`; runs in every `__init__`, first start included."""
@@ -193,7 +206,7 @@ def exit_from_death(error: RayActorError) -> Exit:
     return Exit.ABNORMAL
 
 
-def _gcs_actor_info(actor_id: str) -> dict[str, Any] | None:
+def gcs_actor_info(actor_id: str) -> dict[str, Any] | None:
     """Ray's own record of an actor (`State`: ALIVE, RESTARTING, DEAD, ...; `NumRestarts`),
     or None if it cannot be read.
 
@@ -300,7 +313,7 @@ class RaySupervisor(SupervisedActor):
 
     def restore(self, store: CheckpointStore) -> None:
         self._ns = store.namespace("supervisor")
-        info = _gcs_actor_info(self.actor_id)
+        info = gcs_actor_info(self.actor_id)
         if not info or not info.get("NumRestarts"):
             # created afresh (not restarted by Ray): a new supervisor gets a clean history,
             # as in OTP; if Ray's record is unreadable, a clean start is the safer guess
@@ -494,7 +507,7 @@ class RaySupervisor(SupervisedActor):
     def _on_silent(self, cid: str, now: float) -> None:
         """No answer within the deadline: hung, unless Ray says it is (re)starting or gone."""
         child = self._children[cid]
-        info = _gcs_actor_info(child.handle._actor_id.hex())
+        info = gcs_actor_info(child.handle._actor_id.hex())
         state = info.get("State") if info else None
         if state in _NOT_HUNG_STATES:
             return  # restarting: not a hang; DEAD: the next ping raises ActorDiedError

@@ -30,6 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from cluster.analysis import get_driver, jobs_list, jobs_start, jobs_stop, resolve_jobs
 from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
+from jobs.archive import queries_root
 from jobs.driver import (
     DRIVER_NAME,
     JobsError,
@@ -42,6 +43,7 @@ from jobs.driver import (
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
 from jobs.specs import deadletter_query_name
+from jobs.standby import standby_name
 from runtime.config import Config, load
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
@@ -139,6 +141,20 @@ def java_children(pid: int) -> list[psutil.Process]:
 
 def status(driver: Any) -> dict[str, Any]:
     return ray.get(driver.status.remote(), timeout=30)
+
+
+def active_driver(driver: Any) -> dict[str, Any]:
+    """Who is active of the driver's warm pair (the status answers for it), once running."""
+    st = status(driver)
+    assert st.get("role") == "active" and st["state"] == "running", st
+    return st
+
+
+def pair_roles(cfg: Config) -> list[dict[str, Any]]:
+    """Each driver of the pair's own answer (its role, not the active one's status)."""
+    names = (DRIVER_NAME, standby_name(DRIVER_NAME))
+    handles = [ray.get_actor(n, namespace=cfg.ray.namespace) for n in names]
+    return ray.get([h.role_info.remote() for h in handles], timeout=10)
 
 
 def committed_seqs(driver: Any) -> dict[str, int]:
@@ -265,8 +281,21 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
         overrides={
             "state_dir": str(tmp_path_factory.mktemp("driver-state")),
             "nats": {"url": nats_url},
-            "ray": {"namespace": "tierflow-tests"},
-            "spark": {"master": "local[2]", "conf": {"spark.sql.shuffle.partitions": 2}},
+            # not the test process's own namespace: the pair finds each other by the config
+            "ray": {"namespace": "tierflow-tests-driver"},
+            # a warm pair (jobs/standby.py): each SIGKILL of the active driver is a
+            # takeover by the standby, and the killed one comes back as the standby
+            "spark": {
+                "master": "local[2]",
+                "conf": {
+                    "spark.sql.shuffle.partitions": 2,
+                    # RocksDB snapshots within the module's run (defaults: every 10
+                    # changelogs, maintenance each minute)
+                    "spark.sql.streaming.stateStore.maintenanceInterval": "5s",
+                    "spark.sql.streaming.stateStore.minDeltasForSnapshot": 3,
+                },
+                "standby": True,
+            },
         },
     )
     with_nats(lambda nc: ensure_streams(nc, cfg), nats_url)
@@ -290,7 +319,11 @@ def published(nats_url: str) -> list[dict[str, Any]]:
 
 @pytest.mark.chaos
 def test_results_survive_sigkills_of_the_driver(
-    driver: Any, nats_url: str, published: list[dict[str, Any]], request: pytest.FixtureRequest
+    driver: Any,
+    cfg: Config,
+    nats_url: str,
+    published: list[dict[str, Any]],
+    request: pytest.FixtureRequest,
 ) -> None:
     full = "chaos" in (request.config.getoption("markexpr") or "")
     publisher = Publisher(nats_url).start()
@@ -299,20 +332,26 @@ def test_results_survive_sigkills_of_the_driver(
         for kill, delay in enumerate(KILL_DELAYS_S if full else SHORT_KILL_DELAYS_S):
             time.sleep(delay)  # kill at different points of a micro-batch
             before = wait_until(lambda: committed_seqs(driver), 60, 0.2, what="positions")
-            beat = ray.get(driver.heartbeat.remote(), timeout=30)
+            beat = active_driver(driver)  # either of the pair's names answers for the active
             jvms = java_children(beat["pid"])
             assert jvms, "Spark's JVM runs as a child of the driver's process"
+            killed_at = time.time()
             os.kill(beat["pid"], signal.SIGKILL)
             # the JVM dies with its actor: no orphan keeps running the old queries
             gone, alive = psutil.wait_procs(jvms, timeout=30)
             assert not alive, f"kill {kill + 1}: orphan JVM {alive}"
-            wait_until(
-                lambda b=beat: ray.get(driver.heartbeat.remote(), timeout=5)["pid"] != b["pid"],
+            took = wait_until(
+                lambda b=beat: (a := active_driver(driver))["pid"] != b["pid"] and a,
                 120,
                 0.5,
-                what=f"restart after kill {kill + 1}",
+                what=f"the standby's takeover after kill {kill + 1}",
                 swallow=True,
             )
+            # the standby, up before the kill, took over (Ray did not start it for this),
+            # after the killed driver's JVM had gone
+            assert took["started_at"] < killed_at < took["took_over"]["at"], took
+            assert took["took_over"]["old_jvm"] in ("none", "killed"), took
+            print(f"kill {kill + 1}: took over {took['took_over']}, killed at {killed_at:.3f}")
             wait_until(
                 lambda b=before: (s := committed_seqs(driver)) and all(s[n] > b[n] for n in b),
                 240,
@@ -320,6 +359,17 @@ def test_results_survive_sigkills_of_the_driver(
                 what=f"every query's progress after kill {kill + 1}",
                 swallow=True,
             )
+        # the killed driver came back (Ray restarted it) as the standby: one active
+        wait_until(
+            lambda: (
+                sorted(r["role"] for r in pair_roles(cfg)) == ["active", "standby"]
+                and all(r["state"] in ("running", "warming up", "standby") for r in pair_roles(cfg))
+            ),
+            180,
+            0.5,
+            what="the killed driver back as the standby",
+            swallow=True,
+        )
     finally:
         published.extend(publisher.stop())
     assert len(published) > 1000
@@ -332,6 +382,22 @@ def test_results_survive_sigkills_of_the_driver(
     ids = [h[MSG_ID_HEADER] for h in stream_headers(nats_url, "results")]
     assert ids and len(ids) == len(set(ids))
     assert {i.split(":")[0] for i in ids} == set(QUERIES)
+
+
+def test_the_queries_state_stores_make_snapshots(driver: Any, cfg: Config) -> None:
+    """Spark's RocksDB state store uploads a snapshot every few changelogs, so a restarted
+    or taken-over query loads a snapshot and a few changelogs, not every changelog since its
+    first batch. (With the raw local file system as `fs.file.impl`, every upload failed
+    on a cast Spark logs and ignores: no snapshot, ever.)"""
+    state = queries_root(cfg) / "meetup_topn" / "state"
+    assert state.is_dir()
+    snapshots = wait_until(
+        lambda: list(state.rglob("*.zip")),
+        90,
+        0.5,
+        what="a RocksDB snapshot in the top-N's state checkpoint",
+    )
+    assert all(p.stat().st_size > 0 for p in snapshots)
 
 
 def test_malformed_events_are_counted_and_dead_lettered_and_queries_go_on(

@@ -11,12 +11,14 @@ from typing import Any
 
 import msgspec
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.deploy.deployer import deploy
 from cluster.deploy.spec import RoleSpec, Start
-from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY, default_master
+from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY, AnalysisDriver, default_master
 from jobs.errors import JobError
 from jobs.specs import JobSpec, decode_spec
+from jobs.standby import standby_name
 from runtime.config import Config
 from runtime.nats_endpoint import NatsEndpoint
 from runtime.ray_supervisor import supervised_options
@@ -33,8 +35,10 @@ def driver_kwargs(
     *,
     master: str | None = None,
     state_dir: str | os.PathLike[str] | None = None,
+    peer: str | None = None,
 ) -> dict[str, Any]:
-    """The constructor arguments of an AnalysisDriver (plain data, for Ray or a ChildSpec)."""
+    """The constructor arguments of an AnalysisDriver (plain data, for Ray or a ChildSpec);
+    `peer`: the other driver of a warm pair (jobs/standby.py)."""
     specs = [
         msgspec.to_builtins(decode_spec(j if isinstance(j, JobSpec) else dict(j))) for j in jobs
     ]
@@ -44,6 +48,7 @@ def driver_kwargs(
         "nats_url": nats_url,
         "jobs": specs,
         "master": master,
+        "peer": peer,
     }
 
 
@@ -71,11 +76,13 @@ def analysis_role(
     master: str | None = None,
     state_dir: str | os.PathLike[str] | None = None,
 ) -> RoleSpec:
-    """One driver, a detached actor Ray restarts (it restores its wanted jobs itself)."""
+    """One driver, a detached actor Ray restarts (it restores its wanted jobs itself); with
+    `spark.standby`, the first of a warm pair (`start_standby` starts the second)."""
+    peer = standby_name(name) if cfg.spark.standby else None
     child = ChildSpec(
         name,
         START,
-        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir),
+        kwargs=driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir, peer=peer),
         ray_options=driver_ray_options(cfg),
     )
     return RoleSpec(role=ROLE, children=(child,), start=Start.DETACHED)
@@ -142,6 +149,8 @@ def start_driver(
     spec = analysis_role(cfg, nats_url, jobs, name=name, master=master, state_dir=state_dir)
     (deployed,) = deploy([spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
     driver = deployed.actors[0]
+    if cfg.spark.standby:
+        start_standby(cfg, driver, nats_url, jobs, name=name, master=master, state_dir=state_dir)
     if not existed:
         return driver
     asked = [decode_spec(j if isinstance(j, JobSpec) else dict(j)) for j in jobs]
@@ -153,6 +162,32 @@ def start_driver(
     for job in add:  # wait_s 0: the job's query starts in the driver's own time
         ray.get(driver.start.remote(msgspec.to_builtins(job), 0.0), timeout=120)
     return driver
+
+
+def start_standby(
+    cfg: Config,
+    driver: Any,
+    nats_url: str,
+    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
+    *,
+    name: str = DRIVER_NAME,
+    master: str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+) -> Any:
+    """The second driver of a warm pair (jobs/standby.py), on the node of `driver`: the two
+    share the state directory, and the checkpoint store's lock, which decides which one is
+    active, holds only on one node. Ray restarts it there; a lost node is the active
+    driver's restart by Ray, as without a standby."""
+    node = ray.get(driver.heartbeat.remote(), timeout=120)["node_id"]
+    kwargs = driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir, peer=name)
+    kwargs["name"] = name  # the same checkpoint store as its peer
+    options = supervised_options(
+        standby_name(name),
+        cfg.ray.namespace,
+        **driver_ray_options(cfg),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    )
+    return ray.remote(AnalysisDriver).options(**options).remote(**kwargs)
 
 
 def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
@@ -169,7 +204,21 @@ def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
 
 
 def stop_driver(driver: Any, timeout: float = 60.0) -> None:
-    """Stop the queries and Spark cleanly, then remove the actor for good."""
+    """Stop the queries and Spark cleanly, then remove the actor for good; with a standby
+    (jobs/standby.py), both, the standing-by one first (else it would take over)."""
+    pair = [driver]
     with contextlib.suppress(Exception):
-        ray.get(driver.shutdown.remote(timeout), timeout=timeout + 10)
-    ray.kill(driver, no_restart=True)
+        info = ray.get(driver.role_info.remote(), timeout=30)
+        if info.get("peer"):
+            pair.append(ray.get_actor(info["peer"], namespace=info["namespace"]))
+
+    def role(d: Any) -> str:
+        try:
+            return str(ray.get(d.role_info.remote(), timeout=10)["role"])
+        except Exception:  # not answering: stop it first, it runs nothing of ours
+            return "standby"
+
+    for d in sorted(pair, key=lambda d: role(d) == "active"):
+        with contextlib.suppress(Exception):
+            ray.get(d.shutdown.remote(timeout), timeout=timeout + 10)
+        ray.kill(d, no_restart=True)

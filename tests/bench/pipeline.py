@@ -62,6 +62,13 @@ class Pipeline:
 
         return int(ray.get(handle.heartbeat.remote(), timeout=30)["pid"])
 
+    def active_driver(self) -> dict[str, Any]:
+        """The analysis driver that runs the queries (with a standby, either name's status
+        answers for it): its pid and `took_over`."""
+        import ray
+
+        return ray.get(self.driver.status.remote(), timeout=30)
+
 
 def demo_jobs() -> list[Any]:
     """The five Meetup queries as `make demo` runs them; TIERFLOW_BENCH_DEMO_TRIGGERS
@@ -266,8 +273,8 @@ def pipeline(
             "state_dir": str(state / "state"),
             "ray": {"namespace": namespace},
             "roles": {"collector": {"port": 0}, "gateway": {"port": 0}},
-            "spark": {"master": master, "conf": spark_conf},
             **(overrides or {}),
+            "spark": {"master": master, "conf": spark_conf, **(overrides or {}).get("spark", {})},
         },
     )
     with NatsServer(store_dir=state / "nats").start() as server:

@@ -421,11 +421,18 @@ def failover_section(d: dict[str, Any]) -> list[str]:
             rows,
         ),
         "",
-        f"Floor: Ray restarting a bare actor after SIGKILL, {floor:.2f} s{born}. Spark driver: "
-        f"restarted in {s['restarted_s']:.1f} s; first top-N update counting new events "
+        f"Floor: Ray restarting a bare actor after SIGKILL, {floor:.2f} s{born}. Spark driver"
+        f"{SPARK_RECOVERY[bool(s.get('standby'))]} {s['restarted_s']:.1f} s; first top-N "
+        "update counting new events "
         f"{s['topn_s']:.1f} s after the kill. {s['probes_acknowledged']:,} probes acknowledged, "
         "every one in JetStream exactly once.",
     ]
+
+
+SPARK_RECOVERY = {
+    True: " (a warm standby, `spark.standby`): the standby ran the queries after",
+    False: ": restarted by Ray in",
+}
 
 
 def scaling_section(d: dict[str, Any]) -> list[str]:
