@@ -322,6 +322,7 @@ class AnalysisDriver(SupervisedActor):
         self.peer = peer
         self.role = "active" if peer is None else "standby"
         self.took_over: dict[str, Any] | None = None
+        self.phases: dict[str, float] = {}  # seconds from __init__ to each start-up phase
         super().__init__(state_dir, name=name, open_store=peer is None)
         self.nats = NatsEndpoint.from_config(self.cfg, "analysis", url=nats_url)
         if not self.nats.url:
@@ -394,10 +395,13 @@ class AnalysisDriver(SupervisedActor):
     # ---- the reconcile thread (the only one making Spark control calls) -----------------
 
     def _run(self) -> None:
+        began = time.monotonic()
         if self.role == "standby":
             self._yield_to_peer()
+        self.phases["yielded_s"] = round(time.monotonic() - began, 1)
         try:
             self.spark = self._start_spark()
+            self.phases["spark_s"] = round(time.monotonic() - began, 1)
         except Exception as err:  # reported by status(); a restart would fail the same way
             log.exception("analysis driver: Spark did not start")
             self.state, self.error = "failed", f"Spark did not start: {err!r}"
@@ -433,10 +437,10 @@ class AnalysisDriver(SupervisedActor):
             done = run_jobs(
                 self.spark, training_jobs()[:1], work, batches=WARM_UP_BATCHES, abort=abort
             )
-            self.warmed_s: float | None = round(time.monotonic() - started, 1) if done else None
+            if done:
+                self.phases["warmed_s"] = round(time.monotonic() - started, 1)
         except Exception:  # a standby that did not warm up still takes over
             log.exception("analysis driver %s: warm-up", self.name)
-            self.warmed_s = None
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -551,7 +555,7 @@ class AnalysisDriver(SupervisedActor):
             and all(q.last_batch is not None for q in queries),
             "peer": self.peer,
             "namespace": self.cfg.ray.namespace,
-            "warmed_s": getattr(self, "warmed_s", None),
+            "phases": self.phases,
             "took_over": self.took_over,
         }
 

@@ -326,6 +326,14 @@ async def spark_recovery(p: Pipeline) -> dict[str, Any]:
 async def _spark_recovery(p: Pipeline, topn: Watcher) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     await await_until(lambda: topn.seen, timeout=300, what="a first top-N update")
+    if STANDBY:  # the kill is of a pair whose standby is ready: warmed up and waiting
+        await await_until(
+            lambda: loop.run_in_executor(None, p.standby_ready),
+            timeout=300,
+            swallow=True,
+            what="the standby driver ready",
+        )
+    standby = await loop.run_in_executor(None, p.standby_info) if STANDBY else {}
     pid = (await loop.run_in_executor(None, p.active_driver))["pid"]
     before = topn.last
     kill = time.monotonic()
@@ -352,6 +360,8 @@ async def _spark_recovery(p: Pipeline, topn: Watcher) -> dict[str, Any]:
     return {
         "role": "spark driver",
         "standby": STANDBY,
+        # the standby's start-up: seconds from its start to its Spark up and its warm-up done
+        "standby_phases": standby.get("phases"),
         "pid": pid,
         "restarted_s": back,
         "topn_s": first - kill,
@@ -436,7 +446,7 @@ def test_failover_per_role(bench_ray: Any, tmp_path: Path) -> None:
     how = "the warm standby took over" if STANDBY else "Ray restarted it"
     print(
         f"spark driver: {how} (queries running again) in {spark['restarted_s']:.1f} s, "
-        "first top-N update counting "
+        f"(the standby's start: {spark.get('standby_phases')}), first top-N update counting "
         f"new events {spark['topn_s']:.1f} s after the kill; {spark['probes_acknowledged']} "
         "probes acknowledged, all in JetStream once"
     )

@@ -62,6 +62,21 @@ class Pipeline:
 
         return int(ray.get(handle.heartbeat.remote(), timeout=30)["pid"])
 
+    def standby_info(self) -> dict[str, Any]:
+        """The analysis driver's standby's (spark.standby) own `role_info`."""
+        import ray
+
+        from jobs.driver import DRIVER_NAME
+        from jobs.standby import standby_name
+
+        handle = self.actor(standby_name(DRIVER_NAME))
+        return dict(ray.get(handle.role_info.remote(), timeout=10))
+
+    def standby_ready(self) -> bool:
+        """Whether the analysis driver's standby (spark.standby) has warmed up and waits."""
+        info = self.standby_info()
+        return info["role"] == "standby" and info["state"] == "standby"
+
     def active_driver(self) -> dict[str, Any]:
         """The analysis driver that runs the queries (with a standby, either name's status
         answers for it): its pid and `took_over`."""
