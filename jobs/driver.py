@@ -398,6 +398,9 @@ class AnalysisDriver(SupervisedActor):
         began = time.monotonic()
         if self.role == "standby":
             self._yield_to_peer()
+            if self._closing.is_set():  # shut down while it waited: no JVM to start
+                self.state = "stopped"
+                return
         self.phases["yielded_s"] = round(time.monotonic() - began, 1)
         try:
             self.spark = self._start_spark()
@@ -456,10 +459,11 @@ class AnalysisDriver(SupervisedActor):
         freed: list[CheckpointStore] = []
 
         def lock_freed() -> bool:
-            """The store came free during the warm-up: the queries cannot wait for it."""
+            """The store came free during the warm-up (the queries cannot wait for it), or
+            this driver is shutting down."""
             if not freed and (got := try_take(self.store_path, self._peer_active)):
                 freed.append(got)
-            return bool(freed)
+            return bool(freed) or self._closing.is_set()
 
         started = time.monotonic()
         self._warm_up(lock_freed)

@@ -359,12 +359,10 @@ def test_results_survive_sigkills_of_the_driver(
                 what=f"every query's progress after kill {kill + 1}",
                 swallow=True,
             )
-        # the killed driver came back (Ray restarted it) as the standby: one active
+        # the killed driver came back (Ray restarted it) as the standby: one active (its
+        # Spark starts once the active one has run its first batches: not waited for here)
         wait_until(
-            lambda: (
-                sorted(r["role"] for r in pair_roles(cfg)) == ["active", "standby"]
-                and all(r["state"] in ("running", "warming up", "standby") for r in pair_roles(cfg))
-            ),
+            lambda: sorted(r["role"] for r in pair_roles(cfg)) == ["active", "standby"],
             180,
             0.5,
             what="the killed driver back as the standby",

@@ -215,10 +215,12 @@ def stop_driver(driver: Any, timeout: float = 60.0) -> None:
     def role(d: Any) -> str:
         try:
             return str(ray.get(d.role_info.remote(), timeout=10)["role"])
-        except Exception:  # not answering: stop it first, it runs nothing of ours
-            return "standby"
+        except Exception:  # not answering: try to stop it cleanly anyway
+            return "unknown"
 
-    for d in sorted(pair, key=lambda d: role(d) == "active"):
-        with contextlib.suppress(Exception):
-            ray.get(d.shutdown.remote(timeout), timeout=timeout + 10)
+    roles = [(role(d), d) for d in pair]
+    for r, d in sorted(roles, key=lambda rd: rd[0] == "active"):
+        if r != "standby":  # a standby holds no state to close: it is just ended
+            with contextlib.suppress(Exception):
+                ray.get(d.shutdown.remote(timeout), timeout=timeout + 10)
         ray.kill(d, no_restart=True)
