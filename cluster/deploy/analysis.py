@@ -150,7 +150,7 @@ def start_driver(
     (deployed,) = deploy([spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
     driver = deployed.actors[0]
     if cfg.spark.standby:
-        start_standby(cfg, driver, nats_url, jobs, name=name, master=master, state_dir=state_dir)
+        start_standby(cfg, driver, spec.children[0].kwargs, name=name)
     if not existed:
         return driver
     asked = [decode_spec(j if isinstance(j, JobSpec) else dict(j)) for j in jobs]
@@ -165,22 +165,15 @@ def start_driver(
 
 
 def start_standby(
-    cfg: Config,
-    driver: Any,
-    nats_url: str,
-    jobs: Sequence[JobSpec | Mapping[str, Any]] = (),
-    *,
-    name: str = DRIVER_NAME,
-    master: str | None = None,
-    state_dir: str | os.PathLike[str] | None = None,
+    cfg: Config, driver: Any, driver_args: Mapping[str, Any], *, name: str = DRIVER_NAME
 ) -> Any:
-    """The second driver of a warm pair (jobs/standby.py), on the node of `driver`: the two
-    share the state directory, and the checkpoint store's lock, which decides which one is
-    active, holds only on one node. Ray restarts it there; a lost node is the active
-    driver's restart by Ray, as without a standby."""
+    """The second driver of a warm pair (jobs/standby.py), with `driver`'s constructor
+    arguments, on its node: the two share the state directory, and the checkpoint store's
+    lock, which decides which one is active, holds only on one node. Ray restarts it
+    there; a lost node is the active driver's restart by Ray, as without a standby."""
     node = ray.get(driver.heartbeat.remote(), timeout=120)["node_id"]
-    kwargs = driver_kwargs(cfg, nats_url, jobs, master=master, state_dir=state_dir, peer=name)
-    kwargs["name"] = name  # the same checkpoint store as its peer
+    # its peer is the first driver, and its checkpoint store the same one
+    kwargs = {**driver_args, "peer": name, "name": name}
     options = supervised_options(
         standby_name(name),
         cfg.ray.namespace,
