@@ -360,11 +360,10 @@ class Runtime:
             queries.append({"name": name, **scalars(q), "lag": lag})
         # with a warm standby (spark.standby): which process runs the queries, and its
         # takeover when it took them over from the other
-        took = st.get("took_over")
         return {
             "state": st.get("state"),
             "pid": st.get("pid"),
-            "took_over": took,
+            "took_over": st.get("took_over"),
             "queries": queries,
         }
 

@@ -414,9 +414,9 @@ class AnalysisDriver(SupervisedActor):
             if self.role != "active" and not self._take_over():
                 self._stop_all()
                 return
-        proc = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
-        if self.peer is not None and getattr(proc, "proc", None) is not None:
-            record_jvm(self.store_path, proc.proc.pid)  # type: ignore[union-attr]
+        gateway = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
+        if self.peer is not None and getattr(gateway, "proc", None) is not None:
+            record_jvm(self.store_path, gateway.proc.pid)  # type: ignore[union-attr]
         self.state = "running"
         while not self._closing.is_set():
             try:
@@ -451,22 +451,19 @@ class AnalysisDriver(SupervisedActor):
         """Take the store now if it is free (the pair's first start, or a peer that is
         gone): a driver that runs the queries at once does not warm up. Else warm up and
         wait for it (`_take_over`)."""
-        store = try_take(self.store_path, self._peer_active)
-        if store is not None:
-            self._become_active(store, time.monotonic(), time.monotonic())
-            return
-        self.state = "warming up"
         freed: list[CheckpointStore] = []
 
         def lock_freed() -> bool:
-            """The store came free during the warm-up (the queries cannot wait for it), or
-            this driver is shutting down."""
+            """The store is free (the queries cannot wait for a warm-up), or this driver is
+            shutting down."""
             if not freed and (got := try_take(self.store_path, self._peer_active)):
                 freed.append(got)
             return bool(freed) or self._closing.is_set()
 
         started = time.monotonic()
-        self._warm_up(lock_freed)
+        if not lock_freed():
+            self.state = "warming up"
+            self._warm_up(lock_freed)
         if freed:
             self._become_active(freed[0], started, time.monotonic())
             return

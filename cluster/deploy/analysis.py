@@ -199,21 +199,21 @@ def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
 def stop_driver(driver: Any, timeout: float = 60.0) -> None:
     """Stop the queries and Spark cleanly, then remove the actor for good; with a standby
     (jobs/standby.py), both, the standing-by one first (else it would take over)."""
-    pair = [driver]
-    with contextlib.suppress(Exception):
-        info = ray.get(driver.role_info.remote(), timeout=30)
-        if info.get("peer"):
-            pair.append(ray.get_actor(info["peer"], namespace=info["namespace"]))
 
-    def role(d: Any) -> str:
+    def role(d: Any, wait_s: float) -> dict[str, Any]:
         try:
-            return str(ray.get(d.role_info.remote(), timeout=10)["role"])
+            return dict(ray.get(d.role_info.remote(), timeout=wait_s))
         except Exception:  # not answering: try to stop it cleanly anyway
-            return "unknown"
+            return {}
 
-    roles = [(role(d), d) for d in pair]
-    for r, d in sorted(roles, key=lambda rd: rd[0] == "active"):
-        if r != "standby":  # a standby holds no state to close: it is just ended
+    first = role(driver, 30)
+    pair = [(first, driver)]
+    with contextlib.suppress(Exception):
+        if first.get("peer"):
+            peer = ray.get_actor(first["peer"], namespace=first["namespace"])
+            pair.append((role(peer, 10), peer))
+    for info, d in sorted(pair, key=lambda p: p[0].get("role") == "active"):
+        if info.get("role") != "standby":  # a standby holds no state to close: just ended
             with contextlib.suppress(Exception):
                 ray.get(d.shutdown.remote(timeout), timeout=timeout + 10)
         ray.kill(d, no_restart=True)
