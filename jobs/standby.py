@@ -71,14 +71,19 @@ def should_yield(peer: Mapping[str, Any] | None, *, second: bool) -> bool:
     `role_info` (None: it does not answer); `second`: this is the pair's second driver
     (the standby's name), which at the pair's first start lets the first one start first.
 
-    Wait while the peer is active but has not yet finished a batch of every query, and,
-    as the second, while the peer is starting or not answering yet. The caller bounds the
-    wait (`YIELD_MAX_S`), so a peer that never gets there does not keep it down."""
+    Wait while the peer is active but has not yet finished a batch of every query; as the
+    second, while the peer is starting or not answering yet; as the first, while the peer
+    is a standby past its own wait (starting its Spark, warming up, or about to take over
+    the store this one's previous process let go): a restarted driver whose JVM starts
+    beside a takeover slows its first batches (SIGKILL to the first results 30 s against
+    19 s in `test_analysis_driver`). A standby still waiting is waiting for this one, so
+    the first never waits for it. The caller bounds the wait (`YIELD_MAX_S`), so a peer
+    that never gets there does not keep it down."""
     if peer is None:
         return second
     if peer.get("role") == "active":
         return not peer.get("caught_up")
-    return second
+    return second or "yielded_s" in (peer.get("phases") or {})
 
 
 def jvm_file(store: Path) -> Path:

@@ -123,3 +123,10 @@ def test_a_standby_starts_its_spark_when_the_peer_is_not_starting_its_queries() 
     assert not should_yield({"role": "standby"}, second=False)
     assert not should_yield(None, second=False)  # the peer is down: this one may be needed
     assert not should_yield(active, second=True)
+    # a restarted first driver: the standby that outlived it starts its Spark, warms up or
+    # takes over; the restarted one starts its own JVM once the takeover has caught up
+    for state in ("starting", "warming up", "standby"):
+        past_wait = {"role": "standby", "state": state, "phases": {"yielded_s": 3.0}}
+        assert should_yield(past_wait, second=False)
+    # a standby still waiting waits for this one: the first does not wait for it
+    assert not should_yield({"role": "standby", "state": "starting", "phases": {}}, second=False)
