@@ -102,7 +102,6 @@ from jobs.standby import (
     end_old_jvm,
     record_jvm,
     should_yield,
-    standby_name,
     takeover,
     try_take,
 )
@@ -498,11 +497,11 @@ class AnalysisDriver(SupervisedActor):
     def _yield_to_peer(self) -> None:
         """Start Spark (a JVM and session, about 15 s of CPU) only when the peer is not
         starting its own queries: after a takeover, the first batches of the new active
-        driver; at the pair's first start, the first driver's (jobs/standby.py)."""
-        second = ray.get_runtime_context().get_actor_name() == standby_name(self.name)
+        driver (`should_yield`, jobs/standby.py)."""
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
         deadline = time.monotonic() + YIELD_MAX_S
         while not self._closing.is_set() and time.monotonic() < deadline:
-            if not should_yield(self._peer_info(), second=second):
+            if not should_yield(self._peer_info(), restarted=restarted):
                 return
             self._closing.wait(1.0)
 

@@ -65,25 +65,26 @@ def standby_name(name: str) -> str:
     return f"{name}-standby"
 
 
-def should_yield(peer: Mapping[str, Any] | None, *, second: bool) -> bool:
-    """Whether a standby waits before starting its JVM and Spark session (about 15 s of
-    CPU; on two cores that doubled a takeover's first batch). `peer` is the other driver's
-    `role_info` (None: it does not answer); `second`: this is the pair's second driver
-    (the standby's name), which at the pair's first start lets the first one start first.
+def should_yield(peer: Mapping[str, Any] | None, *, restarted: bool) -> bool:
+    """Whether a driver of the pair waits before starting its JVM and Spark session (about
+    15 s of CPU; on two cores that doubled a takeover's first batch). `peer` is the other
+    driver's `role_info` (None: it does not answer); `restarted`: Ray restarted this one.
 
-    Wait while the peer is active but has not yet finished a batch of every query; as the
-    second, while the peer is starting or not answering yet; as the first, while the peer
-    is a standby past its own wait (starting its Spark, warming up, or about to take over
-    the store this one's previous process let go): a restarted driver whose JVM starts
-    beside a takeover slows its first batches (SIGKILL to the first results 30 s against
-    19 s in `test_analysis_driver`). A standby still waiting is waiting for this one, so
-    the first never waits for it. The caller bounds the wait (`YIELD_MAX_S`), so a peer
-    that never gets there does not keep it down."""
+    Wait while the peer is active but has not yet finished a batch of every query (the
+    takeover that followed this one's death). A restarted driver also waits while the
+    peer is a standby past its own wait: starting its Spark, warming up, or about to take
+    over the store this one's previous process let go (SIGKILL to every query's progress
+    in `test_analysis_driver`: 30 s with the two JVMs starting together, 22 s without). A
+    peer still waiting may be waiting for this one, so it is not waited for. At the
+    pair's first start neither waits: the standby's JVM start and warm-up overlap the first
+    driver's start-up, which under `bench_failover`'s load put the standby's readiness
+    about 40 s later. The caller bounds the wait (`YIELD_MAX_S`), so a peer that never
+    gets there does not keep it down."""
     if peer is None:
-        return second
+        return False
     if peer.get("role") == "active":
         return not peer.get("caught_up")
-    return second or "yielded_s" in (peer.get("phases") or {})
+    return restarted and "yielded_s" in (peer.get("phases") or {})
 
 
 def jvm_file(store: Path) -> Path:

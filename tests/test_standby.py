@@ -115,18 +115,19 @@ def test_the_previous_drivers_jvm_is_ended_and_only_that_process(tmp_path: Path)
 def test_a_standby_starts_its_spark_when_the_peer_is_not_starting_its_queries() -> None:
     active = {"role": "active", "caught_up": True}
     # after a takeover: the restarted driver waits for the new active one's first batches
-    assert should_yield({"role": "active", "caught_up": False}, second=False)
-    assert not should_yield(active, second=False)
-    # the pair's first start: the second waits for the first, the first for no one
-    assert should_yield({"role": "standby"}, second=True)
-    assert should_yield(None, second=True)
-    assert not should_yield({"role": "standby"}, second=False)
-    assert not should_yield(None, second=False)  # the peer is down: this one may be needed
-    assert not should_yield(active, second=True)
-    # a restarted first driver: the standby that outlived it starts its Spark, warms up or
-    # takes over; the restarted one starts its own JVM once the takeover has caught up
+    assert should_yield({"role": "active", "caught_up": False}, restarted=True)
+    assert not should_yield(active, restarted=True)
+    # the pair's first start: both start at once, whatever the other says
+    for peer in (None, {"role": "standby", "state": "starting", "phases": {}}):
+        assert not should_yield(peer, restarted=False)
+    assert not should_yield(
+        {"role": "standby", "state": "starting", "phases": {"yielded_s": 0.0}}, restarted=False
+    )
+    # a restarted driver: the standby that outlived it starts its Spark, warms up or takes
+    # over; the restarted one starts its own JVM once that takeover has caught up
     for state in ("starting", "warming up", "standby"):
         past_wait = {"role": "standby", "state": state, "phases": {"yielded_s": 3.0}}
-        assert should_yield(past_wait, second=False)
-    # a standby still waiting waits for this one: the first does not wait for it
-    assert not should_yield({"role": "standby", "state": "starting", "phases": {}}, second=False)
+        assert should_yield(past_wait, restarted=True)
+    # a standby still waiting (both restarted) may wait for this one: not waited for
+    assert not should_yield({"role": "standby", "state": "starting", "phases": {}}, restarted=True)
+    assert not should_yield(None, restarted=True)  # the peer is down: this one may be needed

@@ -77,12 +77,21 @@ class Pipeline:
         info = self.standby_info()
         return info["role"] == "standby" and info["state"] == "standby"
 
-    def active_driver(self) -> dict[str, Any]:
+    def active_driver(self, survivor_of: str | None = None) -> dict[str, Any]:
         """The analysis driver that runs the queries (with a standby, either name's status
-        answers for it): its pid and `took_over`."""
+        answers for it): its pid, actor id and `took_over`. `survivor_of`: a killed
+        driver's actor id; the pair member asked is then the other one (a call to the
+        killed one waits for Ray to restart it)."""
         import ray
 
-        return ray.get(self.driver.status.remote(), timeout=30)
+        from jobs.driver import DRIVER_NAME
+        from jobs.standby import standby_name
+
+        handle = self.driver
+        if survivor_of is not None:
+            pair = [self.actor(n) for n in (DRIVER_NAME, standby_name(DRIVER_NAME))]
+            handle = next(h for h in pair if h._actor_id.hex() != survivor_of)
+        return ray.get(handle.status.remote(), timeout=30)
 
 
 def demo_jobs() -> list[Any]:
