@@ -125,6 +125,7 @@ DRIVER_NAME = ANALYSIS_DRIVER
 MAX_CONCURRENCY = 8
 DEFAULT_MASTER = "local[4]"
 RECONCILE_S = 1.0
+PARTS_KEPT = 100  # batches whose foreachBatch parts `progress` shows (Spark keeps 100)
 BACKOFF_MAX_S = 30.0
 RETENTION_S = 10.0  # how often archived streams are trimmed (jobs/retention.py)
 COPY_CHECK_S = 5.0  # how often running queries' copies are compared with the streams'
@@ -249,12 +250,18 @@ class _Query:
     results: int = 0
     duplicates: int = 0
     copy: CopyId | None = None  # the copy this query reads (recorded in its checkpoint)
+    # per recent batch id, where its foreachBatch's time went (`progress`)
+    parts_ms: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def count(self, batch_id: int, report: BatchReport) -> None:
         """A batch's results are durable (called from Spark's foreachBatch thread)."""
         self.last_batch = batch_id
         self.results += report.published
         self.duplicates += report.duplicates
+        if report.parts_ms:
+            self.parts_ms[batch_id] = report.parts_ms
+            while len(self.parts_ms) > PARTS_KEPT:
+                self.parts_ms.pop(next(iter(self.parts_ms)))
 
 
 class _DeadLetterCount(msgspec.Struct, array_like=True):
@@ -1005,7 +1012,9 @@ class AnalysisDriver(SupervisedActor):
         """Per query, its recent batches (Spark keeps the last 100) that started at or after
         `since` (epoch s): batch id, when it started (``at``, epoch s), input rows and where
         its time went (``durationMs``: latestOffset, queryPlanning, walCommit, addBatch,
-        commitOffsets..., and triggerExecution, the whole batch)."""
+        commitOffsets..., and triggerExecution, the whole batch; and within addBatch, the
+        foreachBatch's parts: ``fb_collect``, the Spark job and its rows to Python,
+        ``fb_shape``, the plan's rows, ``fb_publish``, results and KV)."""
         out: dict[str, list[dict[str, Any]]] = {}
         for name, q in list(self._w.queries.items()):
             sq = q.query
@@ -1023,7 +1032,10 @@ class AnalysisDriver(SupervisedActor):
                             "batch_id": d.get("batchId"),
                             "at": at,
                             "input_rows": d.get("numInputRows"),
-                            "durations": d.get("durationMs") or {},
+                            "durations": {
+                                **(d.get("durationMs") or {}),
+                                **q.parts_ms.get(d.get("batchId"), {}),
+                            },
                         }
                     )
             out[name] = rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,17 @@ class JobWriter:
         if self.checkpoint is not None and not self.sink.run_id:
             # Spark has written the checkpoint's metadata by the first batch
             self.sink.run_id = checkpoint_run_id(self.checkpoint)
-        rows = self.shape([r.asDict(recursive=True) for r in df.collect()], batch_id)
+        began = time.perf_counter()
+        collected = df.collect()  # the batch's Spark job
+        rows_at = time.perf_counter()
+        rows = self.shape([r.asDict(recursive=True) for r in collected], batch_id)
+        shaped = time.perf_counter()
         report = self.sink.publish_results(rows, batch_id)
+        report.parts_ms = {
+            "fb_collect": round((rows_at - began) * 1000, 1),
+            "fb_shape": round((shaped - rows_at) * 1000, 1),
+            "fb_publish": round((time.perf_counter() - shaped) * 1000, 1),
+        }
         if self.on_batch is not None:
             self.on_batch(batch_id, report)
 

@@ -144,6 +144,9 @@ class BatchReport:
     duplicates: int = 0
     kv_puts: int = 0
     kv_stale: int = 0  # keys KV already held from a newer (or the same) batch: left alone
+    # where the batch's foreachBatch spent its time, ms (set by jobs.running.JobWriter):
+    # Spark's own progress counts all of it as addBatch
+    parts_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ORIGIN_PREFIX = "geo"
 API_TIMEOUT_S = 2.0
+# Creating or updating another site's copy is a replicated stream's creation there (R3: its
+# nodes elect a leader), relayed over the leaf link: under `make bench`'s load it outlasted
+# 2 s once, and the copy was missing when that site's producer started. A lost site answers
+# at once (no responders); only a partitioned one that still looks connected waits this out.
+COPY_ADMIN_TIMEOUT_S = 10.0
 # A source hears from its origin at least every second (nats-server's source heartbeat),
 # so five seconds of silence while the origin answers means it is waiting on a retry.
 STALL_S = 5.0
@@ -134,7 +139,7 @@ async def with_local_sources(
 async def _ensure_on(nc: Client, site: str, sc: JsStreamConfig) -> None:
     from nats.js.errors import NotFoundError
 
-    js = nc.jetstream(domain=site, timeout=API_TIMEOUT_S)
+    js = nc.jetstream(domain=site, timeout=COPY_ADMIN_TIMEOUT_S)
     try:
         await js.stream_info(sc.name or "")
         await js.update_stream(sc)

@@ -398,6 +398,27 @@ def test_the_queries_state_stores_make_snapshots(driver: Any, cfg: Config) -> No
     assert all(p.stat().st_size > 0 for p in snapshots)
 
 
+def test_progress_splits_each_batchs_foreach_batch_time(driver: Any) -> None:
+    """Spark's progress counts the whole foreachBatch as addBatch; the driver's `progress`
+    adds its parts (the Spark job and rows to Python, the plan's shaping, publishing), so a
+    slow batch says whether Spark or the sink took the time."""
+    rows = wait_until(
+        lambda: [
+            r
+            for r in ray.get(driver.progress.remote(0.0), timeout=30).get("meetup_topn", [])
+            if r["input_rows"] and "fb_collect" in r["durations"]
+        ],
+        60,
+        0.5,
+        what="a top-N batch with its foreachBatch parts",
+    )
+    for r in rows:
+        d = r["durations"]
+        parts = [d["fb_collect"], d["fb_shape"], d["fb_publish"]]
+        assert all(p >= 0 for p in parts) and d["fb_collect"] > 0, d
+        assert sum(parts) <= d["addBatch"] + 1, d  # within addBatch (ms rounding)
+
+
 def test_malformed_events_are_counted_and_dead_lettered_and_queries_go_on(
     driver: Any, nats_url: str, published: list[dict[str, Any]]
 ) -> None:
