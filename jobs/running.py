@@ -150,7 +150,8 @@ def staggered(triggers: Mapping[str, float], spread: float = STAGGER_SPREAD) -> 
 
     Spark starts a processing-time micro-batch at the multiples of its interval since the
     epoch, so queries with one interval always start together: in the demo the four 5-s
-    panels and the dead-letter query ran five batches at once on two cores every 5 s, and
+    panels and the dead-letter query ran five batches at once on two cores every 5 s (the
+    panels' interval then), and
     the top-N's slowest batches were the ones in those bursts. Here the k-th of n queries
     (by name) sharing an interval t runs every t * (1 + spread * k / n), never more often
     than asked and at most `spread` less often: their starts drift apart and meet only at

@@ -28,7 +28,7 @@ import ray
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from cluster.analysis import get_driver, jobs_list, jobs_start, jobs_stop, resolve_jobs
-from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from cluster.demo.meetup import PANEL_TRIGGER_S, QUERIES, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.archive import queries_root
 from jobs.driver import (
@@ -232,7 +232,7 @@ def test_the_demo_panels_do_not_start_their_batches_together() -> None:
     assert every["meetup_topn"] == jobs["meetup_topn"].trigger_s  # alone at its interval
     slow = [every[n] for n in QUERIES[1:]]
     assert len(set(slow)) == len(slow)  # four intervals: Spark aligns each to its multiples
-    assert all(5.0 <= t <= 6.25 for t in slow)
+    assert all(PANEL_TRIGGER_S <= t <= PANEL_TRIGGER_S * 1.25 for t in slow)
 
 
 @pytest.mark.unit

@@ -43,7 +43,7 @@ CHROMIUM_ARGS = [
 ]
 NS = "tf-dashboard"
 TOKEN = "dash-token"
-WAIT_MS = 30_000
+WAIT_MS = 60_000
 SCREENSHOT = Path(__file__).resolve().parents[1] / "reports" / "dashboard.png"
 NOT_MOUNTED = (
     "the Gateway does not serve the dashboard: call "
