@@ -149,13 +149,13 @@ def staggered(triggers: Mapping[str, float], spread: float = STAGGER_SPREAD) -> 
     """Each query's trigger interval (s), spread apart where several queries share one.
 
     Spark starts a processing-time micro-batch at the multiples of its interval since the
-    epoch, so queries with one interval always start together: in the demo the four 5-s
-    panels and the dead-letter query ran five batches at once on two cores every 5 s (the
-    panels' interval then), and
-    the top-N's slowest batches were the ones in those bursts. Here the k-th of n queries
-    (by name) sharing an interval t runs every t * (1 + spread * k / n), never more often
-    than asked and at most `spread` less often: their starts drift apart and meet only at
-    the common multiples of their intervals. An interval <= 0 (back to back) stays.
+    epoch, so queries with one interval always start together: in the demo the four
+    panels (every 5 s then) and the dead-letter query ran five batches at once on two
+    cores every 5 s, and the top-N's slowest batches were the ones in those bursts. Here
+    the k-th of n queries (by name) sharing an interval t runs every
+    t * (1 + spread * k / n), never more often than asked and at most `spread` less often:
+    their starts drift apart and meet only at the common multiples of their intervals. An
+    interval <= 0 (back to back) stays.
     """
     groups: dict[int, list[str]] = {}
     for name, t in triggers.items():
