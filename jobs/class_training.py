@@ -266,20 +266,30 @@ def build(directory: Path | None = None, *, force: bool = False) -> Built:
     return Built(path, time.monotonic() - t0, fresh=True)
 
 
-def is_stale(classpath: str) -> bool:
+def is_stale(classpath: str, built_at: float | None = None) -> bool:
     """An archive whose class path names jars none of which exist any more (its venv is
-    gone): 180 MB no JVM can use."""
+    gone), or, given when it was built, with a jar changed since (its venv was reinstalled
+    at the same path and the JVM refuses it): 180 MB no JVM can use."""
     jars = [p for p in classpath.split(os.pathsep) if p.endswith(".jar")]
-    return bool(jars) and not any(Path(j).exists() for j in jars)
+    if not jars:
+        return False
+    present = [Path(j) for j in jars if Path(j).exists()]
+    if not present:
+        return True
+    return built_at is not None and any(j.stat().st_mtime > built_at for j in present)
 
 
 def prune(directory: Path) -> list[Path]:
-    """Delete the archives of venvs that are gone (each archive keeps its class path next
-    to it); archives without one are left alone."""
+    """Delete the archives of venvs that are gone or reinstalled (each archive keeps its
+    class path next to it); archives without one are left alone."""
     gone = []
     for cp in directory.glob("spark-driver-*.jsa.classpath"):
-        if is_stale(cp.read_text()):
-            archive = cp.with_suffix("")
+        archive = cp.with_suffix("")
+        try:
+            built_at = archive.stat().st_mtime
+        except OSError:
+            built_at = None
+        if is_stale(cp.read_text(), built_at):
             for f in (archive, cp, archive.with_suffix(".lock")):
                 f.unlink(missing_ok=True)
             gone.append(archive)

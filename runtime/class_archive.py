@@ -9,10 +9,13 @@ query's first batch 11.8 s after the start instead of 18.7. That is every analys
 restart, every `tierflow sql` and history command, and every Spark test.
 
 The archive is only valid for the JVM and class path it was made with, so its file name
-carries a digest of both (the java binary and version, pyspark's version and the paths of
-its jars): another JDK, pyspark or venv finds no archive of its own and starts as before.
-A JVM handed an archive that does not match runs without it (``-Xshare:auto``, the
-default) after one warning line, so a stale file costs no more. `jobs.class_training`
+carries a digest of both (the java binary and version, pyspark's version, and the paths,
+sizes and modification times of its jars, which the JVM checks too): another JDK, pyspark
+or venv, or a venv reinstalled at the same path, finds no archive of its own and starts as
+before. A JVM handed an archive that does not match runs without it (``-Xshare:auto``, the
+default) after one warning line; that line goes to stderr (`STDOUT_CLEAN`), since the
+driver JVM shares stdout with commands such as ``tierflow sql --json`` whose output is
+data. `jobs.class_training`
 builds it (`tierflow check` runs that once per venv); this module only names and uses it,
 and imports nothing above the foundation.
 """
@@ -88,8 +91,21 @@ def spark_jars() -> list[str]:
     return sorted(str(p) for p in jars.glob("*.jar")) if jars.is_dir() else []
 
 
+def stamp(path: str) -> str:
+    """A class path entry as the JVM validates it: a jar by path, size and modification
+    time (a reinstall at the same path makes another jar); a directory by path."""
+    if not path.endswith(".jar"):
+        return path
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}"
+
+
 def archive_key(java: str, version_text: str, pyspark_version: str, jars: list[str]) -> str:
-    """A digest of what makes an archive valid: the JVM and the class path."""
+    """A digest of what makes an archive valid: the JVM and the class path (each entry
+    `stamp`ed by the caller)."""
     h = hashlib.sha256()
     for part in (java, jvm_build(version_text), pyspark_version, *jars):
         h.update(part.encode())
@@ -108,20 +124,29 @@ def archive_path(directory: Path | None = None) -> Path | None:
     # SPARK_CONF_DIR heads the driver's class path when it is set (a cluster's conf dir)
     conf = os.environ.get("SPARK_CONF_DIR", "")
     classpath = [conf, *spark_jars()] if conf else spark_jars()
-    key = archive_key(java, java_version_text(java), pyspark.__version__, classpath)
+    stamped = [stamp(p) for p in classpath]
+    key = archive_key(java, java_version_text(java), pyspark.__version__, stamped)
     return (directory or cache_dir()) / f"spark-driver-{key}.jsa"
 
 
 def with_java_option(conf: dict[str, str], option: str) -> dict[str, str]:
-    """`conf` with `option` appended to the driver's JVM options (the user's come first)."""
+    """`conf` with `option` (one or more words) appended to the driver's JVM options (the
+    user's come first); unchanged when they hold it already."""
     mine = conf.get(DRIVER_OPTIONS, "").strip()
-    if option in mine.split():
+    words = mine.split()
+    if all(word in words for word in option.split()):
         return dict(conf)
     return {**conf, DRIVER_OPTIONS: f"{mine} {option}".strip()}
 
 
 def use_option(path: Path) -> str:
     return f"-XX:SharedArchiveFile={path}"
+
+
+# The archive's warnings to stderr: unified logging prints warnings on stdout by default,
+# and an archive the JVM cannot map must not write into a command's data there. Only the
+# cds tags' stdout output changes; the user's other -Xlog outputs stay as they were.
+STDOUT_CLEAN = "-Xlog:cds*=off:stdout -Xlog:cds*=warning:stderr"
 
 
 def dump_options(path: Path) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.class_archive import (
     DRIVER_OPTIONS,
+    STDOUT_CLEAN,
     archive_path,
     java_version_text,
     use_option,
@@ -308,7 +309,7 @@ def driver_class_archive(cfg: Config, conf: dict[str, str]) -> dict[str, str]:
     path = archive_path()
     if path is None or not path.is_file():
         return conf
-    return with_java_option(conf, use_option(path))
+    return with_java_option(conf, f"{use_option(path)} {STDOUT_CLEAN}")
 
 
 # --------------------------------------------------------------------------- together

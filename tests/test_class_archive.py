@@ -4,9 +4,11 @@ really mapped by a fresh Spark driver JVM."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +19,7 @@ from jobs import class_training
 from runtime import class_archive
 from runtime.class_archive import (
     DRIVER_OPTIONS,
+    STDOUT_CLEAN,
     archive_key,
     cache_dir,
     jvm_build,
@@ -71,7 +74,8 @@ def test_the_session_conf_maps_an_archive_only_when_allowed(
     cfg = load(environ={})
     assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b"}  # none built yet
     archive.write_bytes(b"x")
-    assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b", DRIVER_OPTIONS: use_option(archive)}
+    mapped = f"{use_option(archive)} {STDOUT_CLEAN}"
+    assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b", DRIVER_OPTIONS: mapped}
     off = msgspec.structs.replace(
         cfg, spark=msgspec.structs.replace(cfg.spark, class_archive=False)
     )
@@ -179,3 +183,80 @@ def test_a_spark_conf_dir_is_another_class_path(
     plain = class_archive.archive_path(tmp_path)
     monkeypatch.setenv("SPARK_CONF_DIR", "/cluster/conf")
     assert class_archive.archive_path(tmp_path) not in (plain, None)
+
+
+@pytest.mark.unit
+def test_a_venv_reinstalled_at_the_same_path_names_another_archive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The JVM checks each jar's size and modification time, not only its path: a venv
+    reinstalled where the old one was must not be handed the old venv's archive."""
+    jars = [tmp_path / "jars" / name for name in ("a.jar", "b.jar")]
+    jars[0].parent.mkdir()
+    for jar in jars:
+        jar.write_bytes(b"jar")
+    monkeypatch.setattr(class_archive, "spark_jars", lambda: [str(j) for j in jars])
+    monkeypatch.delenv("SPARK_CONF_DIR", raising=False)
+    before = class_archive.archive_path(tmp_path)
+    assert class_archive.archive_path(tmp_path) == before
+    stat = jars[1].stat()
+    os.utime(jars[1], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert class_archive.archive_path(tmp_path) not in (before, None)
+
+
+@pytest.mark.unit
+def test_an_archive_older_than_its_jars_is_pruned(tmp_path: Path) -> None:
+    jar = tmp_path / "venv" / "jars" / "spark-core.jar"
+    jar.parent.mkdir(parents=True)
+    jar.write_bytes(b"")
+    archive = tmp_path / "spark-driver-old.jsa"
+    archive.write_bytes(b"archive")
+    Path(f"{archive}.classpath").write_text(str(jar))
+    assert class_training.prune(tmp_path) == []  # built after its jars: kept
+    built = archive.stat().st_mtime_ns
+    os.utime(jar, ns=(built + 1_000_000_000, built + 1_000_000_000))  # reinstalled since
+    assert class_training.prune(tmp_path) == [archive]
+    assert not archive.exists() and not Path(f"{archive}.classpath").exists()
+
+
+@pytest.mark.timeout(300)
+def test_an_archive_the_jvm_refuses_keeps_stdout_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver JVM that cannot map the archive at its path (made for another class path
+    here) says so on stderr: stdout carries only what the command prints (tierflow sql
+    --json's rows), and the session starts as it would without an archive."""
+    java = class_archive.spark_java()
+    assert java is not None
+    javac = Path(java).with_name("javac")
+    src = tmp_path / "Hello.java"
+    src.write_text("public class Hello { public static void main(String[] a) { } }")
+    subprocess.run([str(javac), "-d", str(tmp_path), str(src)], check=True, timeout=120)
+    jar = tmp_path / "hello.jar"
+    with zipfile.ZipFile(jar, "w") as z:
+        z.write(tmp_path / "Hello.class", "Hello.class")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TIERFLOW_CACHE_DIR", str(cache))
+    target = class_archive.archive_path()
+    assert target is not None and target.parent == cache
+    cache.mkdir()
+    dump = class_archive.dump_options(target).split()
+    subprocess.run([java, *dump, "-cp", str(jar), "Hello"], check=True, timeout=120)
+    assert target.is_file()
+    script = textwrap.dedent(
+        f"""
+        from runtime.config import load
+        from runtime.services import spark_session
+        cfg = load(environ={{}}, overrides={{
+            "state_dir": {str(tmp_path / "state")!r}, "spark": {{"master": "local[1]"}}}})
+        spark = spark_session(cfg)
+        print(spark.range(3).count(), flush=True)
+        spark.stop()
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], timeout=240, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["3"], run.stdout[:2000]
+    assert "Unable to use shared archive" in run.stderr
