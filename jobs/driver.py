@@ -532,7 +532,16 @@ class AnalysisDriver(SupervisedActor):
             raise JobsError(f"analysis driver {self.name!r} is {self.state}")
         wait = _own_wait(getattr(type(self), method), args, kwargs)
         try:
-            ref = self._peer().from_standby.remote(method, args, kwargs)
+            peer = self._peer()
+            # a call to a peer Ray is restarting would wait, silently, for the restart
+            # (seconds): while it is down, this standby is about to take over
+            info = gcs_actor_info(peer._actor_id.hex())
+            if info is not None and info.get("State") != "ALIVE":
+                raise JobsError(
+                    f"analysis driver {self.name!r} is a standby and its peer {self.peer!r} "
+                    f"is {str(info.get('State', 'down')).lower()}: no driver is active yet"
+                )
+            ref = peer.from_standby.remote(method, args, kwargs)
             return ray.get(ref, timeout=float(wait) + FORWARD_TIMEOUT_S)
         except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
             raise JobsError(

@@ -131,3 +131,34 @@ def test_a_standby_starts_its_spark_when_the_peer_is_not_starting_its_queries() 
     # a standby still waiting (both restarted) may wait for this one: not waited for
     assert not should_yield({"role": "standby", "state": "starting", "phases": {}}, restarted=True)
     assert not should_yield(None, restarted=True)  # the peer is down: this one may be needed
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("state", ["RESTARTING", "DEAD", "ALIVE"])
+def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
+    state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call handed to a peer Ray is restarting waits, unanswered, for the restart (seconds
+    after a SIGKILL): the standby answers at once that no driver is active yet instead."""
+    from types import SimpleNamespace
+
+    from jobs import driver as driver_module
+    from jobs.driver import AnalysisDriver, JobsError
+
+    sent: list[str] = []
+    peer = SimpleNamespace(
+        _actor_id=SimpleNamespace(hex=lambda: "ab12"),
+        from_standby=SimpleNamespace(remote=lambda method, a, kw: sent.append(method) or "ref"),
+    )
+    standby = AnalysisDriver.__new__(AnalysisDriver)
+    standby.name, standby.peer = "tierflow-analysis-standby", "tierflow-analysis"
+    monkeypatch.setattr(standby, "_peer", lambda: peer, raising=False)
+    monkeypatch.setattr(driver_module, "gcs_actor_info", lambda actor_id: {"State": state})
+    monkeypatch.setattr(driver_module.ray, "get", lambda ref, timeout: {"answered": ref})
+    if state == "ALIVE":
+        assert standby._forward("local_status", (), {}) == {"answered": "ref"}
+        assert sent == ["local_status"]
+    else:
+        with pytest.raises(JobsError, match=f"is {state.lower()}: no driver is active yet"):
+            standby._forward("local_status", (), {})
+        assert sent == []
