@@ -578,6 +578,7 @@ class AnalysisDriver(SupervisedActor):
     def _start_spark(self) -> SparkSession:
         # pyspark loads here, in the actor: the CLI imports this module for its names only
         from jobs.jetstream import register
+        from jobs.source_zygote import prestart
         from jobs.spark_session import analysis_conf
         from jobs.windows import LateEventCounter
 
@@ -585,6 +586,7 @@ class AnalysisDriver(SupervisedActor):
             self.cfg.spark, master=self.master, conf=analysis_conf(self.cfg.spark.conf)
         )
         cfg = msgspec.structs.replace(self.cfg, spark=spark_cfg)
+        prestart(self.master)  # the source zygote's imports while the JVM starts
         spark = spark_session(cfg, app_name=f"tierflow-{self.name}")
         register(spark)
         self.late = LateEventCounter()

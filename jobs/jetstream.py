@@ -100,9 +100,12 @@ def register(spark: SparkSession) -> None:
     As `spark.dataSource.register` does, but with the worker interpreter of
     `jobs.spark_session.worker_python`: Spark starts a new Python process for every query's
     offsets (and one to plan each read), and importing pyspark from the installed package
-    instead of Spark's zip halves that start (docs/benchmarks.md)."""
+    instead of Spark's zip halves that start (docs/benchmarks.md). A query's offsets process
+    is forked from this process's source zygote, which has its imports done
+    (jobs/source_zygote.py; ``TIERFLOW_SOURCE_ZYGOTE_OFF=1`` starts it as Spark would)."""
     from pyspark.core.rdd import _prepare_for_python_RDD
 
+    from jobs.source_zygote import ZYGOTE_ENV, enabled, ensure_started
     from jobs.spark_session import installed_like_spark, worker_python
 
     sc = spark.sparkContext
@@ -115,9 +118,12 @@ def register(spark: SparkSession) -> None:
         same_packages=installed_like_spark(sc.pythonExec, sc.version),
     )
     command, broadcasts, env, includes = _prepare_for_python_RDD(sc, JetStreamDataSource)
+    zygote = {}
+    if worker.env and enabled(sc.master):  # local, through the wrapper
+        zygote = {ZYGOTE_ENV: ensure_started(sc.pythonExec)}
     function = jvm.SimplePythonFunction(
         bytearray(command),
-        {**env, **worker.env, **streaming_runner_env(spark)},
+        {**env, **worker.env, **streaming_runner_env(spark), **zygote},
         includes,
         worker.exec,
         sc.pythonVer,

@@ -1,7 +1,8 @@
 """The jetstream source's worker interpreter (jobs/spark_session.py `worker_python` and
 jobs/worker_python.sh): Spark's pyspark and py4j zips leave a worker's PYTHONPATH only when
 this interpreter has the same packages, every other entry stays in order, and a streaming
-query's Python source process is really started that way."""
+query's Python source process is really started that way, forked from the source zygote
+(jobs/source_zygote.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from jobs import source_zygote
 from jobs.jetstream import register
+from jobs.source_zygote import ZYGOTE_ENV
 from jobs.spark_session import (
     WORKER_DROP_ENV,
     WORKER_PYTHON,
@@ -118,6 +121,9 @@ def test_a_streaming_query_source_process_runs_without_the_zips(
 
     with_nats(fill, nats_server.url)
     register(spark)
+    zygote = source_zygote._zygote
+    assert zygote is not None
+    wait_until(lambda: Path(zygote.path).is_socket(), 60, 0.05, what="the zygote listening")
     jvm_pid = spark.sparkContext._gateway.proc.pid
     seen: list[int] = []
     query = (
@@ -145,8 +151,14 @@ def test_a_streaming_query_source_process_runs_without_the_zips(
 
         pid = wait_until(runner, timeout=30, what="the query's source process")
         env = _environ(pid)
+        # the runner itself was forked from this process's source zygote, imports done
+        assert env[ZYGOTE_ENV] == zygote.path
+        forked = wait_until(lambda: _children(zygote.process.pid), 30, what="a forked runner")
     finally:
         query.stop()
+    wait_until(
+        lambda: not any(Path(f"/proc/{p}").exists() for p in forked), 60, what="the runner's end"
+    )
     assert sorted(seen) == list(range(1, 21))
     assert env[WORKER_PYTHON_ENV] == spark.sparkContext.pythonExec
     assert "pyspark.zip" not in env["PYTHONPATH"]
