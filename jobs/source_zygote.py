@@ -163,6 +163,8 @@ def _run_runner(request: dict[str, object], fds: list[int]) -> None:
         import runpy
 
         sys.argv = [RUNNER_MODULE, *argv[2:]]
+        # run as __main__ from its code, as `python -m` would; its imports are all loaded
+        sys.modules.pop(RUNNER_MODULE, None)
         runpy.run_module(RUNNER_MODULE, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:
