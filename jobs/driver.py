@@ -541,7 +541,9 @@ class AnalysisDriver(SupervisedActor):
                     f"analysis driver {self.name!r} is a standby and its peer {self.peer!r} "
                     f"is {str(info.get('State', 'down')).lower()}: no driver is active yet"
                 )
-            ref = peer.from_standby.remote(method, args, kwargs)
+            # not retried: a peer that dies under the call is restarted as a standby, and
+            # Ray would hold the retry until then; the caller hears at once instead
+            ref = peer.from_standby.options(max_task_retries=0).remote(method, args, kwargs)
             return ray.get(ref, timeout=float(wait) + FORWARD_TIMEOUT_S)
         except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
             raise JobsError(

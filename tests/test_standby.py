@@ -139,16 +139,19 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     state: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A call handed to a peer Ray is restarting waits, unanswered, for the restart (seconds
-    after a SIGKILL): the standby answers at once that no driver is active yet instead."""
+    after a SIGKILL): the standby answers at once that no driver is active yet instead,
+    and a call to a peer that dies under it is not retried on the restarted peer."""
     from types import SimpleNamespace
 
     from jobs import driver as driver_module
     from jobs.driver import AnalysisDriver, JobsError
 
     sent: list[str] = []
+    options: list[dict[str, object]] = []
+    call = SimpleNamespace(remote=lambda method, a, kw: sent.append(method) or "ref")
     peer = SimpleNamespace(
         _actor_id=SimpleNamespace(hex=lambda: "ab12"),
-        from_standby=SimpleNamespace(remote=lambda method, a, kw: sent.append(method) or "ref"),
+        from_standby=SimpleNamespace(options=lambda **o: options.append(o) or call),
     )
     standby = AnalysisDriver.__new__(AnalysisDriver)
     standby.name, standby.peer = "tierflow-analysis-standby", "tierflow-analysis"
@@ -158,6 +161,7 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     if state == "ALIVE":
         assert standby._forward("local_status", (), {}) == {"answered": "ref"}
         assert sent == ["local_status"]
+        assert options == [{"max_task_retries": 0}]  # a peer dying under it: no wait
     else:
         with pytest.raises(JobsError, match=f"is {state.lower()}: no driver is active yet"):
             standby._forward("local_status", (), {})
