@@ -20,7 +20,8 @@ batches of 5,000, is the measure of "events/s for one topn job" in issue 13's go
 what a job does when it starts behind. Its wall clock includes the query's start, which
 for the jetstream source means Spark starting new Python processes for the source (its
 offsets, the plan of its reads) before the first batch; they import pyspark from the
-installed package rather than Spark's zip (`jobs.spark_session.worker_python`).
+installed package rather than Spark's zip (`jobs.spark_session.worker_python`), and the
+offsets' process is forked from the source zygote (`jobs/source_zygote.py`).
 
 The sources alone, with no query, show how far each is from the query's rate: the same
 micro-batches written to Spark's ``noop`` sink (every column of every row materialised,
