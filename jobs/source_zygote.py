@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +51,20 @@ RUNNER_MODULE = "pyspark.sql.streaming.python_streaming_source_runner"
 PRELOAD = (RUNNER_MODULE, "jobs.jetstream")
 MAX_REQUEST = 1 << 20  # bytes of one request (arguments and environment)
 POLL_S = 0.5  # how often the server looks for its parent and reaps children
+DIR_PREFIX = "tf-zygote-"
+STALE_AFTER_S = 60.0  # a zygote directory this old with no zygote answering is left over
 STATUS = struct.Struct("!i")
 
 
 # --------------------------------------------------------------------------- the server
 
 
-def serve(path: str, parent: int) -> None:
-    """Import `PRELOAD`, then fork a runner per request on `path` until `parent` is gone."""
+def serve(path: str, parent: int, owns_dir: bool = False) -> None:
+    """Import `PRELOAD`, then fork a runner per request on `path` until `parent` is gone;
+    then remove the socket (and its directory, when `owns_dir`: the parent may have died
+    without cleaning up)."""
+    # stopped (Zygote.stop, a process group's SIGTERM): clean up as on the parent's exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     for module in PRELOAD:
         __import__(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -82,6 +89,8 @@ def serve(path: str, parent: int) -> None:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.unlink(path)
+        if owns_dir:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def _accept(
@@ -91,6 +100,9 @@ def _accept(
     conn.settimeout(5.0)
     try:
         data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+        if not data and not fds:  # a probe (`tidy`): connected, asked nothing
+            conn.close()
+            return
         request = json.loads(data)
     except (OSError, ValueError) as err:
         log.warning("source zygote: a bad request: %r", err)
@@ -215,7 +227,8 @@ def ensure_started(python: str) -> str:
     with _lock:
         if _zygote is not None and _zygote.alive():
             return _zygote.path
-        directory = tempfile.mkdtemp(prefix="tf-zygote-")
+        tidy(Path(tempfile.gettempdir()))
+        directory = tempfile.mkdtemp(prefix=DIR_PREFIX)
         path = os.path.join(directory, "s")
         root = str(Path(__file__).resolve().parent.parent)
         paths = [root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
@@ -225,13 +238,39 @@ def ensure_started(python: str) -> str:
             "OPENBLAS_NUM_THREADS": "1",  # numpy's pool would be threads a fork cannot copy
         }
         process = subprocess.Popen(
-            [python, "-m", "jobs.source_zygote", path, str(os.getpid())],
+            [python, "-m", "jobs.source_zygote", path, str(os.getpid()), "owns-dir"],
             env=child_env,
             stdin=subprocess.DEVNULL,
             close_fds=True,
         )
         _zygote = Zygote(path, process)
         return path
+
+
+def tidy(tmp: Path, min_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove this user's zygote directories whose zygote is gone without cleaning up
+    (SIGKILLed with its process group): no socket answers there, and the directory is old
+    enough not to be a zygote still importing. Returns what went."""
+    gone = []
+    now = time.time()
+    for directory in tmp.glob(f"{DIR_PREFIX}*"):
+        try:
+            st = directory.stat()
+            if st.st_uid != os.getuid() or now - st.st_mtime < min_age_s:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                probe.connect(str(directory / "s"))
+                continue  # a live zygote
+            except OSError:
+                pass
+            finally:
+                probe.close()
+        except OSError:
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        gone.append(directory)
+    return gone
 
 
 def enabled(master: str) -> bool:
@@ -257,4 +296,4 @@ def stop() -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), owns_dir=sys.argv[3:] == ["owns-dir"])

@@ -166,3 +166,55 @@ def test_the_wrapper_hands_only_a_source_runner_to_a_listening_zygote(
     assert argv("-m", "pyspark.daemon") == ["-m", "pyspark.daemon"]
     no_socket = str(tmp_path / "none")
     assert argv("-m", RUNNER_MODULE, **{ZYGOTE_ENV: no_socket}) == ["-m", RUNNER_MODULE]
+
+
+def test_a_zygote_whose_parent_is_gone_exits_and_removes_its_socket(tmp_path: Path) -> None:
+    """The zygote outlives nothing: its parent gone (SIGKILLed, no clean-up), it stops
+    serving and removes the directory it was given."""
+    directory = tmp_path / "owned"
+    directory.mkdir()
+    path = directory / "s"
+    starter = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'jobs.source_zygote', {str(path)!r}, "
+        "str(__import__('os').getpid()), 'owns-dir'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", starter],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        zygote = int(parent.stdout.readline())
+        wait_until(lambda: path.is_socket(), 60, 0.05, what="the zygote's socket")
+        parent.kill()
+        parent.wait(10)
+        wait_until(lambda: not running(zygote), 30, 0.1, what="the zygote's exit")
+        assert not directory.exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_directories_of_zygotes_gone_without_clean_up_are_tidied(
+    zygote: tuple[str, subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A zygote SIGKILLed with its process group leaves its directory; the next zygote's
+    start removes such directories, never a live zygote's or one too new to judge."""
+    tmp = tmp_path / "tmp"
+    live, dead, new = (tmp / f"{source_zygote.DIR_PREFIX}{n}" for n in ("live", "dead", "new"))
+    for d in (live, dead, new):
+        d.mkdir(parents=True)
+    (live / "s").symlink_to(zygote[0])  # answers: a live zygote's socket
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(dead / "s"))
+    stale.close()  # a socket file nobody listens on
+    old = os.stat(dead).st_mtime - 120
+    for d in (live, dead):
+        os.utime(d, (old, old))
+    assert source_zygote.tidy(tmp) == [dead]
+    assert live.exists() and new.exists() and not dead.exists()
