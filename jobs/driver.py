@@ -536,12 +536,20 @@ class AnalysisDriver(SupervisedActor):
         has it alive: a call to an actor Ray is restarting waits for the restart."""
         try:
             peer = self._peer()
-            info = gcs_actor_info(peer._actor_id.hex())
-            if info is not None and info.get("State") != "ALIVE":
+            if self._peer_down(peer) is not None:
                 return None
             return dict(ray.get(peer.role_info.remote(), timeout=2.0))
         except Exception:  # gone, restarting or not answering
             return None
+
+    @staticmethod
+    def _peer_down(peer: Any) -> str | None:
+        """Ray's state of `peer` when Ray has it not alive (restarting, dead): a call to it
+        would wait, silently, for its restart. None when alive or unknown."""
+        info = gcs_actor_info(peer._actor_id.hex())
+        if info is not None and info.get("State") != "ALIVE":
+            return str(info.get("State", "down"))
+        return None
 
     def _peer_active(self) -> bool:
         return (self._peer_info() or {}).get("role") == "active"
@@ -554,11 +562,11 @@ class AnalysisDriver(SupervisedActor):
             peer = self._peer()
             # a call to a peer Ray is restarting would wait, silently, for the restart
             # (seconds): while it is down, this standby is about to take over
-            info = gcs_actor_info(peer._actor_id.hex())
-            if info is not None and info.get("State") != "ALIVE":
+            down = self._peer_down(peer)
+            if down is not None:
                 raise JobsError(
                     f"analysis driver {self.name!r} is a standby and its peer {self.peer!r} "
-                    f"is {str(info.get('State', 'down')).lower()}: no driver is active yet"
+                    f"is {down.lower()}: no driver is active yet"
                 )
             # not retried: a peer that dies under the call is restarted as a standby, and
             # Ray would hold the retry until then; the caller hears at once instead

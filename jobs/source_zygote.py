@@ -63,7 +63,7 @@ def serve(path: str, parent: int, owns_dir: bool = False) -> None:
     """Import `PRELOAD`, then fork a runner per request on `path` until `parent` is gone;
     then remove the socket (and its directory, when `owns_dir`: the parent may have died
     without cleaning up)."""
-    # stopped (Zygote.stop, a process group's SIGTERM): clean up as on the parent's exit
+    # stopped (a SIGTERM, e.g. to its process group): clean up as on the parent's exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     for module in PRELOAD:
         __import__(module)
@@ -203,16 +203,6 @@ class Zygote:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(5)
-        if self.alive():
-            self.process.kill()
-            self.process.wait(5)
-        shutil.rmtree(Path(self.path).parent, ignore_errors=True)
-
 
 _lock = threading.Lock()
 _zygote: Zygote | None = None
@@ -284,15 +274,6 @@ def prestart(master: str) -> None:
     JVM's start instead of the first query's."""
     if enabled(master):
         ensure_started(os.environ.get("PYSPARK_PYTHON") or sys.executable)
-
-
-def stop() -> None:
-    """Stop this process's zygote (it also stops by itself when this process exits)."""
-    global _zygote
-    with _lock:
-        if _zygote is not None:
-            _zygote.stop()
-            _zygote = None
 
 
 if __name__ == "__main__":
