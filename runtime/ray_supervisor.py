@@ -75,10 +75,10 @@ from runtime.supervision import (
     Strategy,
     attribute_restart,
     decide,
+    hung,
     index_specs,
     load_start,
     observe,
-    overdue,
     recent_restarts,
 )
 
@@ -509,9 +509,14 @@ class RaySupervisor(SupervisedActor):
         child = self._children[cid]
         info = gcs_actor_info(child.handle._actor_id.hex())
         state = info.get("State") if info else None
-        if state in _NOT_HUNG_STATES:
-            return  # restarting: not a hang; DEAD: the next ping raises ActorDiedError
-        if child.beat is not None and not overdue(child.beat.last_seen, now, self._deadline_s):
+        if not hung(
+            ray_alive=state not in _NOT_HUNG_STATES,  # DEAD: the next ping raises ActorDiedError
+            last_seen=child.beat.last_seen if child.beat else None,
+            killed_at=child.killed_at,
+            now=now,
+            deadline_s=self._deadline_s,
+            grace_s=self._grace_s,
+        ):
             return
         log.warning("child %s missed its heartbeat deadline (Ray state %s)", cid, state)
         self._on_exit(cid, Exit.KILLED, now, dead=False)

@@ -247,6 +247,30 @@ def overdue(last_seen: float, now: float, deadline_s: float) -> bool:
     return now - last_seen > deadline_s
 
 
+def hung(
+    *,
+    ray_alive: bool,
+    last_seen: float | None,
+    killed_at: float | None,
+    now: float,
+    deadline_s: float,
+    grace_s: float,
+) -> bool:
+    """Does a child that just missed a heartbeat count as hung (to be killed)?
+
+    - Ray says it is not running (restarting, pending, dead): not a hang.
+    - The supervisor killed it less than `grace_s` ago and its restart has not answered yet:
+      the silence is that restart, not a new hang. Killing it again would count a second
+      restart for one failure (and a restart slowed by a loaded box would never end).
+    - It answered within `deadline_s`: one slow answer, not yet a hang.
+    """
+    if not ray_alive:
+        return False
+    if killed_at is not None and now - killed_at <= grace_s:
+        return False
+    return last_seen is None or overdue(last_seen, now, deadline_s)
+
+
 class Seen(enum.Enum):
     """What one heartbeat answer says about a child."""
 

@@ -241,19 +241,19 @@ def test_one_for_all_restarts_the_sibling_too(supervisors: list[Any], tmp_path: 
 
 
 def test_hung_child_is_killed_and_restarted(supervisors: list[Any], tmp_path: Path) -> None:
-    sup = start(
-        supervisors,
-        "sup-e",
-        [counter_spec("counter-e", tmp_path)],
-        tmp_path,
-        heartbeat_deadline_s=1.5,
-    )
+    # the default 5 s deadline: a shorter one lets a ping slowed by a loaded box count as a
+    # hang of its own before the real one: two restarts (a suspect for a CI failure at 1.5 s)
+    sup = start(supervisors, "sup-e", [counter_spec("counter-e", tmp_path)], tmp_path)
     counter, before = running_handle(sup, "counter-e")
     ray.get(counter.incr.remote())
 
     stuck = counter.hang.options(max_task_retries=0).remote()  # not retried after the kill
 
-    wait_until(swallow=True, pred=lambda: restarted(sup, "counter-e", before["incarnation"], 1))
+    wait_until(
+        swallow=True,
+        timeout=60.0,  # the deadline, then a Ray worker process started on a loaded box
+        pred=lambda: restarted(sup, "counter-e", before["incarnation"], 1),
+    )
     assert ray.get(counter.heartbeat.remote(), timeout=10)["pid"] != before["pid"]
     assert ray.get(counter.get.remote()) == 1
     with pytest.raises(RayActorError):

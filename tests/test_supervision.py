@@ -22,6 +22,7 @@ from runtime.supervision import (
     attribute_restart,
     backoff_delay,
     decide,
+    hung,
     index_specs,
     load_start,
     observe,
@@ -427,3 +428,33 @@ def test_decide_delay_follows_attempt(attempt: int, delay: float) -> None:
 def test_decide_unknown_child_is_an_error() -> None:
     with pytest.raises(KeyError, match="unknown child 'z'"):
         _decide("z", Exit.ABNORMAL, ALL_PERMANENT)
+
+
+@pytest.mark.parametrize(
+    ("ray_alive", "last_seen", "killed_at", "now", "expected"),
+    [
+        (True, 10.0, None, 12.0, True),  # silent past the deadline while Ray says ALIVE
+        (True, 10.0, None, 11.0, False),  # one slow answer within the deadline
+        (True, None, None, 12.0, True),  # never answered at all
+        (False, 10.0, None, 12.0, False),  # Ray is restarting (or it is gone): not a hang
+        (True, 10.0, 11.0, 12.0, False),  # our own kill's restart is still on its way
+        (True, 10.0, 11.0, 21.0, False),  # ... up to the grace, inclusive
+        (True, 10.0, 11.0, 21.5, True),  # a kill that never landed hides a hang no longer
+    ],
+)
+def test_hung(
+    ray_alive: bool,
+    last_seen: float | None,
+    killed_at: float | None,
+    now: float,
+    expected: bool,
+) -> None:
+    verdict = hung(
+        ray_alive=ray_alive,
+        last_seen=last_seen,
+        killed_at=killed_at,
+        now=now,
+        deadline_s=1.5,
+        grace_s=10.0,
+    )
+    assert verdict is expected
