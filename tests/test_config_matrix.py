@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import ssl
 import subprocess
 import sys
@@ -203,7 +204,7 @@ function = "cluster.demo.meetup:responses"
 """
 
 
-def write_config(tmp_path: Path, mtls: bool) -> Path:
+def write_config(tmp_path: Path, mtls: bool, standby: bool = False) -> Path:
     state = tmp_path / "state"
     text = (
         f'state_dir = "{state}"\n'
@@ -211,7 +212,7 @@ def write_config(tmp_path: Path, mtls: bool) -> Path:
         "[roles.collector]\nport = 0\n"
         "[roles.gateway]\nport = 0\n"
         "[roles.logger]\nk = 1\n"
-        '[spark]\nmaster = "local[2]"\n'
+        f'[spark]\nmaster = "local[2]"\nstandby = {str(standby).lower()}\n'
         f'[auth]\nproducer_tokens = ["{PRODUCER}"]\nconsumer_tokens = ["{CONSUMER}"]\n'
         '[streams.flights]\nsubjects = ["raw.flights"]\n'
     )
@@ -229,6 +230,36 @@ def run(args: list[str], env: dict[str, str], timeout: float = 300) -> subproces
     return subprocess.run(
         [TIERFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def analysis_status(path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """`tierflow status --json`'s analysis part: the active driver's pid and takeover."""
+    out = run(["status", "--json", "--config", str(path)], env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout).get("analysis") or {}
+
+
+def kill_active_driver(path: Path, env: dict[str, str]) -> None:
+    """SIGKILL the active analysis driver (a process of the runtime this test started) and
+    wait until the standby says it took the queries over."""
+    active = wait_until(
+        lambda: (a := analysis_status(path, env)).get("state") == "running" and a.get("pid") and a,
+        timeout=120,
+        interval=1,
+        what="the active analysis driver",
+    )
+    os.kill(active["pid"], signal.SIGKILL)
+    took = wait_until(
+        lambda: (
+            (a := analysis_status(path, env)).get("pid") not in (None, active["pid"])
+            and a.get("took_over")
+            and a
+        ),
+        timeout=180,
+        interval=1,
+        what="the standby's takeover",
+    )
+    assert took["took_over"]["at"] > 0, took
 
 
 def http(
@@ -261,8 +292,12 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
     tmp_path: Path, mtls: bool
 ) -> None:
     """`tierflow up` with a file that defines only its own stream, one generic job of each
-    kind, exact answers read through the gateway (with client verification on: hole 15)."""
-    path = write_config(tmp_path, mtls)
+    kind, exact answers read through the gateway (with client verification on: hole 15).
+
+    With mutual TLS the analysis driver also runs as a warm pair (`spark.standby`): the
+    active one is SIGKILLed after the first half of the events is answered, and the
+    standby, with the same tokens and certificates, takes over and answers the rest."""
+    path = write_config(tmp_path, mtls, standby=mtls)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
     cfg = load(path, environ=env)
     ctx = None
@@ -280,15 +315,36 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
         state = runstate.read_state(cfg)
         assert state is not None
         collector, gateway = state["collector"]["url"], state["gateway"]["url"]
-        accepted = 0
-        for i in range(0, len(events), 500):
-            body = "\n".join(json.dumps(e) for e in events[i : i + 500]).encode()
-            reply = http(f"{collector}/v1/streams/flights/events", PRODUCER, ctx, body)
-            accepted += reply["accepted"]
-        assert accepted == len(events)
+
+        def send(part: list[dict[str, Any]]) -> int:
+            accepted = 0
+            for i in range(0, len(part), 500):
+                body = "\n".join(json.dumps(e) for e in part[i : i + 500]).encode()
+                reply = http(f"{collector}/v1/streams/flights/events", PRODUCER, ctx, body)
+                accepted += reply["accepted"]
+            return accepted
 
         got: dict[str, Any] = {}
         polls = [0]
+
+        def read_results() -> dict[str, Any]:
+            body = http(f"{gateway}/v1/kv/results", CONSUMER, ctx)
+            got.clear()
+            got.update({e["key"]: e["value"] for e in body["entries"]})
+            return got
+
+        half = len(events) // 2 if mtls else len(events)
+        assert send(events[:half]) == half
+        if mtls:
+            first = expected(events[:half])
+            wait_until(
+                lambda: matches(read_results(), first),
+                timeout=600,
+                interval=1,
+                what="the first half's exact answers",
+            )
+            kill_active_driver(path, env)
+        assert send(events[half:]) == len(events) - half
 
         def answered() -> bool:
             polls[0] += 1
@@ -300,9 +356,7 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
                     if (r.get("restarts") or 0) >= 2
                 }
                 assert not failing, f"jobs keep failing: {failing}"
-            body = http(f"{gateway}/v1/kv/results", CONSUMER, ctx)
-            got.clear()
-            got.update({e["key"]: e["value"] for e in body["entries"]})
+            read_results()
             return matches(got, want) and matches(windows_of(got), want_windows)
 
         def why() -> str:
