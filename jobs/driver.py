@@ -108,7 +108,7 @@ from jobs.standby import (
 from runtime.clock import now_ms
 from runtime.config import Config, validate
 from runtime.nats import NatsEndpoint
-from runtime.ray_supervisor import SupervisedActor, gcs_actor_info
+from runtime.ray_supervisor import SupervisedActor, actor_state
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.services import spark_session
 from runtime.sql_check import SqlRefused
@@ -546,10 +546,8 @@ class AnalysisDriver(SupervisedActor):
     def _peer_down(peer: Any) -> str | None:
         """Ray's state of `peer` when Ray has it not alive (restarting, dead): a call to it
         would wait, silently, for its restart. None when alive or unknown."""
-        info = gcs_actor_info(peer._actor_id.hex())
-        if info is not None and info.get("State") != "ALIVE":
-            return str(info.get("State", "down"))
-        return None
+        state = actor_state(peer)
+        return None if state in (None, "ALIVE") else state
 
     def _peer_active(self) -> bool:
         return (self._peer_info() or {}).get("role") == "active"

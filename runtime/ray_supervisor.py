@@ -85,6 +85,7 @@ from runtime.supervision import (
 __all__ = [
     "RaySupervisor",
     "SupervisedActor",
+    "actor_state",
     "exit_from_death",
     "gcs_actor_info",
     "start_supervisor",
@@ -220,6 +221,13 @@ def gcs_actor_info(actor_id: str) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - unknown: callers fall back to a safe default
         return None
     return info or None
+
+
+def actor_state(handle: Any) -> str | None:
+    """Ray's `State` of the actor behind `handle` (ALIVE, RESTARTING, DEAD, ...), or None
+    when Ray's record cannot be read."""
+    info = gcs_actor_info(handle._actor_id.hex())
+    return info.get("State") if info else None
 
 
 class _Saved(msgspec.Struct, kw_only=True):
@@ -507,8 +515,7 @@ class RaySupervisor(SupervisedActor):
     def _on_silent(self, cid: str, now: float) -> None:
         """No answer within the deadline: hung, unless Ray says it is (re)starting or gone."""
         child = self._children[cid]
-        info = gcs_actor_info(child.handle._actor_id.hex())
-        state = info.get("State") if info else None
+        state = actor_state(child.handle)
         if not hung(
             ray_alive=state not in _NOT_HUNG_STATES,  # DEAD: the next ping raises ActorDiedError
             last_seen=child.beat.last_seen if child.beat else None,

@@ -116,6 +116,22 @@ def with_nats(fn: Any, url: str) -> Any:
     return asyncio.run(main())
 
 
+async def acked_publish(
+    js: Any, subject: str, payload: bytes, msg_id: str, timeout: float | None = None
+) -> bool:
+    """One JetStream publish acknowledged; False when nothing answered (yet): a new stream
+    whose subjects or leader the server does not know yet gives no responders, a slow one a
+    timeout. A resend keeps `msg_id`, so the stream still holds the message once."""
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import NoStreamResponseError
+
+    try:
+        await js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+    except (NoStreamResponseError, NatsTimeout):
+        return False
+    return True
+
+
 class BackgroundLoad:
     """A producer on its own thread, event loop and NATS connection, for tests that kill
     something while load runs: `main(nc)` runs until `stopping`; `stop()` joins it and

@@ -14,6 +14,7 @@ import pytest
 
 from runtime import runstate
 from runtime.config import load
+from tests.support import acked_publish
 
 TIERFLOW = str(Path(sys.executable).with_name("tierflow"))
 
@@ -205,26 +206,20 @@ def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]
         assert len(servers) == 3
 
         async def r3_round_trip() -> int:
-            from nats.errors import TimeoutError as NatsTimeout
-            from nats.js.errors import NoStreamResponseError
-
             from runtime.waiting import await_until
 
             nc = await connect(urls)
             js = nc.jetstream(timeout=30)  # a loaded machine: the R3 group may elect slowly
             await js.add_stream(name="r3", subjects=["r3.>"], num_replicas=3)
 
-            async def acked(i: int) -> bool:
-                # until the new stream's leader answers there are no responders; a resend
-                # keeps its id, so the stream still holds each message once
-                try:
-                    await js.publish("r3.x", str(i).encode(), headers={"Nats-Msg-Id": str(i)})
-                except (NoStreamResponseError, NatsTimeout):  # no responders, or slow
-                    return False
-                return True
-
             for i in range(20):
-                await await_until(lambda i=i: acked(i), 60, 0.2, what=f"R3 publish {i} acked")
+                # until the new stream's leader answers there are no responders
+                await await_until(
+                    lambda i=i: acked_publish(js, "r3.x", str(i).encode(), str(i)),
+                    60,
+                    0.2,
+                    what=f"R3 publish {i} acked",
+                )
             info = await js.stream_info("r3")
             await nc.close()
             assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2

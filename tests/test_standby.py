@@ -156,7 +156,7 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     standby = AnalysisDriver.__new__(AnalysisDriver)
     standby.name, standby.peer = "tierflow-analysis-standby", "tierflow-analysis"
     monkeypatch.setattr(standby, "_peer", lambda: peer, raising=False)
-    monkeypatch.setattr(driver_module, "gcs_actor_info", lambda actor_id: {"State": state})
+    monkeypatch.setattr(driver_module, "actor_state", lambda handle: state)
     monkeypatch.setattr(driver_module.ray, "get", lambda ref, timeout: {"answered": ref})
     if state == "ALIVE":
         assert standby._forward("local_status", (), {}) == {"answered": "ref"}

@@ -38,24 +38,13 @@ from runtime.services import ensure_streams
 from runtime.sites import NatsSites
 from runtime.waiting import await_until
 from tests.bench.common import summary, write_report
+from tests.support import acked_publish
 
 pytestmark = pytest.mark.timeout(1500)
 
 STREAM, SUBJECT = "geo", "raw.geo"
 RATE, SECONDS, BATCH = 1000, 10, 20  # 10,000 lag samples
 SITE_LOSS_EVENTS = 20_000
-
-
-async def _published(js: Any, subject: str, payload: bytes, msg_id: str) -> bool:
-    """One publish acknowledged; False when JetStream did not answer (yet)."""
-    from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.errors import NoStreamResponseError
-
-    try:
-        await js.publish(subject, payload, timeout=2, headers={"Nats-Msg-Id": msg_id})
-    except (NoStreamResponseError, NatsTimeout):
-        return False
-    return True
 
 
 async def _lag_run(work: Path) -> dict[str, Any]:
@@ -79,7 +68,10 @@ async def _lag_run(work: Path) -> dict[str, Any]:
         # created: until then a publish through them finds no responders (seen once in
         # `make bench`). One probe, acknowledged before B's subscription starts at new events.
         await await_until(
-            lambda: _published(js, SUBJECT, b"{}", "ready"), 30, 0.2, "the stream's first ack"
+            lambda: acked_publish(js, SUBJECT, b"{}", "ready", timeout=2),
+            30,
+            0.2,
+            "the stream's first ack",
         )
         acked: dict[str, float] = {}
         arrived: dict[str, float] = {}
