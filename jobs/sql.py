@@ -33,6 +33,7 @@ from runtime.sql_check import CheckedQuery, SqlRefused, check_select
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 __all__ = [
     "ENVELOPE",
@@ -43,6 +44,7 @@ __all__ = [
     "run_sql",
     "stream_events",
     "json_result",
+    "representable",
     "table_frame",
     "tables_for",
 ]
@@ -141,33 +143,87 @@ def stream_events(
     return archived.unionByName(live)
 
 
-def table_frame(events: DataFrame, schema: str = "", sample: int = SAMPLE_EVENTS) -> DataFrame:
+def table_frame(
+    events: DataFrame,
+    schema: str = "",
+    sample: int = SAMPLE_EVENTS,
+    notes: list[str] | None = None,
+) -> DataFrame:
     """The events as a table: envelope columns, then the JSON fields by `schema` or by a
-    schema inferred from up to `sample` of the newest valid events."""
+    schema inferred from up to `sample` of the newest valid events. Inferred fields that
+    cannot be columns are left out, each with a line in `notes`."""
     from pyspark.sql import functions as F
 
     valid = events.where(F.col("valid"))
-    if not schema:
-        schema = _infer_schema(valid, sample)
+    parse: str | StructType | None = schema or None
+    if parse is None:
+        parse, left_out = _infer_schema(valid, sample)
+        if notes is not None:
+            notes.extend(left_out)
     envelope = [F.col(src).alias(name) for name, src in ENVELOPE.items()]
-    if not schema:  # nothing to infer from: the envelope and the raw JSON text
+    if parse is None:  # nothing to infer from: the envelope and the raw JSON text
         return valid.select(*envelope, F.col("data"))
-    parsed = valid.select(*envelope, F.from_json("data", schema).alias("_e"))
+    parsed = valid.select(*envelope, F.from_json("data", parse).alias("_e"))
     fields = [c for c in parsed.select("_e.*").columns if c not in ENVELOPE]
     return parsed.select(*ENVELOPE, *(F.col("_e").getField(c).alias(c) for c in fields))
 
 
-def _infer_schema(valid: DataFrame, sample: int) -> str:
+def _infer_schema(valid: DataFrame, sample: int) -> tuple[StructType | None, list[str]]:
+    """The schema Spark infers from the newest events, as a StructType (no DDL text to
+    quote: any name at any depth is taken as it is), less what `representable` leaves out."""
     spark = valid.sparkSession
     rows = valid.orderBy(valid.seq.desc()).select("data").limit(sample).collect()
     texts = [r.data for r in rows if r.data]
     if not texts:
-        return ""
+        return None, []
     inferred = spark.read.json(spark.sparkContext.parallelize(texts, 1)).schema
-    objects = [f for f in inferred.fields if f.name != "_corrupt_record"]
-    if not objects:
-        return ""
-    return ", ".join(f"`{f.name.replace('`', '``')}` {f.dataType.simpleString()}" for f in objects)
+    kept, notes = representable(inferred, top=True)
+    return (kept if kept.fields else None), notes
+
+
+def representable(schema: StructType, *, top: bool = False) -> tuple[StructType, list[str]]:
+    """`schema` without the fields no query could name apart: empty names, and names that
+    differ only in case (Spark resolves names case-insensitively, so each would be an
+    ambiguous reference), at every depth; at the top also Spark's `_corrupt_record` and the
+    envelope's names. A note per field left out, by its dotted path."""
+    from pyspark.sql.types import StructType
+
+    notes: list[str] = []
+    kept = _struct(schema, "", top, notes)
+    return (kept if isinstance(kept, StructType) else StructType([])), notes
+
+
+def _struct(dtype: Any, path: str, top: bool, notes: list[str]) -> Any:
+    from pyspark.sql.types import ArrayType, MapType, StructField, StructType
+
+    if isinstance(dtype, ArrayType):
+        inner = _struct(dtype.elementType, f"{path}[]", False, notes)
+        return ArrayType(inner, dtype.containsNull)
+    if isinstance(dtype, MapType):
+        inner = _struct(dtype.valueType, f"{path}{{}}", False, notes)
+        return MapType(dtype.keyType, inner, dtype.valueContainsNull)
+    if not isinstance(dtype, StructType):
+        return dtype
+    folded: dict[str, list[str]] = {}
+    for f in dtype.fields:
+        folded.setdefault(f.name.lower(), []).append(f.name)
+    fields = []
+    for f in dtype.fields:
+        where = f"{path}.{f.name}" if path else f.name
+        if top and f.name == "_corrupt_record":
+            continue
+        if not f.name:
+            notes.append(f"a field with an empty name{' in ' + path if path else ''} is left out")
+        elif len(folded[f.name.lower()]) > 1:
+            names = " and ".join(f"{path}.{n}" if path else n for n in folded[f.name.lower()])
+            note = f"fields {names} differ only in case: left out"
+            if note not in notes:
+                notes.append(note)
+        elif top and f.name in ENVELOPE:
+            notes.append(f"field {f.name} is left out: the envelope's column has its name")
+        else:
+            fields.append(StructField(f.name, _struct(f.dataType, where, False, notes), True))
+    return StructType(fields)
 
 
 def run_sql(

@@ -20,6 +20,13 @@ Key tokens (`key_token`), stable and subject-safe for any scalar JSON value:
   JSON text (45 characters): still one token per key, but not readable back (`token_key`
   answers it as unknown).
 
+Numbers key by their exact value as written, never by the nearest binary float: JSON text is
+decoded with its fractional numbers as `Decimal`, so `9007199254740993.0` is the integer
+9007199254740993 (`=9007199254740993`), not the float 9007199254740992 another key has. A
+fraction a float holds exactly as written (1.5, 0.1 as its shortest repr) keeps the float's
+JSON text; one with more digits than a float holds is keyed by its normalised decimal text,
+which no float's text equals.
+
 The four forms cannot meet (`=`, `~` are not in the plain alphabet, `~` not in base64url),
 so two distinct keys never share a token but by a SHA-256 collision. An event whose key is
 missing, null, an object or an array is invalid: it goes to `deadletter.<stream>` with the
@@ -36,6 +43,7 @@ import base64
 import hashlib
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -55,9 +63,11 @@ __all__ = [
     "CompactingLogic",
     "KeyReader",
     "NoKey",
+    "Scalar",
     "compacted_subject",
     "describe",
     "event_token",
+    "decode_exact",
     "key_filters",
     "key_token",
     "key_value",
@@ -71,11 +81,15 @@ __all__ = [
 ]
 
 MAX_TOKEN = 128
+MAX_DIGITS = 4_000  # an integral number past this many digits keys by its decimal text
 _PLAIN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _INT_TOKEN = re.compile(r"^=-?(0|[1-9][0-9]*)$")
 _INT_PREFIX, _JSON_PREFIX, _HASH_PREFIX = "=", "~", "~~"
 _json = msgspec.json.Encoder()
-_decode = msgspec.json.decode
+# fractional numbers as written: a float would merge keys that differ past its 53 bits
+decode_exact = msgspec.json.Decoder(float_hook=Decimal).decode
+_decode = decode_exact
+Scalar = str | int | float | bool | Decimal
 
 
 class CompactConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -102,7 +116,7 @@ class NoKey(ValueError):
 # --------------------------------------------------------------------------- keys and tokens
 
 
-def key_value(data: Any, path: Sequence[str]) -> str | int | float | bool:
+def key_value(data: Any, path: Sequence[str]) -> Scalar:
     """The scalar key at `path` of a decoded event; NoKey saying why there is none."""
     if not isinstance(data, dict):
         raise NoKey(f"the event is a JSON {json_kind(data)}, not an object")
@@ -114,21 +128,47 @@ def key_value(data: Any, path: Sequence[str]) -> str | int | float | bool:
     return value
 
 
-def key_token(value: str | int | float | bool) -> str:
+def key_token(value: Scalar) -> str:
     """The subject token of a key value (see the module doc for the forms)."""
     if isinstance(value, str) and _PLAIN.match(value):
         return value
+    value = _exact(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # 1.0 and 1 are one key; NaN and infinities are not integers
     if isinstance(value, int) and not isinstance(value, bool):
         text = f"{_INT_PREFIX}{value}"
         if len(text) <= MAX_TOKEN:
             return text
-    raw = _json.encode(value)
+    raw = _number_text(value) if isinstance(value, Decimal) else _json.encode(value)
     token = _JSON_PREFIX + _b64(raw)
     if len(token) <= MAX_TOKEN:
         return token
     return _HASH_PREFIX + _b64(hashlib.sha256(raw).digest())
+
+
+def _exact(value: Scalar) -> Scalar:
+    """A decoded number in the form its token is made from: an integral one as an int, a
+    fraction a float holds exactly as written as that float, any other as a Decimal."""
+    if not isinstance(value, Decimal) or not value.is_finite():
+        return value
+    if value.adjusted() > MAX_DIGITS:  # 1e999999999 as an int would take the memory
+        return value
+    if value == value.to_integral_value():
+        return int(value)
+    as_float = float(value)
+    if Decimal(repr(as_float)) == value:
+        return as_float
+    return value
+
+
+def _number_text(value: Decimal) -> bytes:
+    """The JSON text of a number no float holds, canonical (digits without trailing zeros,
+    then the exponent), so 0.10000000000000000001 and 1.0000000000000000001e-1 are one key.
+    By hand: `Decimal.normalize` rounds to the context's precision, merging long keys."""
+    sign, digits, exponent = value.as_tuple()
+    text = "".join(map(str, digits)).rstrip("0") or "0"
+    exponent = int(exponent) + len(digits) - len(text)
+    return f"{'-' if sign else ''}{text}e{exponent}".encode()
 
 
 def token_key(token: str) -> tuple[bool, Any]:
@@ -138,7 +178,7 @@ def token_key(token: str) -> tuple[bool, Any]:
     if token.startswith(_JSON_PREFIX):
         try:
             body = token[1:]
-            return True, _decode(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+            return True, _exact(_decode(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))))
         except (ValueError, msgspec.DecodeError):
             return False, None
     if _INT_TOKEN.match(token):
@@ -174,7 +214,7 @@ class KeyReader:
             field = msgspec.field(default=msgspec.UNSET, name=name)
             inner = node if i == len(self.path) - 1 else node | None
             node = msgspec.defstruct(f"_Key{i}", [("v", inner, field)])
-        self._decoder = msgspec.json.Decoder(node)
+        self._decoder = msgspec.json.Decoder(node, float_hook=Decimal)
 
     def token(self, data: bytes) -> str:
         try:
@@ -184,7 +224,7 @@ class KeyReader:
             value = node.v
         except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError, AttributeError):
             value = None  # the full way says why (or finds it fine after all)
-        if isinstance(value, str | int | float):  # bool is an int; UNSET, None are not
+        if isinstance(value, str | int | Decimal):  # bool is an int; UNSET, None are not
             return key_token(value)
         return event_token(data, self.path)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import msgspec
@@ -122,6 +123,46 @@ def test_strange_strings_round_trip(value: str) -> None:
     token = key_token(value)
     assert SUBJECT_TOKEN.match(token) and len(token) <= MAX_TOKEN
     assert token_key(token) == (True, value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.decimals(allow_nan=False, allow_infinity=False, places=None),
+    st.decimals(allow_nan=False, allow_infinity=False, places=None),
+)
+def test_json_numbers_key_by_their_exact_value(a: Decimal, b: Decimal) -> None:
+    """Two JSON numbers share a key exactly when they are the same number, however many
+    digits they carry: a binary float in between would merge 2**53 + 1 with 2**53."""
+    ta = event_token(b'{"k":%s}' % str(a).encode(), ("k",))
+    tb = event_token(b'{"k":%s}' % format(b, "e").encode(), ("k",))
+    assert (ta == tb) == (a == b), (a, b, ta, tb)
+    assert KeyReader(("k",)).token(b'{"k":%s}' % str(a).encode()) == ta
+    known, back = token_key(ta)
+    assert not known or Decimal(str(back)) == a
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (b"9007199254740993.0", b"9007199254740992"),
+        (b"9007199254740993.0", b"9007199254740992.0"),
+        (b"0.10000000000000000001", b"0.1"),
+        (b"1e999999999", b"1e999999998"),
+        (b"0.1000000000000000000000000000001", b"0.1000000000000000000000000000002"),
+    ],
+)
+def test_numbers_past_a_floats_precision_are_distinct_keys(one: bytes, other: bytes) -> None:
+    path = ("k",)
+    assert event_token(b'{"k":%s}' % one, path) != event_token(b'{"k":%s}' % other, path)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [(b"9007199254740993.0", b"9007199254740993"), (b"1.0", b"1"), (b"1.50", b"1.5e0")],
+)
+def test_one_number_written_two_ways_is_one_key(one: bytes, other: bytes) -> None:
+    path = ("k",)
+    assert event_token(b'{"k":%s}' % one, path) == event_token(b'{"k":%s}' % other, path)
 
 
 def test_size_limits_switch_to_the_hash_exactly_past_128() -> None:

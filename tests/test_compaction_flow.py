@@ -69,6 +69,8 @@ def tier(
         # the same keys in a second stream; a nested path and keep = 2
         "fleet": {"subjects": ["air.fleet"], "compact": {"key": "plane.tail", "keep": 2}},
         "plain": {"subjects": ["air.plain"]},
+        # numeric keys a float cannot tell apart
+        "numbers": {"subjects": ["air.numbers"], "compact": {"key": "k"}},
         # served from a gateway feed that is already running (a ring with replaced events)
         "warm": {"subjects": ["air.warm"], "compact": {"key": "k"}},
         # routed by a field: a key is kept once per routed subject
@@ -235,6 +237,46 @@ def test_resending_is_exactly_once(
 async def get(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
         return r.status, await r.json()
+
+
+# JSON numbers that are distinct values though the nearest binary floats are equal
+NEAR_2_53 = {
+    "n-int": b"9007199254740992",
+    "n-frac": b"9007199254740993.0",
+    "n-exp": b"9.007199254740995e15",
+    "n-long": b"0.10000000000000000001",
+    "n-short": b"0.1",
+}
+
+
+def test_numeric_keys_a_float_cannot_hold_stay_apart_in_the_stream(
+    tier: tuple[CollectionTier, str], nats_server: NatsServer
+) -> None:
+    """Five distinct JSON numbers as keys through the collector into a compacted stream
+    (keep 1): five keys kept, each with its own event, and `?key_json=` finds each."""
+    t, gw = tier
+    body = b"\n".join(b'{"id":"%s","k":%s}' % (i.encode(), k) for i, k in NEAR_2_53.items())
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            url = f"{t.url}/v1/streams/numbers/events?wait=queued&token={PRODUCER}"
+            headers = {"Content-Type": "application/x-ndjson"}
+            async with s.post(url, data=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+        nc = await connect(nats_server.url)
+        try:
+            msgs = await read_all(nc, "numbers")
+        finally:
+            await nc.close()
+        kept = {m.headers["Nats-Msg-Id"]: m.subject.rsplit(".", 1)[1] for m in msgs}
+        assert set(kept) == set(NEAR_2_53)  # none replaced another
+        assert len(set(kept.values())) == len(NEAR_2_53)
+        for eid, raw in NEAR_2_53.items():
+            path = f"/v1/streams/numbers/latest?key_json={quote(raw.decode())}"
+            status, got = await get(gw, path, H)
+            assert status == 200 and got["data"]["id"] == eid, (raw, got)
+
+    asyncio.run(go())
 
 
 def test_gateway_latest_and_keys(

@@ -34,9 +34,17 @@ from nats.js.errors import NotFoundError
 from actors.access.auth import request_token
 from actors.access.messages import StreamMessage
 from actors.access.plane import DataPlane
-from actors.access.protocol import Problem, StreamRef, int_param, refusal, reply
+from actors.access.protocol import Problem, StreamRef, int_param, refusal
 from actors.access.reader import stored_message
-from runtime.compaction import key_filters, key_token, lookup_subjects, token_key, token_of
+from runtime.compaction import (
+    Scalar,
+    decode_exact,
+    key_filters,
+    key_token,
+    lookup_subjects,
+    token_key,
+    token_of,
+)
 from runtime.config import StreamConfig
 from runtime.geo import origin_patterns
 
@@ -58,7 +66,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_KEYS_PAGE = 1000
 DEFAULT_KEYS_PAGE = 100
 _SUBJECTS_PAGE_LIMIT = 1000  # pages of STREAM.INFO subjects read for one request at most
-_json = msgspec.json.Encoder()
+_json = msgspec.json.Encoder(decimal_format="number")  # keys past a float's digits, exact
 
 
 class CompactedRoutes:
@@ -131,7 +139,8 @@ class CompactedRoutes:
             known, value = token_key(tok)
             out.append({"key": value if known else None, "token": tok, "count": counts[tok]})
         nxt = page[-1] if len(tokens) > limit else None
-        return reply(200, {"stream": ref.public, "keys": out, "next": nxt})
+        body = _json.encode({"stream": ref.public, "keys": out, "next": nxt})
+        return web.Response(body=body, content_type="application/json")
 
 
 def read_subjects(sc: StreamConfig, token: str) -> list[str]:
@@ -204,11 +213,11 @@ async def _subjects(nc: Client, api: str, stream: str, pattern: str) -> dict[str
     return out
 
 
-def _key_param(query: Any) -> str | int | float | bool:
+def _key_param(query: Any) -> Scalar:
     """`?key=` is a string; `?key_json=` a JSON scalar (numbers, booleans, strings)."""
     if "key_json" in query:
         try:
-            value = msgspec.json.decode(query["key_json"])
+            value = decode_exact(query["key_json"])
         except msgspec.DecodeError:
             raise Problem(400, 'key_json must be a JSON value, e.g. 42, true or "a"') from None
         if value is None or isinstance(value, dict | list):
