@@ -24,6 +24,7 @@ import msgspec
 
 from runtime.autoscaling import AutoscalingConfig
 from runtime.autoscaling import validate as validate_autoscaling
+from runtime.browsers import ANY, host_name, parse_origin
 from runtime.class_archive import CACHE_ENV
 from runtime.compaction import CompactConfig
 from runtime.errors import ConfigError
@@ -350,6 +351,16 @@ class GatewayConfig(_Strict):
     options: GatewayOptions = msgspec.field(default_factory=GatewayOptions)
 
 
+class BrowsersConfig(_Strict):
+    """`[browsers]`: what web pages may use the gateway's and the collector's HTTP endpoints
+    (runtime/browsers.py). `allowed_origins`: origins (`scheme://host[:port]`) besides each
+    server's own; `allowed_hosts`: names the servers answer to besides localhost, loopback
+    and this machine's names. `"*"` in either lifts that check."""
+
+    allowed_origins: list[str] = []
+    allowed_hosts: list[str] = []
+
+
 class AdminConfig(_Strict):
     """Status and metrics endpoint; loopback unless configured otherwise."""
 
@@ -369,6 +380,7 @@ class Config(_Strict):
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    browsers: BrowsersConfig = msgspec.field(default_factory=BrowsersConfig)
     # Analysis jobs by spec (see jobs/specs.py JobSpec); checked by the analysis driver.
     jobs: list[dict[str, Any]] = []
 
@@ -571,6 +583,27 @@ def validate(data: Mapping[str, Any], source: str = "") -> Config:
     return cfg
 
 
+def _check_browser_lists(browsers: BrowsersConfig) -> None:
+    for origin in browsers.allowed_origins:
+        if origin != ANY:
+            try:
+                parse_origin(origin)
+            except ValueError:
+                raise ConfigError(
+                    f"browsers.allowed_origins: {origin!r} is not an origin "
+                    "(scheme://host[:port], e.g. 'https://dash.example.com', or '*')"
+                ) from None
+    for host in browsers.allowed_hosts:
+        if host != ANY:
+            try:
+                host_name(host)
+            except ValueError:
+                raise ConfigError(
+                    f"browsers.allowed_hosts: {host!r} is not a host name or an IP address "
+                    "(no scheme, no port; or '*')"
+                ) from None
+
+
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
     for name, stream in cfg.streams.items():
@@ -581,6 +614,7 @@ def _check_cross_keys(cfg: Config) -> None:
             compile_filter(sql)
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
+    _check_browser_lists(cfg.browsers)
     for role in ("collector", "logger", "bridge", "gateway"):
         auto = getattr(cfg.roles, role).autoscaling
         if auto is not None:

@@ -93,6 +93,7 @@ async def orders(stack: dict[str, Any], nats_server: NatsServer) -> list[dict[st
 
 async def post(url: str, body: Any, token: str | None = ALICE) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers["Content-Type"] = "application/json"
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with (
         aiohttp.ClientSession() as s,

@@ -3,7 +3,9 @@
 Tokens are `auth.consumer_tokens` (empty: auth off), sent as `Authorization: Bearer
 <token>` or `?token=`, compared in constant time. `auth.consumer_streams` may restrict a
 token to some stream patterns (403 otherwise). The gateway's own buckets (cursors,
-webhooks) and the stream pattern's buffer are never served (403). What a token makes
+webhooks, leases: `internal_buckets`, under whatever names they are configured) are never
+served (403), whatever `internal_streams` says; that list (by default also the stream
+pattern's buffer) only adds to them. What a token makes
 (cursors, webhooks) is owned by its identity (cursors.owner_of), not by the client ids it
 chooses. Pure: no I/O.
 """
@@ -16,10 +18,29 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from aiohttp import web
 
+from actors.access.cursors import BUCKET as CURSOR_BUCKET
 from actors.access.cursors import owner_of
+from actors.access.messages import KV_PREFIX
 from actors.access.protocol import Problem, StreamRef
+from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
+from runtime.config import GatewayOptions
+from runtime.lease import LEASE_BUCKET
 
-__all__ = ["Access", "request_token"]
+__all__ = ["Access", "internal_buckets", "request_token"]
+
+
+def internal_buckets(options: GatewayOptions) -> frozenset[str]:
+    """The JetStream names of the buckets that hold cursors, webhook secrets and leases:
+    under their configured names and their default ones (a bucket left behind by a
+    rename still holds what it held)."""
+    buckets = {
+        options.cursor_bucket,
+        CURSOR_BUCKET,
+        options.webhooks.bucket,
+        WEBHOOK_BUCKET,
+        LEASE_BUCKET,
+    }
+    return frozenset(KV_PREFIX + b for b in buckets if b)
 
 
 class Access:

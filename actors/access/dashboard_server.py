@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-__all__ = ["DASHBOARD_DIR", "dashboard_routes"]
+__all__ = ["DASHBOARD_DIR", "dashboard_page", "dashboard_routes"]
 
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
 # 'self' covers same-origin ws:// and wss:// in current browsers; listed anyway for older ones.
@@ -60,6 +60,11 @@ async def _static(request: web.Request) -> web.FileResponse:
     if path is None:
         raise web.HTTPNotFound()
     return _file(path)
+
+
+def dashboard_page(path: str) -> bool:
+    """The paths a link from another site may open: the page and its files, no data."""
+    return path == "/" or path.startswith("/static/")
 
 
 def dashboard_routes(app: web.Application) -> None:

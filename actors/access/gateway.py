@@ -15,7 +15,10 @@ protocol in docs/contracts.md. Where each part lives:
   a bounded lag per client and the stream's policy past it (`drop_oldest` or 4408);
 - `messages.py`, `reader.py`: a stream message as clients are sent it, read from JetStream;
 - `cursors.py`: server-side resume points; `webhooks.py`: signed, retried callbacks;
-- `dashboard_server.py`: the live dashboard's page at `/`.
+- `dashboard_server.py`: the live dashboard's page at `/`;
+- `runtime/browsers.py`: which browser requests are served at all (`Host` one of this
+  server's names, `Origin` its own or an allowed one, bodies declared `application/json`),
+  checked by one middleware in front of every route but `/healthz`.
 
 This module is the actor: its lifecycle, the control plane (endpoints, stats, shutdown)
 and the HTTP app with its routes table. Replicas share a port with SO_REUSEPORT; a
@@ -44,13 +47,14 @@ from aiohttp import web
 
 from actors.access.auth import request_token
 from actors.access.compacted import CompactedRoutes
-from actors.access.dashboard_server import dashboard_routes
+from actors.access.dashboard_server import dashboard_page, dashboard_routes
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, refusal, reply
 from actors.access.rest import RestRoutes
 from actors.access.sql import SqlRoutes
 from actors.access.sse import SseRoutes
 from actors.access.websocket import WebSocketRoutes
+from runtime.browsers import BrowserGuard, cors_headers
 from runtime.config import Config, GatewayOptions, validate
 from runtime.loop_thread import LoopThread
 from runtime.ray_supervisor import SupervisedActor
@@ -62,6 +66,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Gateway"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# served to anyone whatever Host or Origin it names: it returns no data (health probes
+# reach a replica by its pod or node address)
+BROWSER_EXEMPT = ("/healthz",)
+_CORS_ORIGIN = "tierflow.cors_origin"
 
 
 class Gateway(SupervisedActor):
@@ -98,6 +106,14 @@ class Gateway(SupervisedActor):
             nats_url=nats_url,
             named_filters=named_filters,
             token_streams=token_streams,
+        )
+        self.guard = BrowserGuard.build(
+            scheme=http_scheme(self.cfg),
+            bind_host=host,
+            allowed_hosts=self.cfg.browsers.allowed_hosts,
+            allowed_origins=self.cfg.browsers.allowed_origins,
+            exempt=BROWSER_EXEMPT,
+            pages=dashboard_page,
         )
         self._loop_thread = LoopThread(f"{name}-dataplane")
         self._loop_thread.start(self._serve, start_timeout_s)
@@ -157,13 +173,16 @@ class Gateway(SupervisedActor):
 
     async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
         await self.plane.start()
-        app = web.Application(client_max_size=1 << 20, middlewares=[_errors])
+        app = web.Application(
+            client_max_size=1 << 20, middlewares=[browsers(self.guard, self.plane), _errors]
+        )
         for method, path, handler in self.routes():
             if method == "GET":
                 app.router.add_get(path, handler)  # answers HEAD too
             else:
                 app.router.add_route(method, path, handler)
         dashboard_routes(app)
+        app.on_response_prepare.append(_cors)
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -208,12 +227,44 @@ class Gateway(SupervisedActor):
         return reply(200, {"ok": True, "name": self.name, "instance": self.instance})
 
     async def http_stats(self, request: web.Request) -> web.Response:
+        """The replica's figures as this token may see them (plane.visible_stats)."""
+        token = request_token(request)
         try:
-            self.plane.access.authenticate(request_token(request))
+            self.plane.access.authenticate(token)
         except Problem as p:
             self.plane.count(p)
             return refusal(p)
-        return reply(200, await self._stats())
+        head = {"name": self.name, "instance": self.instance, "pid": self.pid, "port": self.port}
+        return reply(200, {**head, **self.plane.visible_stats(token)})
+
+
+def browsers(guard: BrowserGuard, plane: DataPlane) -> Any:
+    """Every route behind runtime/browsers.py's rules (Host, Origin, JSON bodies), before
+    its handler runs: a refused WebSocket is never upgraded, a refused query never read."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        local_ip = sock[0] if isinstance(sock, tuple) and sock else None
+        refused = guard.check(request.method, request.path, request.headers, local_ip)
+        if refused is not None:
+            plane.counters["refused_browser"] += 1
+            return reply(refused.status, {"error": refused.reason})
+        origin = request.headers.get("Origin")
+        if origin is not None and request.path not in BROWSER_EXEMPT:
+            if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+                return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+            request[_CORS_ORIGIN] = origin  # answered with CORS headers (_cors below)
+        return await handler(request)
+
+    return check
+
+
+async def _cors(request: web.Request, response: web.StreamResponse) -> None:
+    """An allowed page reads its answer, a stream's (SSE) too: set before it is sent."""
+    origin = request.get(_CORS_ORIGIN)
+    if origin is not None:
+        response.headers.update(cors_headers(origin))
 
 
 @web.middleware

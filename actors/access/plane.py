@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from nats.js.errors import NotFoundError
 
-from actors.access.auth import Access
+from actors.access.auth import Access, internal_buckets
 from actors.access.cursors import CursorRecord, CursorStore, FlushPolicy
 from actors.access.fanout import Hub, LagPolicy, Subscriber
 from actors.access.messages import StreamMessage
@@ -33,7 +33,7 @@ from actors.access.protocol import (
     stream_ref,
 )
 from actors.access.reader import jetstream_opener
-from actors.access.webhooks import Webhooks
+from actors.access.webhooks import Registration, Webhooks
 from runtime.clock import now_ms
 from runtime.config import Config, GatewayOptions, Overflow
 from runtime.query import Filter, compile_filter, compile_named
@@ -71,7 +71,11 @@ class DataPlane:
         self.instance = instance
         self.nats_url = nats_url
         self.named = compile_named(dict(named_filters or {}))
-        self.access = Access(cfg.auth.consumer_tokens, token_streams, options.internal_streams)
+        self.access = Access(
+            cfg.auth.consumer_tokens,
+            token_streams,
+            {*options.internal_streams, *internal_buckets(options)},
+        )
         self.counters: dict[str, int] = {
             "ws_connections": 0,
             "sse_connections": 0,
@@ -87,6 +91,7 @@ class DataPlane:
             "bad_requests": 0,
             "not_found": 0,
             "malformed": 0,
+            "refused_browser": 0,  # runtime/browsers.py: another Host, Origin or body type
         }
         self.open = {"ws": 0, "sse": 0, "subscriptions": 0}
         # how to end each open client at shutdown (WebSocket: 1001; SSE: end the response)
@@ -157,6 +162,34 @@ class DataPlane:
             "cursors": self.cursors.stats(),
             "webhooks": self.webhooks.stats(),
         }
+
+    def visible_stats(self, token: str | None) -> dict[str, Any]:
+        """`stats()` as a token may see it over HTTP: the feeds of streams it may read and
+        the webhooks it owns; other tokens' webhook ids are never shown, only counted."""
+        out = self.stats()
+        out["feeds"] = {
+            name: feed for name, feed in out["feeds"].items() if self._may_read(token, name)
+        }
+        hooks = dict(out["webhooks"])
+        regs = self.webhooks.registrations
+        hooks["holding"] = [
+            wid for wid in hooks["holding"] if wid in regs and self.owns(token, regs[wid])
+        ]
+        out["webhooks"] = hooks
+        return out
+
+    def owns(self, token: str | None, reg: Registration) -> bool:
+        """A webhook is seen and deleted only by the token that registered it (one made
+        before owners existed: by any token that may read its stream)."""
+        if reg.owner and reg.owner != self.access.owner(token):
+            return False
+        return self._may_read(token, reg.stream)
+
+    def _may_read(self, token: str | None, name: str) -> bool:
+        try:
+            return self.access.may_read(token, stream_ref(name))
+        except Problem:
+            return False
 
     # ------------------------------------------------------------------ request steps
 

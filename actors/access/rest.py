@@ -310,15 +310,7 @@ class RestRoutes:
         return reply(201, {**reg.public(), "secret": reg.secret})
 
     def _owns(self, token: str | None, reg: Registration) -> bool:
-        """A webhook is seen and deleted only by the token that registered it (one made
-        before owners existed: by any token that may read its stream)."""
-        access = self.plane.access
-        if reg.owner and reg.owner != access.owner(token):
-            return False
-        try:
-            return access.may_read(token, stream_ref(reg.stream))
-        except Problem:
-            return False
+        return self.plane.owns(token, reg)
 
     async def _own_webhook(self, request: web.Request) -> tuple[str, Registration]:
         """The webhook named in the path if this token owns it; else 404 (not 403: another

@@ -24,7 +24,10 @@ The stream pattern (the collector as client of a source) lives in
 Every refusal names its reason: 403 for a system stream (`results`, `deadletter`: only the
 runtime writes them), 413 for an event JetStream could never take (the server's
 `max_payload` less the headers, see `_fit`), 503 with the assigned `ids` (and `token`)
-when nothing was acknowledged, so the producer resends exactly those ids.
+when nothing was acknowledged, so the producer resends exactly those ids. A browser's
+request from another site's page is refused before anything is read: 421 for a host name
+this server does not answer to (DNS rebinding), 403 for another origin (runtime/browsers.py,
+`[browsers]` in the config).
 
 The HTTP/UDP/NATS data plane runs on a `LoopThread` started in `__init__`, so a
 replica Ray restarts serves again by itself.
@@ -55,6 +58,7 @@ from actors.collection.group_commit import (
 )
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
+from runtime.browsers import BrowserGuard
 from runtime.clock import now_ms
 from runtime.compaction import CompactingLogic, stream_logic
 from runtime.config import Config, system_streams, validate
@@ -211,6 +215,7 @@ class Collector(SupervisedActor):
             "fenced": 0,
             "too_big": 0,
             "errors": 0,
+            "refused_browser": 0,
         }
         self._commit_policy = commit or GroupCommitPolicy(
             max_events=2048, max_bytes=4 << 20, max_delay_ms=2.0
@@ -228,6 +233,15 @@ class Collector(SupervisedActor):
         self._rr = 0
         self._refreshing: asyncio.Future[Any] | None = None
         self._nc: Any = None  # NATS: ingest, and the server's max_payload
+        # runtime/browsers.py: another site's page may not produce (a WebSocket needs no
+        # CORS); bodies are checked by type in parsing.py (415 for all but JSON/NDJSON)
+        self.guard = BrowserGuard.build(
+            scheme=http_scheme(self.cfg),
+            bind_host=host,
+            allowed_hosts=self.cfg.browsers.allowed_hosts,
+            allowed_origins=self.cfg.browsers.allowed_origins,
+            json_types=None,
+        )
         self._dataplane = LoopThread(f"{name}-dataplane")
         self._dataplane.start(self._serve, start_timeout_s)
 
@@ -293,7 +307,7 @@ class Collector(SupervisedActor):
         self._background: set[asyncio.Task[Any]] = set()
         app = web.Application(
             client_max_size=self.max_body_bytes,
-            middlewares=[self._count_requests, self._authenticate],
+            middlewares=[self._browsers, self._count_requests, self._authenticate],
         )
         app.router.add_post("/v1/streams/{stream}/events", self.post_events)
         app.router.add_post("/v1/streams/{stream}/fire", self.post_fire)
@@ -448,6 +462,18 @@ class Collector(SupervisedActor):
         if status is None:
             return _error(404, "unknown or expired token")
         return _reply(200, status)
+
+    @web.middleware
+    async def _browsers(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Host and Origin (runtime/browsers.py) before anything else: a refused WebSocket
+        is never upgraded."""
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        local_ip = sock[0] if isinstance(sock, tuple) and sock else None
+        refused = self.guard.check(request.method, request.path, request.headers, local_ip)
+        if refused is None:
+            return await handler(request)
+        self.counters["refused_browser"] += 1
+        return _error(refused.status, refused.reason)
 
     @web.middleware
     async def _count_requests(self, request: web.Request, handler: Any) -> web.StreamResponse:
