@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -26,6 +26,7 @@ MSG_ID = "Nats-Msg-Id"
 Record = tuple[str, str]  # (Nats-Msg-Id, payload_digest) of one stored message
 
 _sorted = msgspec.json.Encoder(order="sorted")
+T = TypeVar("T")
 
 
 def payload_digest(payload: bytes | Mapping[str, Any]) -> str:
@@ -73,17 +74,28 @@ async def stream_records(
     from nats.js.errors import ServiceUnavailableError
 
     js = nc.jetstream()
-    info = await js.stream_info(stream)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    async def settled(call: Callable[[], Awaitable[T]]) -> T:
+        """`call`, again while it answers 503: right after a partition heals or a node
+        returns, the stream's group may still be electing its leader."""
+        while True:
+            try:
+                return await call()
+            except ServiceUnavailableError:
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    info = await settled(lambda: js.stream_info(stream))
     last = info.state.last_seq
     found: list[Record] = []
     if info.state.messages == 0:
         return found
-    sub = await js.pull_subscribe(
-        subject or ">", stream=stream, config=_ordered_from(info.state.first_seq)
-    )
+    config = _ordered_from(info.state.first_seq)
+    sub = await settled(lambda: js.pull_subscribe(subject or ">", stream=stream, config=config))
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         seq = 0
         while seq < last:
             if loop.time() > deadline:

@@ -196,6 +196,9 @@ class NatsServer:
     # appended verbatim (e.g. `leafnodes { ... }`)
     js_domain: str | None = None
     extra_conf: list[str] = field(default_factory=list)
+    # the argv the server runs under, e.g. `ip netns exec <ns>`: a host of its own
+    # (cluster/lab); that prefix execs the server, so the pid is the server's
+    exec_prefix: list[str] = field(default_factory=list)
     _proc: subprocess.Popen[bytes] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -348,7 +351,7 @@ class NatsServer:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [binary, "-c", str(self.config_path)],
+                [*self.exec_prefix, binary, "-c", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,149 @@
+"""Engines on a lab's hosts, started as on real machines: one NATS JetStream node and one
+Ray node per host, each bound to its host's address.
+
+NATS: a cluster of every host (full routes, streams R3 where there are three hosts), ports
+fixed (each host has its own port space, as a machine has). Ray: the head on the first
+host, workers on the others (`ray start --node-ip-address <host>`, token auth, a temp dir
+per host), each kept in the foreground (`--block`) so its pid is the lab's; the daemons it
+forks stay in the host's namespace, where `Lab.down` finds them. Never `ray stop`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.lab.hosts import Lab, LabError
+from runtime.nats import NatsServer
+
+__all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_env"]
+
+NATS_PORT, NATS_MONITOR_PORT, NATS_ROUTE_PORT = 4222, 8222, 6222
+RAY_PORT, RAY_DASHBOARD_PORT = 6379, 8265
+BIN = Path(sys.executable).parent
+
+
+def lab_nats(lab: Lab, base_dir: Path, *, sync_interval: str = "always") -> list[NatsServer]:
+    """One nats-server per host in one JetStream cluster (not started: `start()` each, then
+    wait for the cluster with `wait_healthy`)."""
+    hosts = lab.hosts()
+    routes = [f"nats-route://{lab.address(h)}:{NATS_ROUTE_PORT}" for h in hosts]
+    return [
+        NatsServer(
+            store_dir=base_dir / h,
+            host=lab.address(h),
+            port=NATS_PORT,
+            monitor_port=NATS_MONITOR_PORT,
+            sync_interval=sync_interval,
+            server_name=h,
+            cluster_name="lab" if len(hosts) > 1 else None,
+            cluster_port=NATS_ROUTE_PORT if len(hosts) > 1 else 0,
+            routes=[r for r, other in zip(routes, hosts, strict=True) if other != h],
+            exec_prefix=lab.plan.exec_prefix(h),
+        )
+        for h in hosts
+    ]
+
+
+def ray_env() -> dict[str, str]:
+    """The environment of Ray's CLI and of drivers on the laptop: this venv first on PATH,
+    token auth (Ray 2.60's default for a new head; the token file is shared, as the hosts
+    share this machine's file system)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_AUTH_MODE"] = "token"
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@dataclass
+class RayNodes:
+    """A Ray cluster over the lab: head on `lab.hosts()[0]`."""
+
+    lab: Lab
+    base_dir: Path
+    cpus_per_host: int = 1
+    temp_dirs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def head_host(self) -> str:
+        return self.lab.hosts()[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.lab.address(self.head_host)}:{RAY_PORT}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.lab.address(self.head_host)}:{RAY_DASHBOARD_PORT}"
+
+    def _temp_dir(self, host: str) -> Path:
+        # short: Ray's AF_UNIX socket paths under it must stay under 108 bytes
+        path = Path("/tmp") / f"tfl{self.lab.plan.lab_id}{host}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.temp_dirs[host] = path
+        return path
+
+    def start_head(self, timeout: float = 180.0) -> None:
+        host = self.head_host
+        addr = self.lab.address(host)
+        self.lab.spawn(
+            host,
+            [
+                str(BIN / "ray"),
+                "start",
+                "--head",
+                f"--node-ip-address={addr}",
+                f"--port={RAY_PORT}",
+                f"--dashboard-host={addr}",
+                f"--dashboard-port={RAY_DASHBOARD_PORT}",
+                f"--temp-dir={self._temp_dir(host)}",
+                f"--num-cpus={self.cpus_per_host}",
+                "--disable-usage-stats",
+                "--block",
+            ],
+            env=ray_env(),
+            log=self.base_dir / f"ray-{host}.log",
+        )
+        self._wait_dashboard(timeout)
+
+    def start_worker(self, host: str) -> None:
+        self.lab.spawn(
+            host,
+            [
+                str(BIN / "ray"),
+                "start",
+                f"--address={self.address}",
+                f"--node-ip-address={self.lab.address(host)}",
+                f"--temp-dir={self._temp_dir(host)}",
+                f"--num-cpus={self.cpus_per_host}",
+                "--disable-usage-stats",
+                "--block",
+            ],
+            env=ray_env(),
+            log=self.base_dir / f"ray-{host}.log",
+        )
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.start_head(timeout)
+        for host in self.lab.hosts()[1:]:
+            self.start_worker(host)
+
+    def _wait_dashboard(self, timeout: float) -> None:
+        """The head's dashboard answers (any HTTP status: with token auth an anonymous
+        request gets 401, which is an answer)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2):
+                    return
+            except urllib.error.HTTPError:
+                return
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.5)
+        raise LabError(f"the Ray head's dashboard {self.dashboard} did not answer in {timeout}s")
