@@ -53,7 +53,7 @@ def known_events(
 
 
 async def drive(
-    url: str,
+    url: str | Sequence[str],
     stream: str,
     events: Sequence[dict[str, Any]],
     *,
@@ -64,8 +64,14 @@ async def drive(
     query: str = "",
     on_batch: Callable[[int], None] | None = None,
     until: asyncio.Event | None = None,
+    request_timeout_s: float = 30.0,
 ) -> LoadReport:
     """POST `events` in NDJSON batches with `concurrency` requests in flight.
+
+    `url` is one collector or a list of them (one per host): requests in flight start
+    spread over the list, and a request that is not answered (or answered 503) is resent,
+    with the same ids, to the next one. `request_timeout_s` bounds an unanswered request:
+    a host behind a partition answers nothing, it does not refuse.
 
     `rate` (events/s, 0 = as fast as answered) paces batch starts from a fixed schedule.
     A refused batch is retried with the same ids (short backoff) until `deadline_s`.
@@ -79,11 +85,13 @@ async def drive(
         queue.put_nowait(item)
     start = time.monotonic()
     stop_at = start + deadline_s
-    target = f"{url}/v1/streams/{stream}/events{('?' + query) if query else ''}"
+    urls = [url] if isinstance(url, str) else list(url)
+    suffix = f"/v1/streams/{stream}/events{('?' + query) if query else ''}"
+    targets = [f"{u}{suffix}" for u in urls]
     headers = {"Content-Type": "application/x-ndjson"}
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(session: aiohttp.ClientSession, at: int) -> None:
         while not queue.empty() and time.monotonic() < stop_at:
             if until is not None and until.is_set():
                 return
@@ -98,6 +106,7 @@ async def drive(
             while time.monotonic() < stop_at:
                 t0 = time.monotonic()
                 try:
+                    target = targets[at % len(targets)]
                     async with session.post(target, data=body, headers=headers) as resp:
                         payload = await resp.read()
                         status = resp.status
@@ -114,13 +123,14 @@ async def drive(
                 if status == 503 or status == 0:
                     report.refused += status == 503
                     attempt += 1
+                    at += 1  # the next collector, when there are several
                     await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
                     continue
                 report.rejected[status] = report.rejected.get(status, 0) + 1
                 break
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(session, i) for i in range(concurrency)))
     report.elapsed_s = time.monotonic() - start
     return report
 

@@ -38,6 +38,7 @@ from cluster.deploy.deployer import (
 )
 from cluster.deploy.logger import logger_role
 from cluster.deploy.stream_ingest import ingest_role
+from runtime.binding import url_host
 from runtime.config import Config
 from runtime.nats import free_port
 from runtime.placement import actor_nodes, next_index
@@ -48,6 +49,9 @@ from runtime.waiting import wait_until
 log = logging.getLogger(__name__)
 
 __all__ = ["SUPERVISOR", "CollectionTier", "start_collection_tier"]
+
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass
@@ -69,8 +73,25 @@ class CollectionTier:
 
     @property
     def url(self) -> str:
-        """The collectors' base URL as clients reach it (https when `[tls]` is on)."""
-        return f"{http_scheme(self.cfg)}://127.0.0.1:{self.collector_port}"
+        """The collectors' base URL as clients reach it (https when `[tls]` is on): loopback,
+        or with `roles.collector.host` set, the first collector's advertised address."""
+        host = self.cfg.roles.collector.host
+        if host in LOOPBACK:
+            return f"{http_scheme(self.cfg)}://{url_host(host)}:{self.collector_port}"
+        return self.urls()[0]
+
+    def urls(self, timeout_s: float = 30.0) -> list[str]:
+        """Every distinct address the collectors serve at (one per host they run on): a
+        producer's list to move along when one stops answering."""
+        import ray
+
+        found: list[str] = []
+        for name in self.collectors:
+            handle = ray.get_actor(name, namespace=self.cfg.ray.namespace)
+            url = str(ray.get(handle.endpoints.remote(), timeout=timeout_s)["url"])
+            if url not in found:
+                found.append(url)
+        return found
 
     def child(self, role: str, i: int, *, replay: bool | None = None) -> ChildSpec:
         """The child spec of replica `i` of a role, wired to the tier as it is now (the

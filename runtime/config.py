@@ -24,6 +24,7 @@ import msgspec
 
 from runtime.autoscaling import AutoscalingConfig
 from runtime.autoscaling import validate as validate_autoscaling
+from runtime.binding import check_host
 from runtime.browsers import ANY, host_name, parse_origin
 from runtime.class_archive import CACHE_ENV
 from runtime.compaction import CompactConfig
@@ -156,6 +157,8 @@ class RoleConfig(_Strict):
     replicas: Positive = 1
     k: NonNeg = 0
     port: Port = 0
+    # where its server listens (collector, gateway): runtime/binding.py; "node" on a cluster
+    host: str = "127.0.0.1"
     # `[roles.<role>.autoscaling]`: absent means the role keeps `replicas` until scaled
     autoscaling: AutoscalingConfig | None = None
 
@@ -615,6 +618,10 @@ def _check_cross_keys(cfg: Config) -> None:
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
+    for role in ("collector", "gateway"):
+        why = check_host(getattr(cfg.roles, role).host)
+        if why is not None:
+            raise ConfigError(f"roles.{role}.host: {why}")
     for role in ("collector", "logger", "bridge", "gateway"):
         auto = getattr(cfg.roles, role).autoscaling
         if auto is not None:

@@ -99,6 +99,11 @@ _MAX_ESCALATIONS = 100  # received escalations kept for status()
 _NOT_HUNG_STATES = frozenset({"RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "DEAD"})
 
 
+def node_ip() -> str:
+    """The address of the Ray node this process runs on (what other hosts reach it by)."""
+    return str(ray.util.get_node_ip_address())
+
+
 def supervised_options(
     name: str, namespace: str = DEFAULT_NAMESPACE, **extra: Any
 ) -> dict[str, Any]:

@@ -54,10 +54,11 @@ from actors.access.rest import RestRoutes
 from actors.access.sql import SqlRoutes
 from actors.access.sse import SseRoutes
 from actors.access.websocket import WebSocketRoutes
+from runtime.binding import resolve, url_host
 from runtime.browsers import BrowserGuard, cors_headers
 from runtime.config import Config, GatewayOptions, validate
 from runtime.loop_thread import LoopThread
-from runtime.ray_supervisor import SupervisedActor
+from runtime.ray_supervisor import SupervisedActor, node_ip
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.tls import http_scheme, server_ssl_context
 
@@ -85,7 +86,7 @@ class Gateway(SupervisedActor):
         name: str,
         config: dict[str, Any],
         nats_url: str,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int | None = None,
         named_filters: Mapping[str, str] | None = None,
         token_streams: Mapping[str, Sequence[str]] | None = None,
@@ -94,7 +95,9 @@ class Gateway(SupervisedActor):
     ) -> None:
         super().__init__(state_dir, name=name)
         self.cfg: Config = validate(config)
-        self.host = host
+        # the config's `roles.gateway.host` unless given (runtime/binding.py)
+        self.binding = resolve(self.cfg.roles.gateway.host if host is None else host, node_ip)
+        self.host = self.binding.bind
         self.port = self.cfg.roles.gateway.port if port is None else port
         self.options = self.cfg.gateway.options if options is None else options
         self.instance = f"{name}:{self.incarnation[:8]}"
@@ -109,7 +112,7 @@ class Gateway(SupervisedActor):
         )
         self.guard = BrowserGuard.build(
             scheme=http_scheme(self.cfg),
-            bind_host=host,
+            bind_host=self.host,
             allowed_hosts=self.cfg.browsers.allowed_hosts,
             allowed_origins=self.cfg.browsers.allowed_origins,
             exempt=BROWSER_EXEMPT,
@@ -124,8 +127,12 @@ class Gateway(SupervisedActor):
     # ------------------------------------------------------------------ control plane
 
     def endpoints(self) -> dict[str, Any]:
-        url = f"{http_scheme(self.cfg)}://{self.host}:{self.port}"
-        return {"host": self.host, "port": self.port, "url": url}
+        host = self.binding.advertise
+        return {
+            "host": host,
+            "port": self.port,
+            "url": f"{http_scheme(self.cfg)}://{url_host(host)}:{self.port}",
+        }
 
     def stats(self) -> dict[str, Any]:
         return self._loop_thread.call(self._stats()).result(10)

@@ -58,6 +58,7 @@ from actors.collection.group_commit import (
 )
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
+from runtime.binding import resolve, url_host
 from runtime.browsers import BrowserGuard
 from runtime.clock import now_ms
 from runtime.compaction import CompactingLogic, stream_logic
@@ -67,7 +68,7 @@ from runtime.inline import inline_parts
 from runtime.logic import StreamLogic
 from runtime.loop_thread import LoopThread
 from runtime.publisher import MSG_ID_HEADER, header_bytes
-from runtime.ray_supervisor import SupervisedActor
+from runtime.ray_supervisor import SupervisedActor, node_ip
 from runtime.replication import FencedError
 from runtime.services import connect_nats
 from runtime.tls import http_scheme, server_ssl_context
@@ -162,7 +163,7 @@ class Collector(SupervisedActor):
         logger: LoggerGroup,
         bridges: Sequence[str],
         nats_url: str,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int = 8000,
         udp_port: int = 0,
         nats_ingest: bool = True,
@@ -186,7 +187,9 @@ class Collector(SupervisedActor):
         self.bridge_names = list(bridges)
         self.namespace = namespace
         self.nats_url = nats_url
-        self.host, self.port, self.udp_port = host, port, udp_port
+        # the config's `roles.collector.host` unless given (runtime/binding.py)
+        self.binding = resolve(self.cfg.roles.collector.host if host is None else host, node_ip)
+        self.host, self.port, self.udp_port = self.binding.bind, port, udp_port
         self.nats_ingest = nats_ingest
         self.max_body_bytes = max_body_bytes
         # a connection idle (or still sending its request head) this long is closed;
@@ -237,7 +240,7 @@ class Collector(SupervisedActor):
         # CORS); bodies are checked by type in parsing.py (415 for all but JSON/NDJSON)
         self.guard = BrowserGuard.build(
             scheme=http_scheme(self.cfg),
-            bind_host=host,
+            bind_host=self.host,
             allowed_hosts=self.cfg.browsers.allowed_hosts,
             allowed_origins=self.cfg.browsers.allowed_origins,
             json_types=None,
@@ -273,10 +276,10 @@ class Collector(SupervisedActor):
 
     def endpoints(self) -> dict[str, Any]:
         return {
-            "host": self.host,
+            "host": self.binding.advertise,
             "port": self.port,
             "udp_port": self.udp_port,
-            "url": f"{http_scheme(self.cfg)}://{self.host}:{self.port}",
+            "url": f"{http_scheme(self.cfg)}://{url_host(self.binding.advertise)}:{self.port}",
         }
 
     def stats(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@
 - `jobs`: ``jobs list|start|stop``: analysis jobs in the Spark driver actor.
 - `chaos`: ``chaos list|run``: the fault-injection suite.
 - `history`: ``sql``, ``archive status``: the streams' archive and ad-hoc SQL.
+- `lab`: ``lab up|status|down``: a multi-host lab of network namespaces.
 
 `common` holds what they share. Tables go through `cluster.tables`: 80 columns by
 default, every column with ``--wide``, the rows with ``--json``. Commands that need Ray
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import typer
 
-from cluster.cli import chaos, history, jobs, lifecycle, machine, sites, status, stores
+from cluster.cli import chaos, history, jobs, lab, lifecycle, machine, sites, status, stores
 
 app = typer.Typer(
     help="tierflow: a streaming data pipeline runtime on Ray, NATS and Spark.", no_args_is_help=True
@@ -38,6 +39,7 @@ app.add_typer(stores.logger_app, name="logger")
 app.add_typer(jobs.jobs_app, name="jobs")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(history.archive_app, name="archive")
+app.add_typer(lab.app, name="lab")
 app.add_typer(sites.app, name="site")
 
 

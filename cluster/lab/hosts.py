@@ -28,7 +28,15 @@ import psutil
 
 from cluster.lab.plan import LabPlan, LabPlanError
 
-__all__ = ["RECORDS", "Lab", "LabError", "LabRecord", "lab_unavailable", "labs_on_record"]
+__all__ = [
+    "RECORDS",
+    "Lab",
+    "LabError",
+    "LabRecord",
+    "lab_on_record",
+    "lab_unavailable",
+    "labs_on_record",
+]
 
 RECORDS = Path(os.environ.get("TIERFLOW_LAB_RECORDS", "/run/tierflow-lab"))
 PREFIX_BASE = "10.213"  # labs take 10.213.<k>.0/24, k the first free
@@ -47,6 +55,10 @@ class LabRecord:
     pids: list[int] = field(default_factory=list)
 
     def owner_alive(self) -> bool:
+        """Whether the lab's owner still runs; a kept lab (owner 0: `tierflow lab up`) always
+        counts as owned until `lab down`."""
+        if self.owner_pid == 0:
+            return True
         try:
             p = psutil.Process(self.owner_pid)
             return abs(p.create_time() - self.owner_started) < 1.0
@@ -92,16 +104,20 @@ def namespace_pids(netns: str) -> list[int]:
 class Lab:
     """One lab; `Lab.up(hosts)` makes it, `down()` unmakes it (also as a context manager)."""
 
-    def __init__(self, plan: LabPlan, records: Path = RECORDS) -> None:
+    def __init__(self, plan: LabPlan, records: Path = RECORDS, *, keep: bool = False) -> None:
         self.plan = plan
         self.records = records
+        self.keep = keep
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     # ---- making and unmaking --------------------------------------------------------------
 
     @classmethod
-    def up(cls, hosts: int, records: Path = RECORDS, lab_id: str | None = None) -> Lab:
-        """Clean up labs whose owners are gone, then make a new one on the first free /24."""
+    def up(
+        cls, hosts: int, records: Path = RECORDS, lab_id: str | None = None, *, keep: bool = False
+    ) -> Lab:
+        """Clean up labs whose owners are gone, then make a new one on the first free /24.
+        `keep`: the lab outlives this process (until `down`), as `tierflow lab up` makes it."""
         records.mkdir(parents=True, exist_ok=True)
         for stale in clean_stale(records):
             print(f"lab: cleaned up lab {stale} left by a run that is gone")
@@ -112,7 +128,7 @@ class Lab:
         if prefix is None:
             raise LabError("every 10.213.k.0/24 is taken by a running lab")
         plan = LabPlan(lab_id or secrets.token_hex(3)[:5], hosts, prefix)
-        lab = cls(plan, records)
+        lab = cls(plan, records, keep=keep)
         lab._write()  # before anything exists: a kill from here on is cleaned up later
         try:
             for cmd in plan.up_commands():
@@ -145,7 +161,8 @@ class Lab:
 
     def _write(self) -> None:
         me = psutil.Process()
-        rec = LabRecord(asdict(self.plan), me.pid, me.create_time(), sorted(self.procs))
+        owner, started = (0, 0.0) if self.keep else (me.pid, me.create_time())
+        rec = LabRecord(asdict(self.plan), owner, started, sorted(self.procs))
         tmp = self._record_path().with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(rec)))
         tmp.replace(self._record_path())
@@ -282,3 +299,11 @@ def clean_stale(records: Path = RECORDS) -> list[str]:
         (records / f"{lab_id}.json").unlink(missing_ok=True)
         cleaned.append(lab_id)
     return cleaned
+
+
+def lab_on_record(lab_id: str, records: Path = RECORDS) -> Lab:
+    """The lab `lab_id` as its record describes it (to stop, inspect or fault it)."""
+    rec = labs_on_record(records).get(lab_id)
+    if rec is None:
+        raise LabError(f"no lab {lab_id!r} on record in {records}")
+    return Lab(LabPlan(**rec.plan), records, keep=rec.owner_pid == 0)  # type: ignore[arg-type]

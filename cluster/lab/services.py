@@ -25,6 +25,19 @@ __all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_env"]
 
 NATS_PORT, NATS_MONITOR_PORT, NATS_ROUTE_PORT = 4222, 8222, 6222
 RAY_PORT, RAY_DASHBOARD_PORT = 6379, 8265
+# every port of a Ray node fixed (each host has its own port space, as a machine has): a
+# node told its agents' ports does not wait for them to write port files, which a loaded
+# machine lets time out ("Timed out waiting for file ... metrics_agent_port")
+RAY_NODE_PORTS = (
+    "--node-manager-port=6380",
+    "--object-manager-port=6381",
+    "--dashboard-agent-grpc-port=6382",
+    "--dashboard-agent-listen-port=6383",
+    "--metrics-export-port=6384",
+    "--runtime-env-agent-port=6385",
+    "--min-worker-port=11000",
+    "--max-worker-port=11999",
+)
 BIN = Path(sys.executable).parent
 
 
@@ -104,6 +117,7 @@ class RayNodes:
                 f"--dashboard-port={RAY_DASHBOARD_PORT}",
                 f"--temp-dir={self._temp_dir(host)}",
                 f"--num-cpus={self.cpus_per_host}",
+                *RAY_NODE_PORTS,
                 "--disable-usage-stats",
                 "--block",
             ],
@@ -122,6 +136,7 @@ class RayNodes:
                 f"--node-ip-address={self.lab.address(host)}",
                 f"--temp-dir={self._temp_dir(host)}",
                 f"--num-cpus={self.cpus_per_host}",
+                *RAY_NODE_PORTS,
                 "--disable-usage-stats",
                 "--block",
             ],

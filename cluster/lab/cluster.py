@@ -1,0 +1,188 @@
+"""tierflow on a lab, as a user runs it on a cluster: NATS and Ray nodes on every host, the
+pipeline submitted from the laptop with `ray job submit`, its endpoints asked of Ray.
+
+`LabCluster` owns the engines it starts; the job's actors live in the hosts' Ray nodes and
+end with them (`Lab.down` stops every process inside the hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.lab.hosts import Lab, LabError
+from cluster.lab.services import BIN, RayNodes, lab_nats, ray_env
+from runtime.nats import NatsServer
+
+__all__ = ["LabCluster", "REPO"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class LabCluster:
+    lab: Lab
+    work: Path
+    namespace: str = field(default_factory=lambda: f"lab-{uuid.uuid4().hex[:6]}")
+    nats: list[NatsServer] = field(default_factory=list)
+    ray: RayNodes | None = None
+    job_id: str = ""
+
+    # ---- engines ------------------------------------------------------------------------------
+
+    def start_engines(self, timeout: float = 180.0) -> None:
+        self.nats = lab_nats(self.lab, self.work / "nats")
+        for server in self.nats:
+            server.start(timeout=60)
+        self.ray = RayNodes(self.lab, self.work)
+        self.ray.start(timeout)
+        self.wait_ray_nodes(len(self.lab.hosts()), timeout)
+
+    @property
+    def nats_url(self) -> str:
+        return ",".join(s.url for s in self.nats)
+
+    def nats_on(self, host: str) -> NatsServer:
+        return next(s for s in self.nats if s.server_name == host)
+
+    def ask_ray(self, code: str, timeout: float = 120.0) -> Any:
+        """Run `code` in a Ray driver on the laptop (a process of its own: this one may hold
+        another Ray); `code` sets `out`, returned as JSON."""
+        assert self.ray is not None
+        script = (
+            "import json, ray\n"
+            f"ray.init(address={self.ray.address!r}, namespace={self.namespace!r}, "
+            "log_to_driver=False)\n"
+            "out = None\n" + textwrap.dedent(code) + "\nprint('@@' + json.dumps(out))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=ray_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        marks = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+        if done.returncode != 0 or not marks:
+            raise LabError(f"Ray driver failed: {done.stderr[-2000:]}")
+        return json.loads(marks[-1][2:])
+
+    def wait_ray_nodes(self, n: int, timeout: float) -> list[str]:
+        """Until `n` Ray nodes are alive; their addresses."""
+        code = f"""
+        import time
+        deadline = time.time() + {timeout}
+        while time.time() < deadline:
+            out = sorted(x["NodeManagerAddress"] for x in ray.nodes() if x["Alive"])
+            if len(out) >= {n}:
+                break
+            time.sleep(0.5)
+        """
+        alive = list(self.ask_ray(code, timeout=timeout + 60))
+        if len(alive) < n:
+            raise LabError(f"only {len(alive)} of {n} Ray nodes alive: {alive}")
+        return alive
+
+    # ---- the pipeline as a Ray job --------------------------------------------------------------
+
+    def config(self, extra: str = "") -> Path:
+        """The job's tierflow.toml: every role on its node's address, NATS on every host."""
+        path = self.work / "tierflow.toml"
+        path.write_text(
+            f'state_dir = "{self.work / "state"}"\n'
+            f'[nats]\nurl = "{self.nats_url}"\n'
+            f'[ray]\nnamespace = "{self.namespace}"\n'
+            '[roles.collector]\nhost = "node"\nreplicas = 3\n'
+            '[roles.gateway]\nhost = "node"\nreplicas = 2\n'
+            '[spark]\nmaster = "local[1]"\n' + extra
+        )
+        return path
+
+    def submit(self, config: Path) -> str:
+        assert self.ray is not None
+        self.job_id = f"tierflow-lab-{uuid.uuid4().hex[:8]}"
+        done = self._ray_cli(
+            "job",
+            "submit",
+            "--address",
+            self.ray.dashboard,
+            "--submission-id",
+            self.job_id,
+            "--working-dir",
+            str(REPO),
+            "--no-wait",
+            "--",
+            "python",
+            "-m",
+            "cluster.demo",
+            "--config",
+            str(config),
+        )
+        if done.returncode != 0:
+            raise LabError(f"ray job submit: {done.stderr[-2000:]}")
+        return self.job_id
+
+    def job_logs(self) -> str:
+        assert self.ray is not None
+        done = self._ray_cli("job", "logs", "--address", self.ray.dashboard, self.job_id)
+        return (done.stdout + done.stderr)[-6000:]
+
+    def stop_job(self) -> None:
+        if self.ray is not None and self.job_id:
+            self._ray_cli("job", "stop", "--address", self.ray.dashboard, self.job_id)
+
+    def _ray_cli(self, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "ray"), *args],
+            env=ray_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def endpoints(self, names: Mapping[str, int], timeout: float = 300.0) -> dict[str, Any]:
+        """Each role's replicas' `endpoints()` (role -> replica count), once all answer."""
+        wanted = [f"{role}-{i}" for role, n in names.items() for i in range(n)]
+        code = f"""
+        import time
+        deadline = time.time() + {timeout}
+        while time.time() < deadline:
+            try:
+                out = {{n: ray.get(ray.get_actor(n).endpoints.remote(), timeout=10)
+                        for n in {wanted!r}}}
+                break
+            except Exception:
+                time.sleep(1)
+        """
+        found = self.ask_ray(code, timeout=timeout + 60)
+        if not found:
+            raise LabError(f"the pipeline's {wanted} did not answer in {timeout}s")
+        return dict(found)
+
+    def hosts_of(self, names: list[str]) -> dict[str, str]:
+        """The address of the node each named actor runs on."""
+        code = f"""
+        from ray.util.state import list_actors
+        nodes = {{x["NodeID"]: x["NodeManagerAddress"] for x in ray.nodes()}}
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)]
+        out = {{a.name: nodes.get(a.node_id, "?") for a in alive if a.name in {names!r}}}
+        """
+        return dict(self.ask_ray(code))
+
+    # ---- faults ---------------------------------------------------------------------------------
+
+    def restart_host(self, host: str) -> None:
+        """After a crash: the host's NATS node on its own store, its Ray node again."""
+        self.nats_on(host).restart(timeout=60)
+        assert self.ray is not None
+        if host == self.ray.head_host:
+            raise LabError("restarting the Ray head is not supported by the lab")
+        self.ray.start_worker(host)
