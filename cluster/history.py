@@ -12,10 +12,9 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.archive import archive_position, archive_query_name, queries_root
+from jobs.archive import archive_position, archive_query_name, owned_root, queries_root
 from jobs.copies import CopyError, acurrent_copy, current_copy, read_copy
 from jobs.sql import SqlResult, StreamTable, run_sql, tables_for
 from runtime import runstate
@@ -46,17 +45,23 @@ def sql_tables(cfg: Config) -> dict[str, StreamTable]:
     return tables_for(cfg, queries_root(cfg))
 
 
-def on_this_copy(tables: dict[str, StreamTable], nats: NatsEndpoint) -> dict[str, StreamTable]:
-    """`tables` with every archive whose positions are another copy's left out: its
-    sequences mean nothing on the copy `nats` reads (docs/geo.md), so such a table is the
-    copy's own retained events, as the driver's /v1/sql reads it."""
+def on_this_copy(
+    tables: dict[str, StreamTable], nats: NatsEndpoint, spark: SparkSession | None = None
+) -> dict[str, StreamTable]:
+    """`tables` with each archive read from the directory of the copy `nats` reads
+    (jobs/archive.py `owned_root`), and left out where its positions are another copy's or
+    its checkpoint does not own that directory: then the table is the copy's own retained
+    events, as the driver's /v1/sql reads it (docs/geo.md). `spark` reaches a remote
+    archive's owner record."""
     out = dict(tables)
     for name, t in tables.items():
         if t.archive_root is None or t.checkpoint_root is None:
             continue
-        recorded = read_copy(Path(t.checkpoint_root) / archive_query_name(name))
-        if recorded is not None and recorded != current_copy(nats, name):
+        root = owned_root(t.archive_root, name, t.checkpoint_root, current_copy(nats, name), spark)
+        if root is None:
             out[name] = dataclasses.replace(t, archive_root=None, checkpoint_root=None)
+        else:
+            out[name] = dataclasses.replace(t, archive_root=root)
     return out
 
 
@@ -75,12 +80,12 @@ def query(
     tables = sql_tables(cfg)
     check_select(text, tables)  # a refusal costs no Spark start
     nats = endpoint(cfg, "analysis", "tierflow-sql")
-    tables = on_this_copy(tables, nats)
     own = spark is None
     session = spark if spark is not None else spark_session(cfg, app_name="tierflow-sql")
     try:
         if own:
             register(session)
+        tables = on_this_copy(tables, nats, session)
         return run_sql(session, nats, text, tables, limit=limit, timeout_s=timeout_s)
     finally:
         if own:

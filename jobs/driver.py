@@ -15,7 +15,9 @@ query that died (backoff 1 s doubling to 30 s); when every query keeps dying
 (``spark.restart_after_failures`` times in a row) the fault is taken to be the driver's own,
 and it exits so that Ray restarts it in a new process (jobs/escalation.py). Ray methods
 only change the wanted set and read state, so heartbeats never wait behind Spark (the actor
-is threaded). Each stream with a job also gets a dead-letter scan (jobs/deadletter_scan.py,
+is threaded); ad-hoc SQL and recompute, which do run Spark jobs, have Ray concurrency groups
+of their own (jobs/sql_admission.py), so no query can occupy the threads `status`, `jobs`
+and the standby's role check answer on. Each stream with a job also gets a dead-letter scan (jobs/deadletter_scan.py,
 a reader without Spark, supervised like a query): malformed events go to
 ``deadletter.<stream>``, and its position and exact count are kept in the checkpoint.
 
@@ -61,6 +63,8 @@ from jobs.archive import (
     ArchiveSettings,
     archive_position,
     archive_query_name,
+    copy_root,
+    owned_root,
     purge_archive,
     queries_root,
     start_archive,
@@ -89,29 +93,43 @@ from jobs.copies import (
 from jobs.deadletter_scan import DeadLetterScan
 from jobs.errors import JobError
 from jobs.escalation import should_escalate
+from jobs.read_lease import HistoryGap
 from jobs.recompute import recompute as recompute_view
 from jobs.recompute import serve_view
-from jobs.retention import Purge, enforce
+from jobs.retention import Purge
+from jobs.retention_holds import trim as trim_stream
 from jobs.running import staggered, start_job
-from jobs.sink import BatchReport, close_sinks
+from jobs.sink import BatchReport, close_sinks, set_fence
+from jobs.spark_session import SQL_POOL
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
+from jobs.sql_admission import SqlAdmission, sql_slots
 from jobs.standby import (
+    EXIT_FENCED,
+    LEASE_TTL_S,
     WARM_UP_BATCHES,
     YIELD_MAX_S,
+    Take,
     end_old_jvm,
+    holder_info,
+    holder_running,
+    host_id,
+    lease_key,
     record_jvm,
     should_yield,
+    step_down,
     takeover,
+    takeover_action,
     try_take,
 )
 from runtime.clock import now_ms
 from runtime.config import Config, validate
+from runtime.lease import LeaseKeeper
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor, actor_state
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.services import spark_session
-from runtime.sql_check import SqlRefused
+from runtime.sql_check import SqlRefused, check_select
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -122,7 +140,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRIVER_NAME = ANALYSIS_DRIVER
-MAX_CONCURRENCY = 8
+MAX_CONCURRENCY = 8  # the control methods' threads (Ray's default concurrency group)
+# ad-hoc SQL and recomputes run on threads of their own (Ray concurrency groups, declared
+# where the actor is made: cluster/deploy/analysis.py), never on the control methods'
+SQL_GROUP, RECOMPUTE_GROUP = "sql", "recompute"
+RECOMPUTE_THREADS = 2
+_SQL_INIT = threading.Lock()
 DEFAULT_MASTER = "local[4]"
 RECONCILE_S = 1.0
 PARTS_KEPT = 100  # batches whose foreachBatch parts `progress` shows (Spark keeps 100)
@@ -305,7 +328,8 @@ class AnalysisDriver(SupervisedActor):
         jobs: the configured jobs (JobSpec mappings); each started unless `stop`ped.
         master: Spark master (default: see `default_master`).
         peer: the Ray name of the other driver of a warm pair (jobs/standby.py): this one
-            starts as a standby and runs the queries only once it holds the store's lock.
+            starts as a standby and runs the queries only once it holds the store's lock
+            and the pair's lease.
     """
 
     def __init__(
@@ -432,6 +456,7 @@ class AnalysisDriver(SupervisedActor):
             self._wake.wait(RECONCILE_S)
             self._wake.clear()
         self._stop_all()
+        self._release_lease()
 
     def _warm_up(self, abort: Callable[[], bool]) -> None:
         """Run the top-N plan for a few micro-batches over an in-memory Python source in
@@ -473,15 +498,15 @@ class AnalysisDriver(SupervisedActor):
             log.info("analysis driver %s: source warm-up read: %s", self.name, err)
 
     def _stand_by(self) -> None:
-        """Take the store now if it is free (the pair's first start, or a peer that is
-        gone): a driver that runs the queries at once does not warm up. Else warm up and
-        wait for it (`_take_over`)."""
+        """Take the store and the pair's lease now if both are free (the pair's first
+        start, or a peer that is gone): a driver that runs the queries at once does not
+        warm up. Else warm up and wait for them (`_take_over`)."""
         freed: list[CheckpointStore] = []
 
         def lock_freed() -> bool:
-            """The store is free (the queries cannot wait for a warm-up), or this driver is
-            shutting down."""
-            if not freed and (got := try_take(self.store_path, self._peer_active)):
+            """The store and the lease are this driver's now (the queries cannot wait for
+            a warm-up), or this driver is shutting down."""
+            if not freed and (got := try_take(self.store_path, self._lease_held_elsewhere)):
                 freed.append(got)
             return bool(freed) or self._closing.is_set()
 
@@ -495,17 +520,22 @@ class AnalysisDriver(SupervisedActor):
         self.state = "standby"
 
     def _take_over(self) -> bool:
-        """Wait, Spark up, until this driver holds the checkpoint store; then make sure the
-        previous holder's JVM is gone before any query starts (jobs/standby.py)."""
+        """Wait, Spark up, until this driver holds the checkpoint store and the pair's
+        lease; then make sure the previous holder's JVM is gone before any query starts
+        (jobs/standby.py)."""
         started = time.monotonic()
-        store = takeover(self.store_path, self._closing, self._peer_active)
+        store = takeover(self.store_path, self._closing, self._lease_held_elsewhere)
         if store is None:
+            self._release_lease()  # shut down while standing by: its connection only
             return False
         self._become_active(store, started, time.monotonic())
         return True
 
     def _become_active(self, store: CheckpointStore, started: float, locked: float) -> None:
-        """Hold `store` from now on; the previous holder's JVM is ended first."""
+        """Hold `store` from now on; the previous holder's JVM is ended first. The lease
+        taken with it guards every result sink of this process from here on."""
+        assert self._lease is not None and self._lease.epoch
+        set_fence(self._lease)
         jvm = end_old_jvm(self.store_path)
         self.adopt_store(store)
         self.role = "active"
@@ -514,8 +544,84 @@ class AnalysisDriver(SupervisedActor):
             "waited_s": round(locked - started, 3),
             "old_jvm": jvm,
             "fence_s": round(time.monotonic() - locked, 3),
+            "epoch": self._lease.epoch,
         }
         log.warning("analysis driver %s: took the queries over: %s", self.name, self.took_over)
+
+    # the pair's lease (jobs/standby.py): made by the first try, renewed once held
+    _lease: LeaseKeeper | None = None
+    _lease_seen: dict[str, Any] | None = None
+
+    def _keeper(self) -> LeaseKeeper:
+        if self._lease is None:
+            actor = ray.get_runtime_context().get_actor_name() or self.name
+            self._lease = LeaseKeeper(
+                lambda: self.nats.connect(name=f"analysis-lease-{self.name}"),
+                lease_key(self.name),
+                f"{actor}/{self.incarnation}",
+                ttl_s=LEASE_TTL_S,
+                info=holder_info(os.getpid()),
+            ).start()
+        return self._lease
+
+    def _lease_held_elsewhere(self) -> bool:
+        """Try to take the pair's lease (`takeover_action`); True while another driver
+        holds it or the bucket does not answer. Once taken, it is renewed from now on."""
+        try:
+            keeper = self._keeper()
+            seen = keeper.read()
+            here = host_id()
+            running = holder_running(seen.info, here) if seen is not None else None
+            action = takeover_action(seen, keeper.holder, here, running)
+            self._lease_seen = {
+                "at": time.time(),
+                "holder": seen.holder if seen else None,
+                "epoch": seen.epoch if seen else None,
+                "action": action.value,
+            }
+            if action is Take.WAIT:
+                return True
+            if action is Take.ACQUIRE or seen is None:
+                got = keeper.acquire()
+            else:  # its holder's process is gone: take it at the revision just read
+                got = keeper.take(seen.revision)
+        except Exception as err:  # NATS away: nobody can be shown to be gone, so wait
+            error = repr(err)[:300]
+            again = (self._lease_seen or {}).get("error") == error
+            log.log(
+                logging.DEBUG if again else logging.WARNING,
+                "analysis driver %s: the pair's lease: %s",
+                self.name,
+                error,
+            )
+            self._lease_seen = {"at": time.time(), "error": error}
+            return True
+        if got:
+            keeper.keep(self._fenced)
+            log.warning(
+                "analysis driver %s: holds the pair's lease %s, epoch %d (%s)",
+                self.name,
+                keeper.key,
+                keeper.epoch,
+                action.value,
+            )
+        return not got
+
+    def _fenced(self, why: str) -> None:
+        """The lease is lost for good: another driver may run the queries now. Every sink
+        refuses already (it is not fresh); end this process and its JVM at once, so no
+        query of this one runs on, and Ray restarts it as the standby."""
+        log.error("analysis driver %s: %s: stepping down (exit %d)", self.name, why, EXIT_FENCED)
+        gateway = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
+        proc = getattr(gateway, "proc", None)
+        step_down(proc.pid if proc is not None else None)
+
+    def _release_lease(self) -> None:
+        """The queries are stopped: give the lease up, so the standby need not wait."""
+        keeper, self._lease = self._lease, None
+        if keeper is not None:
+            set_fence(None)
+            keeper.close()
 
     def _peer(self) -> Any:
         return ray.get_actor(self.peer, namespace=self.cfg.ray.namespace)
@@ -548,9 +654,6 @@ class AnalysisDriver(SupervisedActor):
         would wait, silently, for its restart. None when alive or unknown."""
         state = actor_state(peer)
         return None if state in (None, "ALIVE") else state
-
-    def _peer_active(self) -> bool:
-        return (self._peer_info() or {}).get("role") == "active"
 
     def _forward(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.peer is None:
@@ -600,6 +703,11 @@ class AnalysisDriver(SupervisedActor):
             "namespace": self.cfg.ray.namespace,
             "phases": self.phases,
             "took_over": self.took_over,
+            "lease": {
+                **(self._lease_seen or {}),
+                "mine": self._lease.epoch if self._lease is not None else 0,
+                "fresh": self._lease is not None and self._lease.fresh(),
+            },
         }
 
     def _start_spark(self) -> SparkSession:
@@ -806,17 +914,22 @@ class AnalysisDriver(SupervisedActor):
         return view
 
     def _table(self, stream: str, here: CopyId) -> StreamTable:
-        """The stream's table on copy `here`: with its archive only if the archive is of
-        this copy (an archive's position is a sequence of the copy it archived)."""
+        """The stream's table on copy `here`: with the archive in `here`'s own directory,
+        and only if the archive is of this copy (an archive's position is a sequence of the
+        copy it archived) and its checkpoint owns that directory (jobs/archive.py)."""
         table = tables_for(self.cfg, self.checkpoint_root).get(stream) or StreamTable(stream)
-        if table.archive_root is not None and not self._archive_of(stream, here):
+        if table.archive_root is None:
+            return table
+        at = owned_root(table.archive_root, stream, self.checkpoint_root, here, self.spark)
+        if at is None:
             return StreamTable(stream, schema=table.schema)
-        return table
+        return StreamTable(stream, at, table.checkpoint_root, table.schema)
 
     def _archive_of(self, stream: str, here: CopyId) -> bool:
-        """Whether the stream's archive positions are of copy `here` (or none recorded)."""
-        recorded = read_copy(self.checkpoint_root / archive_query_name(stream))
-        return recorded is None or recorded == here
+        """Whether the stream's archive positions are of copy `here` and its checkpoint owns
+        the copy's archive directory: else nothing is read or purged for them."""
+        root = self.cfg.archive_root(stream)
+        return owned_root(root, stream, self.checkpoint_root, here, self.spark) is not None
 
     def _start_fresh(
         self, spec: JobSpec, view: BatchView, on_batch: Any, trigger_s: float
@@ -886,9 +999,8 @@ class AnalysisDriver(SupervisedActor):
         action = decide("archive", recorded, here)
         if action is Action.REFUSE:
             assert recorded is not None
-            raise CopyError(
-                archive_copy_error(stream, recorded, here, self.cfg.archive_root(stream))
-            )
+            old = copy_root(self.cfg.archive_root(stream), recorded)
+            raise CopyError(archive_copy_error(stream, recorded, here, old))
         if action is Action.RECORD:
             record_copy(ckpt, here)
         settings = ArchiveSettings(
@@ -897,7 +1009,9 @@ class AnalysisDriver(SupervisedActor):
             flush_s=archive.flush_s,
             retention_days=archive.retention_days,
         )
-        return start_archive(self.spark, stream, self.nats, settings, self.checkpoint_root)
+        return start_archive(
+            self.spark, stream, self.nats, settings, self.checkpoint_root, copy=here
+        )
 
     def _check_copies(self) -> None:
         """Stop a running query whose stream is now another copy (deleted and made again
@@ -920,38 +1034,36 @@ class AnalysisDriver(SupervisedActor):
                     self._stop_query(name)
 
     def _retention(self) -> None:
-        """Trim each archived stream to its limits, never past what is archived; a stream
-        full because its archive lags is logged loudly (every pass until it is not). Drop
-        archived days past `retention_days`."""
-        for name, s in self.cfg.streams.items():
-            if s.archive is not None and s.archive.retention_days > 0:
-                now = dt.datetime.now(dt.UTC)
-                root = self.cfg.archive_root(name)
-                for gone in purge_archive(root, name, s.archive.retention_days, now):
-                    log.info("analysis driver: archive of %s: dropped %s", name, gone)
-        limited = {
-            name: s
-            for name, s in self.cfg.streams.items()
-            if s.archive is not None and (s.max_age_s > 0 or s.max_bytes > 0)
-        }
-        if not limited:
+        """Trim each archived stream to its limits, never past what is archived, what a
+        copy on another site has not sourced, or what a reader is reading
+        (jobs/retention_holds.py); a stream full because one of those lags is logged
+        loudly, naming it (every pass until it is not). Drop archived days past
+        `retention_days` from the copy's own archive directory (jobs/archive.py `copy_root`)."""
+        archived_streams = {n: s for n, s in self.cfg.streams.items() if s.archive is not None}
+        if not archived_streams:
             return
+        now = dt.datetime.now(dt.UTC)
 
         async def trim() -> None:
             nc = await self.nats.connect(name="analysis-retention")
             try:
-                js = nc.jetstream()
-                for name, s in limited.items():
-                    if not self._archive_of(name, await acurrent_copy(nc, name)):
+                for name, s in archived_streams.items():
+                    here = await acurrent_copy(nc, name)
+                    if not self._archive_of(name, here):
                         continue  # its positions are another copy's: purge nothing here
-                    pos = archive_position(self.checkpoint_root, name)
-                    done = await enforce(
-                        js,
-                        name,
-                        pos.next_seq if pos else 1,
-                        max_age_s=s.max_age_s,
-                        max_bytes=s.max_bytes,
-                    )
+                    assert s.archive is not None
+                    if s.archive.retention_days > 0:
+                        root = copy_root(self.cfg.archive_root(name), here)
+                        for gone in purge_archive(root, name, s.archive.retention_days, now):
+                            log.info("analysis driver: archive of %s: dropped %s", name, gone)
+                    if not (s.max_age_s > 0 or s.max_bytes > 0):
+                        continue
+
+                    def archived(name: str = name) -> int:
+                        pos = archive_position(self.checkpoint_root, name)
+                        return pos.next_seq if pos else 1
+
+                    done = await trim_stream(nc, name, s, self.checkpoint_root, here, archived)
                     self.purges[name] = done
                     if done.warning:
                         log.warning("analysis driver: %s", done.warning)
@@ -1079,43 +1191,105 @@ class AnalysisDriver(SupervisedActor):
             out[name] = rows
         return out
 
-    @on_active
+    @ray.method(concurrency_group=SQL_GROUP, max_task_retries=0)
     def sql(
         self,
         sql: str,
         limit: int = 1000,
         timeout_s: float = 30.0,
         allowed: Sequence[str] | None = None,
+        forwarded: bool = False,
     ) -> dict[str, Any]:
         """Run one ad-hoc query (jobs/sql.py) in this driver's Spark, for the gateway's
         `/v1/sql`: ``{"status": 200, "columns", "rows", "truncated", "tables"}``, or
-        ``{"status": 400|503|504|500, "error"}``. `allowed`: the streams the caller may
-        read (None: all)."""
-        if self.spark is None or self.state != "running":
+        ``{"status": 400|503|504|500, "error"}``, or ``{"status": 429, "retry_after_s"}``
+        while `sql_slots` queries run already. `allowed`: the streams the caller may read
+        (None: all; a query naming no table needs all).
+
+        It runs on the actor's `SQL_GROUP` threads, so the control methods (status, jobs,
+        start, stop, heartbeats, the standby's role checks) always have threads of their
+        own; in `sql_session` (its own SQL settings) and the `SQL_POOL` scheduler pool, so
+        the streaming queries keep their share of the cores. Ray does not retry it when
+        the driver dies under it: the same query would kill the restarted driver too. A
+        standby hands it to the active driver's SQL threads (`forwarded` says so there:
+        never handed on again)."""
+        if self.role != "active":
+            if forwarded or self.peer is None:
+                return {"status": 503, "error": "no analysis driver is active yet"}
+            try:
+                peer = self._peer()
+                down = self._peer_down(peer)  # a call would wait, silently, for its restart
+                if down is not None:
+                    return {"status": 503, "error": f"the active analysis driver is {down}"}
+                ref = peer.sql.remote(sql, limit, timeout_s, allowed, forwarded=True)
+                return dict(ray.get(ref, timeout=timeout_s + FORWARD_TIMEOUT_S))
+            except Exception as err:  # gone or not answering
+                return {"status": 503, "error": f"the active analysis driver: {err!r}"[:500]}
+        spark = self.spark
+        if spark is None or self.state != "running":
             return {"status": 503, "error": f"the analysis driver's Spark is {self.state}"}
+        gate = self._sql_gate()
         allow = set(allowed) if allowed is not None else None
+        ticket: int | None = None
         try:
             tables = tables_for(self.cfg, self.checkpoint_root)
+            readable = sorted(t for t in tables if allow is None or t in allow)
+            check_select(sql, tables, listed=readable)  # a refusal is a 400 whatever the load
+            ticket = gate.enter(timeout_s)
+            if ticket is None:
+                wait = gate.retry_after_s()
+                return {
+                    "status": 429,
+                    "retry_after_s": wait,
+                    "error": f"{gate.slots} SQL queries run already: retry after {wait} s",
+                }
             for stream, table in tables.items():  # an archive of another copy is left out
                 if table.archive_root is not None:
                     tables[stream] = self._table(stream, current_copy(self.nats, stream))
             result = run_sql(
-                self.spark,
+                self._sql_spark(spark),
                 self.nats,
                 sql,
                 tables,
                 limit=limit,
                 timeout_s=timeout_s,
                 allowed=lambda stream: allow is None or stream in allow,
+                pool=SQL_POOL,
             )
         except SqlRefused as err:
             return {"status": 400, "error": str(err)}
         except SqlTimeout as err:
             return {"status": 504, "error": str(err)}
+        except HistoryGap as err:  # retention got past the read: the same query answers next
+            return {"status": 503, "error": str(err), "retry_after_s": 1}
         except Exception as err:
             log.exception("analysis driver: sql")
             return {"status": 500, "error": f"the query failed: {err}"[:1000]}
+        finally:
+            if ticket is not None:
+                gate.leave(ticket)
         return {"status": 200, **json_result(result)}
+
+    def _sql_gate(self) -> SqlAdmission:
+        """This driver's SQL admission (made on first use, by whichever SQL thread)."""
+        with _SQL_INIT:
+            gate = self.__dict__.get("_sql_admission")
+            if gate is None:
+                gate = self._sql_admission = SqlAdmission(sql_slots(self.cfg))
+            return gate
+
+    def _sql_spark(self, spark: SparkSession) -> SparkSession:
+        """The session ad-hoc SQL runs in: `sql_session` of `spark`, one per Spark session."""
+        with _SQL_INIT:
+            made = self.__dict__.get("_sql_sessions")
+            if made is None or made[0] is not spark:
+                from jobs.jetstream import register
+                from jobs.spark_session import sql_session
+
+                own = sql_session(spark)
+                register(own)
+                made = self._sql_sessions = (spark, own)
+            return made[1]
 
     @on_active
     def archives(self) -> dict[str, dict[str, Any]]:
@@ -1140,6 +1314,7 @@ class AnalysisDriver(SupervisedActor):
             }
         return out
 
+    @ray.method(concurrency_group=RECOMPUTE_GROUP)
     @on_active
     def recompute(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
         """Recompute job `name` as a batch view over its stream's history (archive and

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.batch_view import BatchView, checkpoint_dir
 from jobs.plans import Plan, build_plan
-from jobs.sink import BatchReport, DeadLetterBatch, ResultSink
+from jobs.sink import BatchReport, DeadLetterBatch, ResultSink, check_fence
 from jobs.spark_session import POOL_PROPERTY, query_pool
 from jobs.specs import JobSpec, check_spec, deadletter_query_name
 from jobs.topn import BatchRows
@@ -63,6 +63,7 @@ class JobWriter:
         if self.checkpoint is not None and not self.sink.run_id:
             # Spark has written the checkpoint's metadata by the first batch
             self.sink.run_id = checkpoint_run_id(self.checkpoint)
+        check_fence(f"batch {batch_id}")  # a fenced driver runs not even the batch's job
         began = time.perf_counter()
         collected = df.collect()  # the batch's Spark job
         rows_at = time.perf_counter()

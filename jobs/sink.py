@@ -19,6 +19,15 @@ as a batch view (jobs/batch_view.py) starts a new *generation*: its ids are
 ``<query>@<generation>:<batchId>:<key>`` and its values carry the generation, which outranks
 any older generation's run and batch.
 
+A warm pair of drivers (jobs/standby.py) installs its lease as the process's write fence
+(`set_fence`): every write (a batch's results, each KV put, dead letters, retired keys) is
+refused with `Fenced` unless the lease is fresh (renewed well within its TTL: no I/O), so
+a driver that was paused or cut off past its lease writes nothing once it runs again, and
+its query fails instead. Results and KV values then carry the lease's epoch
+(``Tierflow-Epoch``), and a KV value of a newer epoch than the sink's own fails the put
+unless the bucket still names this driver (checked then: the lease bucket may have been
+made anew, restarting its revisions).
+
 Malformed events read by the jetstream source (``valid`` false) go to
 ``<deadletter_prefix>.<stream>`` with their original bytes, the reason and their origin in
 headers, and ``Nats-Msg-Id = "dl:<stream>:<seq>"``, so replays do not duplicate them either.
@@ -40,7 +49,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -65,6 +74,7 @@ SOURCE_SUBJECT_HEADER = "Tierflow-Source-Subject"
 SOURCE_MSG_ID_HEADER = "Tierflow-Source-Msg-Id"
 RUN_HEADER = "Tierflow-Run"  # on KV values: the query's checkpoint id (see `_put_latest`)
 GENERATION_HEADER = "Tierflow-Generation"  # on KV values: the job's batch-view generation
+EPOCH_HEADER = "Tierflow-Epoch"  # on results and KV values: the writer's lease epoch (`set_fence`)
 _RECONNECT_WAIT_S = 2.0
 _EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: the expected last subject sequence did not match
@@ -83,6 +93,49 @@ T = TypeVar("T")
 
 class SinkError(RuntimeError):
     """Results could not be made durable; the batch must fail (and be replayed)."""
+
+
+class Fenced(SinkError):
+    """This process no longer holds (or cannot show it holds) the lease its writes need."""
+
+
+class WriteFence(Protocol):
+    """A lease guarding this process's writes (runtime.lease.LeaseKeeper)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def fresh(self) -> bool: ...
+
+    async def confirm(self) -> bool: ...
+
+
+_fence: WriteFence | None = None
+
+
+def set_fence(fence: WriteFence | None) -> None:
+    """Guard every sink of this process with `fence` from now on (None: unguarded)."""
+    global _fence
+    _fence = fence
+
+
+def write_fence() -> WriteFence | None:
+    """The fence this process's sinks check, if any."""
+    return _fence
+
+
+def check_fence(what: str) -> int:
+    """Raise `Fenced` unless this process may write now; the epoch to write with (0 when
+    unguarded). Cheap: no I/O."""
+    fence = _fence
+    if fence is None:
+        return 0
+    if not fence.fresh():
+        raise Fenced(
+            f"{what}: refused, this driver's lease (epoch {fence.epoch}) is lost or stale: "
+            "another driver may run the queries now"
+        )
+    return fence.epoch
 
 
 def kv_key(key: Any) -> str:
@@ -334,8 +387,11 @@ class ResultSink:
     def write(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` function: the batch's result rows, one per key, made durable.
 
-        The rows are collected to the driver (results are per-key aggregates, not events).
+        The rows are collected to the driver (results are per-key aggregates, not events),
+        once the fence allows this process to write: a fenced driver runs no more of the
+        batch's Spark job either (its state store's next version is the new driver's).
         """
+        check_fence(f"batch {batch_id} of {self.query_name!r}")
         rows = df.collect()
         self.publish_results(rows, batch_id)
 
@@ -414,6 +470,10 @@ class ResultSink:
             await self._ensure_bucket(nc)
         if len(self._held) > _HELD_MAX:
             self._held.clear()
+        epoch = check_fence(f"results of {self.query_name!r} batch {batch_id}")
+        if epoch:
+            for out in results:
+                out.headers[EPOCH_HEADER] = str(epoch)
         acks = await self._publish_all(nc, results)  # KV shows only what results hold
         dups = sum(1 for a in acks if a.duplicate)
         sem = asyncio.Semaphore(self.max_in_flight)
@@ -462,6 +522,8 @@ class ResultSink:
         headers = {BATCH_HEADER: str(batch_id), RUN_HEADER: self.run_id}
         if self.generation:
             headers[GENERATION_HEADER] = str(self.generation)
+        if epoch := check_fence(f"KV put to {put.subject!r}"):
+            headers[EPOCH_HEADER] = str(epoch)
         held = self._held.pop(put.subject, None)
         if held is None or (held[1] < batch_id and held[2] == self.run_id):
             expect = {_EXPECT_LAST: str(0 if held is None else held[0])}
@@ -496,6 +558,7 @@ class ResultSink:
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             op = (held.get("KV-Operation") or "PUT").upper()
+            await self._check_epoch(int(held.get(EPOCH_HEADER) or 0) if op == "PUT" else 0, put)
             held_gen = int(held.get(GENERATION_HEADER) or 0) if op == "PUT" else 0
             if held_gen > self.generation:
                 return False  # a newer generation (a later recompute) owns the key
@@ -523,6 +586,18 @@ class ResultSink:
                 # another writer got there first: read again
         raise SinkError(f"KV put to {put.subject!r}: no conditional write after retries")
 
+    async def _check_epoch(self, held_epoch: int, put: _KvPut) -> None:
+        """A value of a newer epoch than this sink's: another driver took the lease since,
+        unless the bucket still names this one (its revisions started over)."""
+        fence = _fence
+        if fence is None or held_epoch <= fence.epoch:
+            return
+        if not await fence.confirm():
+            raise Fenced(
+                f"KV put to {put.subject!r}: refused, the key holds a value of epoch "
+                f"{held_epoch}, newer than this driver's {fence.epoch}"
+            )
+
     def retire_keys(self, keep: Iterable[Any]) -> int:
         """Delete this query's KV keys an older generation wrote that `keep` (result keys)
         does not hold: a batch view replaces the whole view. Returns how many went."""
@@ -535,6 +610,7 @@ class ResultSink:
         if not self.kv_prefix:
             raise ValueError("retire_keys needs the sink's kv_prefix (its query's keys)")
         await self._ensure_bucket(nc)
+        check_fence(f"retiring keys of {self.query_name!r}")
         js = nc.jetstream(timeout=self.timeout)
         prefix = f"$KV.{self.kv_bucket}.{self.kv_prefix}."
         info = await js.stream_info(f"KV_{self.kv_bucket}", subjects_filter=f"{prefix}>")
@@ -561,6 +637,7 @@ class ResultSink:
     ) -> BatchReport:
         """`dead_letter` on an open connection."""
         subject = self.deadletter_subject(stream)
+        epoch = check_fence(f"dead letters of {stream!r}")
         out = []
         for row in rows:
             raw = row.get("raw")
@@ -575,6 +652,8 @@ class ResultSink:
                 headers[SOURCE_SUBJECT_HEADER] = _header_value(row["subject"])
             if row.get("msg_id"):
                 headers[SOURCE_MSG_ID_HEADER] = _header_value(row["msg_id"])
+            if epoch:
+                headers[EPOCH_HEADER] = str(epoch)
             out.append(Outgoing(f"dl:{stream}:{row['seq']}", subject, bytes(raw), headers))
         acks = await self._publish_all(nc, out)
         dups = sum(1 for a in acks if a.duplicate)
@@ -675,14 +754,19 @@ __all__ = [
     "MSG_ID_HEADER",
     "BatchReport",
     "DeadLetterBatch",
+    "Fenced",
     "ResultSink",
     "SinkError",
     "SinkStats",
+    "WriteFence",
+    "check_fence",
     "close_sinks",
     "key_from_kv",
     "kv_key",
     "result_id",
     "result_kv_key",
+    "set_fence",
+    "write_fence",
 ]
 
 

@@ -24,6 +24,17 @@ it sets), measured with the Meetup queries on local[2] (docs/benchmarks.md):
 - The FAIR scheduler: each query runs its jobs in a pool of its own (`query_pool`), so a
   short top-N batch takes the next free core instead of queueing behind every task of
   another query's batch that was submitted first (FIFO, Spark's default).
+
+Ad-hoc SQL (jobs/sql.py) runs in a session of its own (`sql_session`: the same SparkContext,
+its own SQL settings and temp views) and in one FAIR pool, `SQL_POOL`, for all of it: however
+many queries users send, together they get one streaming query's share of the cores. Its
+settings (`SQL_SESSION_CONF`) are what Spark itself can enforce about a query's shape: no
+`${...}` substitution, no broadcast joins (neither by size estimate nor by hint, since a
+stream's estimate is a guess and a broadcast copies it whole into the driver and to every
+task), no implicit cartesian product, a row limit on recursive CTEs, one task per shuffle
+stage (FAIR pools do not preempt running tasks: a long join's tasks keep their slots until
+they end, so each query may hold only one). None of it reaches the streaming queries'
+session.
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 RAW_LOCAL_FS = {
     "spark.hadoop.fs.AbstractFileSystem.file.impl": "org.apache.hadoop.fs.local.RawLocalFs",
@@ -47,6 +62,19 @@ CHECKPOINT_FILES = {
 FAIR = {"spark.scheduler.mode": "FAIR"}
 LATENCY_DEFAULTS: dict[str, str] = {**RAW_LOCAL_FS, **CHECKPOINT_FILES, **FAIR}
 POOL_PROPERTY = "spark.scheduler.pool"
+SQL_POOL = "adhoc-sql"
+SQL_SESSION_CONF: dict[str, str] = {
+    "spark.sql.variable.substitute": "false",
+    "spark.sql.autoBroadcastJoinThreshold": "-1",
+    "spark.sql.adaptive.autoBroadcastJoinThreshold": "-1",
+    "spark.sql.optimizer.disableHints": "true",
+    "spark.sql.maxBroadcastTableSize": "64m",
+    "spark.sql.crossJoin.enabled": "false",
+    "spark.sql.cteRecursionRowLimit": "100000",
+    # one task per shuffle stage: a query's long joins and aggregations hold one task slot,
+    # so the SQL slots together never take every slot from the streaming queries
+    "spark.sql.shuffle.partitions": "1",
+}
 
 
 def analysis_conf(
@@ -54,6 +82,15 @@ def analysis_conf(
 ) -> dict[str, str | int | float | bool]:
     """The Spark conf the analysis driver starts with: `LATENCY_DEFAULTS` under `conf`."""
     return {**LATENCY_DEFAULTS, **conf}
+
+
+def sql_session(spark: SparkSession) -> SparkSession:
+    """A new session on `spark`'s SparkContext with `SQL_SESSION_CONF` (Python data sources
+    are registered per session: register the ones its queries read)."""
+    session = spark.newSession()
+    for key, value in SQL_SESSION_CONF.items():
+        session.conf.set(key, value)
+    return session
 
 
 def query_pool(name: str) -> str:

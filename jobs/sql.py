@@ -11,14 +11,19 @@ envelope: ``_seq``, ``_subject``, ``_ts`` and ``_id``. Malformed events are left
 (they are in ``deadletter``).
 
 Queries pass `runtime.sql_check.check_select` first; only the tables a query names are
-built. Each query reads its tables through temp views of its own and runs under its own Spark
-job tag, cancelled when it overruns its timeout.
+built. A query that names no table is run only for a caller allowed on every table: it reads
+no stream, so no stream's permission covers it. Each query reads its tables through temp
+views of its own and runs under its own Spark job tag, cancelled when it overruns its
+timeout, in the scheduler pool the caller names; its answer holds at most `limit` rows and
+`max_bytes` of JSON (rows past either are left out and the answer says `truncated`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import decimal
+import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -27,13 +32,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.archive import ARCHIVE_COLUMNS, archive_position, read_archive
+from jobs.read_lease import HistoryGap, ReadLease
+from jobs.spark_session import POOL_PROPERTY
 from runtime.config import Config
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import CheckedQuery, SqlRefused, check_select
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame, DataFrameReader, SparkSession
     from pyspark.sql.types import StructType
+
+    from jobs.jetstream_options import Bounds
 
 __all__ = [
     "ENVELOPE",
@@ -50,6 +59,7 @@ __all__ = [
 ]
 
 SAMPLE_EVENTS = 1_000
+MAX_ANSWER_BYTES = 8 << 20  # the rows of one answer as JSON
 CANCEL_EVERY_S = 0.5
 CANCEL_TRIES = 240  # two minutes of cancelling after the timeout, then give up
 ENVELOPE = {"_seq": "seq", "_subject": "subject", "_ts": "ts", "_id": "msg_id"}
@@ -76,6 +86,8 @@ class SqlResult:
     rows: list[tuple[Any, ...]]
     truncated: bool
     tables: list[str] = field(default_factory=list)
+    # fields of an inferred schema left out of a table, and why (`representable`)
+    notes: list[str] = field(default_factory=list)
 
 
 def tables_for(cfg: Config, checkpoint_root: str | Path) -> dict[str, StreamTable]:
@@ -110,37 +122,90 @@ def plain(value: Any) -> Any:
 
 
 def json_result(result: SqlResult) -> dict[str, Any]:
-    """The result as plain JSON data: columns, rows as lists, truncated, tables."""
-    return {
+    """The result as plain JSON data: columns, rows as lists, truncated, tables, and
+    `notes` when a table's inferred schema left fields out."""
+    out: dict[str, Any] = {
         "columns": result.columns,
         "rows": [[plain(v) for v in row] for row in result.rows],
         "truncated": result.truncated,
         "tables": result.tables,
     }
+    if result.notes:
+        out["notes"] = result.notes
+    return out
 
 
 def stream_events(
     spark: SparkSession, nats: NatsEndpoint, table: StreamTable, until: int = 0
 ) -> DataFrame:
     """Every retained or archived event of the stream, each once (the source's columns);
-    with `until`, only those with a sequence below it."""
+    with `until`, only those with a sequence below it.
+
+    Archived: the archive below its position P, and the live tail from P read at once,
+    under a reader lease that holds retention back from P (jobs/read_lease.py), and kept
+    (Spark's local checkpoint, so it is never read again later, unprotected). A tail whose
+    start was purged anyway fails (HistoryGap naming the range), never answers short."""
     tail = (
         spark.read.format("jetstream").options(**nats.to_options()).option("stream", table.stream)
     )
-    tail = tail.option("onAgedOut", "skip")
     if until:
         tail = tail.option("endingOffset", str(until))
     if table.archive_root is None or table.checkpoint_root is None:
-        return tail.load()
-    position = archive_position(table.checkpoint_root, table.stream)
+        return tail.option("onAgedOut", "skip").load()  # what the stream retains
+    reader = f"history read, pid {os.getpid()}"
+    with ReadLease(table.checkpoint_root, table.stream, reader) as lease:
+        # the lease (at 0) is written before the position is read: see jobs/read_lease.py
+        position = archive_position(table.checkpoint_root, table.stream)
+        start = position.next_seq if position else _first_seq(nats, table.stream)
+        lease.move(start)
+        live = _read_tail(nats, tail, table.stream, start, until)
     if position is None:
-        return tail.load()
+        return live
     # a batch the archive commits meanwhile is in both: the archive side stops at the
     # position read here and the tail starts there
     archived = read_archive(spark, table.archive_root, table.stream)
     archived = archived.where(archived.seq < position.next_seq).select(*ARCHIVE_COLUMNS)
-    live = tail.option("startingOffset", str(position.next_seq)).load()
     return archived.unionByName(live)
+
+
+def _read_tail(
+    nats: NatsEndpoint, tail: DataFrameReader, stream: str, start: int, until: int
+) -> DataFrame:
+    """The tail from `start`, read now and kept; HistoryGap if any of it was purged first
+    (the source fails on a start below the stream's first sequence, and a purge that
+    lands mid-read shows as a first sequence above `start` afterwards: the first
+    sequence only grows)."""
+    try:
+        live = tail.option("startingOffset", str(start)).option("onAgedOut", "fail").load()
+        live = live.localCheckpoint(eager=True)
+        error: Exception | None = None
+    except Exception as err:
+        error = err
+    if not until or start < until:
+        bounds = _bounds(nats, stream)
+        if bounds.aged_out(start):
+            raise HistoryGap(stream, start, bounds.first) from error
+    if error is not None:
+        raise error
+    return live
+
+
+def _bounds(nats: NatsEndpoint, stream: str) -> Bounds:
+    from jobs.jetstream_read import stream_bounds
+
+    async def go() -> Bounds:
+        nc = await nats.connect(name="history-read")
+        try:
+            return await stream_bounds(nc, stream)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def _first_seq(nats: NatsEndpoint, stream: str) -> int:
+    """Where a stream with no archived batch yet is read from: its first sequence."""
+    return _bounds(nats, stream).earliest
 
 
 def table_frame(
@@ -235,15 +300,25 @@ def run_sql(
     limit: int = 1_000,
     timeout_s: float = 60.0,
     allowed: Callable[[str], bool] = lambda stream: True,
+    pool: str | None = None,
+    max_bytes: int = MAX_ANSWER_BYTES,
 ) -> SqlResult:
     """Check `sql` (SqlRefused), build the tables it names, run it with a row limit and a
-    timeout (SqlTimeout). `allowed(stream)` is the caller's authorisation: a query naming a
-    stream it refuses is refused before anything is read."""
-    checked: CheckedQuery = check_select(sql, tables)
+    timeout (SqlTimeout) in Spark scheduler pool `pool` (None: the thread's own).
+    `allowed(stream)` is the caller's authorisation: a query naming a stream it refuses, or
+    naming none while it refuses any, is refused before anything is read."""
+    readable = sorted(name for name in tables if allowed(name))
+    checked: CheckedQuery = check_select(sql, tables, listed=readable)
     for name in sorted(checked.tables):
         if not allowed(name):
             raise SqlRefused(f"not allowed to read stream {name!r}")
+    if not checked.tables and len(readable) < len(tables):
+        raise SqlRefused(
+            "a query that names no table runs only for a caller allowed on every stream"
+        )
     ctx = spark.sparkContext
+    if pool is not None:
+        ctx.setLocalProperty(POOL_PROPERTY, pool)
     tag = f"tierflow_sql_{uuid.uuid4().hex[:12]}"
     views = {name: f"{tag}_{i}" for i, name in enumerate(sorted(checked.tables))}
     timed_out, finished = threading.Event(), threading.Event()
@@ -259,13 +334,17 @@ def run_sql(
 
     timer = threading.Timer(timeout_s, cancel)
     timer.daemon = True
+    notes: list[str] = []
     ctx.addJobTag(tag)  # this thread's jobs, schema sampling included, until removed
     ctx.setInterruptOnCancel(True)
     timer.start()
     try:
         for name, view in views.items():  # temp views of this query only
             spec = tables[name]
-            table_frame(stream_events(spark, nats, spec), spec.schema).createTempView(view)
+            left_out: list[str] = []
+            events = stream_events(spark, nats, spec)
+            table_frame(events, spec.schema, notes=left_out).createTempView(view)
+            notes += [f"{name}: {note}" for note in left_out]
         df = spark.sql(checked.renamed(views))
         rows = df.limit(limit + 1).collect()
     except Exception as err:
@@ -276,14 +355,35 @@ def run_sql(
         finished.set()
         timer.cancel()
         ctx.removeJobTag(tag)
+        if pool is not None:
+            ctx.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
         for view in views.values():
             spark.catalog.dropTempView(view)
+    kept = _within_bytes([tuple(r) for r in rows[:limit]], max_bytes)
     return SqlResult(
         columns=list(df.columns),
-        rows=[tuple(r) for r in rows[:limit]],
-        truncated=len(rows) > limit,
+        rows=kept,
+        truncated=len(rows) > len(kept),
         tables=sorted(checked.tables),
+        notes=notes,
     )
+
+
+def _within_bytes(rows: list[tuple[Any, ...]], max_bytes: int) -> list[tuple[Any, ...]]:
+    """The first `rows` whose JSON fits in `max_bytes`; SqlRefused when not even one does."""
+    import msgspec
+
+    total = 0
+    for i, row in enumerate(rows):
+        total += len(msgspec.json.encode([plain(v) for v in row], enc_hook=str)) + 1
+        if total > max_bytes:
+            if i == 0:
+                raise SqlRefused(
+                    f"one row of the answer is over {max_bytes} bytes as JSON: select fewer "
+                    "or smaller columns"
+                )
+            return rows[:i]
+    return rows
 
 
 def _clear(err: Exception, views: Mapping[str, str]) -> Exception:

@@ -1,54 +1,71 @@
-"""A warm standby for the analysis driver: a second driver with its Spark already up, on
-the same node, that takes the queries over when the active driver's process dies.
+"""A warm standby for the analysis driver: a second driver with its Spark already up that
+takes the queries over when the active driver is gone.
 
 A driver restarted by Ray needs a new JVM, a SparkContext and session and its source
 registered before its first query can start (about 17 s of a 34-s recovery on an idle
 2-core machine, docs/benchmarks.md). A standby has done all of that already.
 
-Who is active is decided by the lock that LevelDB holds on the driver's checkpoint store
-(``state_dir/checkpoints/<driver>``, an ``fcntl`` lock the kernel drops when the process
-dies), not by a lease with a timeout: both drivers share the state directory, so the lock
-is exact on a node, and a SIGKILLed driver's lock is free at once. Before it starts any
-query the new active driver ends the old one's JVM (recorded next to the store by
-`record_jvm`): two JVMs must never run one query over one checkpoint, and an orphaned JVM
-leaves only about 1.5 s after its Python parent (it notices its closed stdin), running
-its micro-batch meanwhile. The lock being free says its driver is gone (dead, or shut
-down with its queries stopped), so nothing else runs in that JVM: it is killed at once.
+Who is active is decided by a lease all hosts see: a key per driver pair (`lease_key`) in
+tierflow's internal lease bucket (runtime/lease.py), holding the active driver's identity
+and its epoch (the revision of its term's first write). The active driver takes it before
+it starts any query and renews it every ttl/3 (`LEASE_TTL_S`); a standby takes it only
+when it is free: expired on the server (its holder stopped renewing `LEASE_TTL_S` ago:
+dead, partitioned, or paused), released, or held by a process of this host and pid
+namespace that no longer runs (a SIGKILLed driver on the node: no wait for the TTL). A
+peer that is merely slow to answer keeps the queries (`takeover_action`). A driver whose
+lease is lost stops writing at once (the result sink checks the lease's freshness before
+every write, and puts KV values with the epoch: jobs/sink.py) and steps down.
 
-The standby is placed on the active driver's node (cluster/deploy/analysis.py); across
-nodes the lock cannot see the other driver, so a driver also asks its peer before it takes
-over (`takeover`'s `peer_active`) and stands by while the peer says it is active.
+The checkpoint store's LevelDB lock (``state_dir/checkpoints/<driver>``, an ``fcntl`` lock
+the kernel drops when the process dies) stays as a second, local guard: a standby tries
+the lease only while it holds the lock, so on one node the two never even race for it.
+Before it starts any query the new active driver ends the old one's JVM (recorded next to
+the store by `record_jvm`): two JVMs must never run one query over one checkpoint, and an
+orphaned JVM leaves only about 1.5 s after its Python parent (it notices its closed
+stdin), running its micro-batch meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
 from runtime.checkpoint import CheckpointLockedError, CheckpointStore
+from runtime.lease import LeaseState
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "EXIT_FENCED",
     "JVM_GRACE_S",
+    "LEASE_TTL_S",
     "POLL_S",
     "WARM_UP_BATCHES",
+    "Take",
     "end_old_jvm",
+    "holder_info",
+    "holder_running",
+    "host_id",
     "jvm_file",
+    "lease_key",
     "record_jvm",
     "should_yield",
     "standby_name",
+    "step_down",
     "takeover",
+    "takeover_action",
     "try_take",
 ]
 
@@ -58,6 +75,76 @@ YIELD_MAX_S = 120.0  # the longest a standby waits for its peer before starting 
 # batches are the slow ones (quiet, 10 batches: 18.7 s the first time, 6.1 s the next)
 WARM_UP_BATCHES = 3
 JVM_GRACE_S = 10.0  # how long a killed JVM may take to be gone
+# The pair's lease: a paused or partitioned active driver keeps the queries this long after
+# its last renewal (every ttl/3), and stops writing after 2/3 of it (runtime/lease.py)
+LEASE_TTL_S = 10
+EXIT_FENCED = 71  # a driver's exit status when it lost the pair's lease (`step_down`)
+_KEY_TOKEN = re.compile(r"[^-_A-Za-z0-9]")
+
+
+def lease_key(name: str) -> str:
+    """The pair's lease key (both drivers of a pair share `name`)."""
+    return f"analysis.{_KEY_TOKEN.sub('_', name)}"
+
+
+class Take(enum.Enum):
+    """What a driver may do about the pair's lease (`takeover_action`)."""
+
+    ACQUIRE = "acquire"  # free (expired, released, never held) or still this driver's
+    TAKE_FROM_GONE = "take from gone"  # its holder's process is gone: take it at its revision
+    WAIT = "wait"  # another driver holds it and may still run
+
+
+def takeover_action(seen: LeaseState | None, me: str, here: str, running: bool | None) -> Take:
+    """Whether driver `me`, on host `here` (`host_id`), may take the pair's lease now.
+
+    `seen` is the lease as the bucket holds it (None: free); `running` whether its
+    holder's process still runs, as far as this host can tell (`holder_running`: None when
+    it is on another host). The server's TTL is the only clock: a holder that is slow to
+    answer, paused or cut off keeps the lease until it expired there, so two drivers never
+    both hold it. Only a holder on this very host (same kernel, same pid namespace) can be
+    seen to be gone, and then there is nothing to wait for."""
+    if seen is None or seen.holder == me:
+        return Take.ACQUIRE
+    if running is False and seen.info.get("host") == here and here:
+        return Take.TAKE_FROM_GONE
+    return Take.WAIT
+
+
+def host_id() -> str:
+    """Where a pid means one process: this kernel's boot and pid namespace ("" when
+    unknown, e.g. not Linux: then no holder is ever judged gone by its pid)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def holder_info(pid: int) -> dict[str, Any]:
+    """What a lease holder says about itself, so that a driver on its host can tell
+    whether its process still runs (`holder_running`)."""
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.Error:
+        started = 0.0
+    return {"host": host_id(), "pid": pid, "pid_started": started}
+
+
+def holder_running(info: Mapping[str, Any], here: str) -> bool | None:
+    """Whether the lease holder's process (`holder_info`) still runs; None when it is not
+    on this host (or did not say), so nobody here can tell."""
+    if not here or info.get("host") != here or not info.get("pid"):
+        return None
+    try:
+        proc = psutil.Process(int(info["pid"]))
+        if abs(proc.create_time() - float(info.get("pid_started") or 0.0)) > 0.01:
+            return False  # the pid was reused: the holder is gone
+        return not _gone(proc)
+    except psutil.NoSuchProcess:
+        return False
+    except (psutil.Error, ValueError, TypeError):
+        return None
 
 
 def standby_name(name: str) -> str:
@@ -85,6 +172,17 @@ def should_yield(peer: Mapping[str, Any] | None, *, restarted: bool) -> bool:
     if peer.get("role") == "active":
         return not peer.get("caught_up")
     return restarted and "yielded_s" in (peer.get("phases") or {})
+
+
+def step_down(jvm_pid: int | None) -> NoReturn:
+    """End a driver that lost the pair's lease, now: its JVM first (SIGKILL, so none of
+    its queries runs a moment longer), then its own process; Ray restarts the driver,
+    which comes back as the standby."""
+    if jvm_pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(jvm_pid, signal.SIGKILL)
+    logging.shutdown()
+    os._exit(EXIT_FENCED)
 
 
 def jvm_file(store: Path) -> Path:
@@ -143,29 +241,29 @@ def _gone(proc: psutil.Process) -> bool:
 def takeover(
     store: Path,
     closing: threading.Event,
-    peer_active: Callable[[], bool],
+    held_elsewhere: Callable[[], bool],
     *,
     poll_s: float = POLL_S,
 ) -> CheckpointStore | None:
-    """Block until this driver holds the store's lock while its peer is not active; the
-    open store, or None once `closing` is set. Every wait is on `closing`, so a shutdown
-    ends it at once."""
+    """Block until this driver holds the store's lock and `held_elsewhere()` is False (the
+    driver took the pair's lease); the open store, or None once `closing` is set. Every
+    wait is on `closing`, so a shutdown ends it at once."""
     while not closing.is_set():
-        opened = try_take(store, peer_active)
+        opened = try_take(store, held_elsewhere)
         if opened is not None:
             return opened
         closing.wait(poll_s)
     return None
 
 
-def try_take(store: Path, peer_active: Callable[[], bool]) -> CheckpointStore | None:
-    """One try of `takeover`: the open store if its lock is free and the peer is not
-    active, else None."""
+def try_take(store: Path, held_elsewhere: Callable[[], bool]) -> CheckpointStore | None:
+    """One try of `takeover`: the open store if its lock is free and then
+    `held_elsewhere()` (which tries the lease) is False, else None."""
     try:
         opened = CheckpointStore(store)
     except CheckpointLockedError:
         return None
-    if not peer_active():
+    if not held_elsewhere():
         return opened
-    opened.close()  # the peer is active on another node: stand by
+    opened.close()  # another driver holds the lease (on another node): stand by
     return None

@@ -144,6 +144,9 @@ class SparkConfig(_Strict):
     # when the active driver's process dies (jobs/standby.py): seconds instead of a new
     # JVM's start; costs that JVM's memory (about 1 GB) while it waits
     standby: bool = False
+    # ad-hoc SQL queries the analysis driver runs at once (jobs/sql_admission.py); more
+    # are answered 429 with Retry-After
+    sql_slots: Positive = 2
 
 
 class RoleConfig(_Strict):

@@ -16,11 +16,17 @@ copy's stream leader to step down once the origin answers again: the new leader 
 sources up at once, from where the copy stands (the same path as any leader change, so
 nothing is copied twice or skipped).
 
+Retention (jobs/retention.py) asks `sourced_next` how far another site's copy has sourced
+this one: the origin sequence a sourced message carries in its `Nats-Stream-Source`
+header, read from the newest message that copy stored from here, is a position that
+copy has confirmed.
+
 Pure: `origin_subject`, `origin_transform`, `origin_patterns`, `copy_sources`, `copy_config`,
-`link_deny`, `lag_rows`, `stalled_copies`, `kick_due`.
+`link_deny`, `lag_rows`, `stalled_copies`, `kick_due`, `source_header_seq`.
 I/O (one nats-py connection to any site, other sites reached by their domain's API
 prefix `$JS.<site>.API` across the leaf links): `local_site`, `ensure_copies`,
-`with_local_sources`, `stream_copy_info`, `replication_lag`, `kick_copy`, `SourceWatch`.
+`with_local_sources`, `stream_copy_info`, `replication_lag`, `kick_copy`, `SourceWatch`,
+`sourced_next`.
 """
 
 from __future__ import annotations
@@ -273,6 +279,76 @@ async def kick_copy(nc: Client, site: str, stream: str) -> str | None:
     return None if not err else str(err.get("description") or err)
 
 
+SOURCE_HEADER = "Nats-Stream-Source"
+NO_MESSAGE = 10037  # JetStream's "no message found"
+
+
+def source_header_seq(headers: bytes) -> int | None:
+    """The origin's stream sequence in a sourced message's raw NATS headers: nats-server
+    writes `Nats-Stream-Source: <origin stream>[:<api hash>] <sequence> <filter> ...`."""
+    for line in headers.decode("utf-8", "replace").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() == SOURCE_HEADER.lower():
+            parts = value.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                return int(parts[1])
+    return None
+
+
+async def _msg_get(nc: Client, site: str | None, stream: str, req: dict[str, Any]) -> Any:
+    prefix = f"$JS.{site}.API" if site else "$JS.API"
+    msg = await nc.request(
+        f"{prefix}.STREAM.MSG.GET.{stream}", json.dumps(req).encode(), timeout=API_TIMEOUT_S
+    )
+    return json.loads(msg.data or b"{}")
+
+
+async def sourced_next(nc: Client, stream: str, origin: str, site: str) -> int | None:
+    """The first sequence of `origin`'s copy of `stream` (the one `nc` is connected to)
+    that `site`'s copy has not sourced yet and needs: `origin`'s next local write (on one
+    of its own subjects, what `site` sources) after the last one `site` stored. None when
+    `site`'s copy does not answer (down, cut off, or missing): the caller holds at the
+    last position it had.
+
+    Order matters: `origin`'s last sequence is read first, so an event written while this
+    runs is never below the answer; and `site` is asked before `origin`'s next local write
+    is looked up, so what `site` stores meanwhile only makes the answer low (safe)."""
+    from base64 import b64decode
+
+    try:
+        own = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=API_TIMEOUT_S)
+        body = json.loads(own.data or b"{}")
+        if "error" in body:
+            return None
+        last = int((body.get("state") or {}).get("last_seq") or 0)
+        subjects = list((body.get("config") or {}).get("subjects") or [])
+        got = await _msg_get(nc, site, stream, {"last_by_subj": origin_subject(origin, ">")})
+    except Exception as err:  # no responders, a timeout: that site is out of reach
+        log.debug("geo: %s's copy of %s does not answer: %r", site, stream, err)
+        return None
+    err = got.get("error")
+    if err and err.get("err_code") != NO_MESSAGE:
+        return None  # no copy there (yet): nothing confirmed
+    sourced = 0
+    if not err:
+        hdrs = (got.get("message") or {}).get("hdrs")
+        seq = source_header_seq(b64decode(hdrs)) if hdrs else None
+        if seq is None:
+            return None  # not a sourced message: no position to trust
+        sourced = seq
+    nexts = [last + 1]
+    for subject in subjects:
+        try:
+            found = await _msg_get(nc, None, stream, {"seq": sourced + 1, "next_by_subj": subject})
+        except Exception:
+            return None
+        if "error" not in found:
+            nexts.append(int(found["message"]["seq"]))
+        elif found["error"].get("err_code") != NO_MESSAGE:
+            return None
+    return min(nexts)
+
+
 @dataclasses.dataclass
 class SourceWatch:
     """Kicks copies stalled on nats-server's source retry backoff (`stalled_copies`) on the
@@ -343,6 +419,8 @@ __all__ = [
     "origin_subject",
     "origin_transform",
     "replication_lag",
+    "source_header_seq",
+    "sourced_next",
     "stalled_copies",
     "stream_copy_info",
     "with_local_sources",

@@ -122,7 +122,9 @@ def role_permissions(cfg: Config) -> dict[str, dict[str, Any]]:
             [INBOX],
         ),
         "analysis": _perm(
-            [*_LOOK, *_READ, "results.>", "deadletter.>", *_kv(RESULTS_BUCKET)], [INBOX]
+            # the lease fences a warm pair of drivers (jobs/standby.py)
+            [*_LOOK, *_READ, "results.>", "deadletter.>", *_kv(RESULTS_BUCKET), *_kv(LEASE_BUCKET)],
+            [INBOX],
         ),
         # NATS producers of the pub/sub pattern: `ingest.<stream>` requests, nothing else
         "producer": _perm(["ingest.*"], [INBOX]),

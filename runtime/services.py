@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 JAVA_PACKAGE = "openjdk-17-jre-headless"
 LOCAL_HOST = "127.0.0.1"
+# every SparkSession tierflow makes: no `${...}` substitution in SQL text (`spark_session`)
+NO_SUBSTITUTION = {"spark.sql.variable.substitute": "false"}
 
 
 class EngineError(RuntimeError):
@@ -269,7 +271,12 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
     overhead twice per batch) and RocksDB state with changelog checkpointing (each batch
     writes only its changes; at least as fast as the in-memory HDFS-backed store here and
     off the JVM heap as state grows with distinct items and windows). A query keeps the
-    settings its checkpoint was made with; `spark.conf` in the config overrides these.
+    settings its checkpoint was made with; `spark.conf` in the config overrides these,
+    except `NO_SUBSTITUTION`: with it on, Spark replaces ``${env:X}``, ``${system:X}`` and
+    ``${<setting>}`` in SQL text before parsing it, so a query could read the driver's
+    environment, Java properties and settings (credentials among them). It is forced in the
+    builder (the SparkConf, which later sessions copy) and on the session itself (a session
+    that already existed keeps its own SQL conf).
     """
     require_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -293,9 +300,11 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
             "spark.driver.bindAddress", LOCAL_HOST
         )
     conf = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cfg.spark.conf.items()}
-    for key, value in driver_class_archive(cfg, conf).items():
+    for key, value in {**driver_class_archive(cfg, conf), **NO_SUBSTITUTION}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
+    for key, value in NO_SUBSTITUTION.items():
+        session.conf.set(key, value)
     session.sparkContext.setLogLevel(cfg.spark.log_level)
     return session
 

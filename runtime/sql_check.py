@@ -13,12 +13,34 @@ act on, unless it is one read-only query over the tables it names:
 - no function that reaches outside the query (`reflect`, `java_method`, `try_reflect`),
   no script transform, no statement nested anywhere in the tree.
 
+Nor may it rewrite itself or blow up the driver that runs it:
+
+- no ``${`` anywhere, in the text or in what sqlglot renders from it: Spark substitutes
+  ``${env:X}``, ``${system:X}`` and ``${<setting>}`` in SQL text before parsing (every
+  session tierflow makes turns that off too; the refusal says why in case one does not);
+- no call that makes a value or a row set larger than the query text suggests beyond
+  fixed limits: `repeat`, `space`, `lpad`/`rpad`, `array_repeat`, `randstr` and the widths
+  in `format_string`/`printf` take literal sizes up to `MAX_SIZE_ARG`, `sequence` literal
+  integer bounds of at most `MAX_SEQUENCE` elements, and the sizes of all of them together
+  multiply to at most `MAX_GENERATED` (an exploded sequence feeding a repeat multiplies);
+- no recursive ``WITH`` (rows without a bound), no hints (``/*+ BROADCAST(t) */`` would
+  copy a whole stream to every task, ``REPARTITION`` picks the task count), at most
+  `MAX_JOINS` joins, and each join related by a condition (``ON`` or ``USING``, or a
+  ``WHERE`` conjunct naming both sides, qualified, or two unqualified columns): a comma
+  join or ``CROSS JOIN`` without one is a cartesian product.
+
+These are syntactic limits: they cannot know what an unqualified column belongs to, nor
+how large a stream's own values are; the driver adds its own (admission, the SQL session's
+settings, the timeout and the answer's size, jobs/driver.py and jobs/sql.py).
+
 The tables a query touches come back with it, so the caller checks the user may read each.
 sqlglot does the parsing; what is hand-written here is the policy, which no library has.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -26,9 +48,28 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
-__all__ = ["MAX_SQL_CHARS", "CheckedQuery", "SqlRefused", "check_select"]
+__all__ = [
+    "MAX_GENERATED",
+    "MAX_JOINS",
+    "MAX_SEQUENCE",
+    "MAX_SIZE_ARG",
+    "MAX_SQL_CHARS",
+    "CheckedQuery",
+    "SqlRefused",
+    "check_select",
+]
 
 MAX_SQL_CHARS = 65_536
+MAX_SIZE_ARG = 10_000  # characters or elements one call may make (repeat, lpad, ...)
+MAX_SEQUENCE = 100_000  # elements of one sequence(...)
+MAX_GENERATED = 1_000_000  # all sizes of one query multiplied
+MAX_JOINS = 4
+VARIABLE = "${"
+# a format spec's width and precision: %[index$][flags][width][.precision]conversion
+_FORMAT_SPEC = re.compile(r"%(?:\d+\$)?[-#+ 0,(<]*(\d+)?(?:\.(\d+))?[a-zA-Z%]")
+# functions by name whose argument at that index is a size (the rest are sqlglot types)
+_SIZE_ARG_BY_NAME = {"array_repeat": 1}
+_FORMAT_BY_NAME = frozenset({"printf", "format_string"})
 # Spark functions that reach outside the query (call Java, read files by name)
 DENIED_FUNCTIONS = frozenset({"reflect", "java_method", "try_reflect", "read_files"})
 # nodes that are statements or side effects wherever they sit in the tree
@@ -78,13 +119,18 @@ class CheckedQuery:
         return root.sql(dialect="spark", comments=False)
 
 
-def check_select(sql: str, known: Collection[str]) -> CheckedQuery:
-    """Refuse (`SqlRefused`) anything but one read-only query over the `known` tables."""
+def check_select(
+    sql: str, known: Collection[str], *, listed: Collection[str] | None = None
+) -> CheckedQuery:
+    """Refuse (`SqlRefused`) anything but one read-only query over the `known` tables;
+    an unknown table's refusal names `listed` (default: `known`), e.g. only the tables the
+    caller may read, so it tells nobody which other streams exist."""
     text = sql.strip().rstrip(";").strip()
     if not text:
         raise SqlRefused("the query is empty")
     if len(text) > MAX_SQL_CHARS:
         raise SqlRefused(f"the query is longer than {MAX_SQL_CHARS} characters")
+    _no_variables(text)
     try:
         statements = [s for s in sqlglot.parse(text, read="spark") if s is not None]
     except SqlglotError as err:
@@ -96,20 +142,180 @@ def check_select(sql: str, known: Collection[str]) -> CheckedQuery:
         raise SqlRefused(f"only a SELECT query is allowed, not {_kind(root)}")
     ctes = {cte.alias_or_name.lower() for cte in root.find_all(exp.CTE)}
     names = {k.lower(): k for k in known}
+    shown = sorted(listed if listed is not None else names.values())
     tables: set[str] = set()
+    sizes: list[int] = []
+    joins = 0
     for node in root.walk():
         if isinstance(node, _STATEMENTS):
             raise SqlRefused(f"only a SELECT query is allowed: {_kind(node)} is refused")
         if isinstance(node, exp.Func) and _function_name(node) in DENIED_FUNCTIONS:
             raise SqlRefused(f"function {_function_name(node)}() is not allowed")
+        if isinstance(node, exp.With) and node.args.get("recursive"):
+            raise SqlRefused("a recursive WITH is not allowed: it makes rows without a bound")
+        if isinstance(node, exp.Hint):
+            raise SqlRefused(
+                f"hints are not allowed ({node.sql(dialect='spark')[:80]}): the driver plans "
+                "ad-hoc queries itself, so one cannot broadcast a stream or pick task counts"
+            )
+        if isinstance(node, exp.Func) and (size := _size(node)) is not None:
+            sizes.append(size)
+        if isinstance(node, exp.Select):
+            joins += _check_joins(node)
         if isinstance(node, exp.Table):
-            tables.add(_table(node, names, ctes))
+            tables.add(_table(node, names, ctes, shown))
+    if joins > MAX_JOINS:
+        raise SqlRefused(f"at most {MAX_JOINS} joins in a query, this one has {joins}")
+    if sizes and math.prod(sizes) > MAX_GENERATED:
+        raise SqlRefused(
+            f"the sizes this query generates ({' x '.join(map(str, sizes))}) multiply to "
+            f"{math.prod(sizes)}, over the limit of {MAX_GENERATED}"
+        )
     tables.discard("")
-    return CheckedQuery(sql=root.sql(dialect="spark", comments=False), tables=frozenset(tables))
+    rendered = root.sql(dialect="spark", comments=False)
+    _no_variables(rendered)  # an escape sqlglot decodes (`\\u0024{`) must not become one
+    return CheckedQuery(sql=rendered, tables=frozenset(tables))
 
 
-def _table(node: exp.Table, names: dict[str, str], ctes: set[str]) -> str:
-    """The known table `node` names ("" for a CTE of the query), or refuse it."""
+def _no_variables(text: str) -> None:
+    if VARIABLE in text:
+        raise SqlRefused(
+            f"'{VARIABLE}' is not allowed anywhere in a query (strings and comments too): "
+            "Spark would substitute variables there (the environment, Java properties, its "
+            "settings) before reading the query"
+        )
+
+
+def _size(node: exp.Func) -> int | None:
+    """How many characters, elements or rows `node` makes, when it is a call that can make
+    more than its arguments hold; refuse it when that is not a literal within the limits."""
+    name = _function_name(node)
+    if isinstance(node, exp.Pad):
+        name = "lpad" if node.args.get("is_left") else "rpad"
+    elif isinstance(node, exp.Format):
+        name = "format_string"
+    if isinstance(node, exp.GenerateSeries):
+        return _sequence_size(node)
+    if isinstance(node, exp.Format) or name in _FORMAT_BY_NAME:
+        fmt = node.this if isinstance(node, exp.Format) else (node.expressions or [None])[0]
+        return _format_size(name, fmt)
+    arg: exp.Expression | None
+    if isinstance(node, exp.Repeat):
+        arg = node.args.get("times")
+    elif isinstance(node, exp.Space | exp.Randstr):
+        arg = node.this
+    elif isinstance(node, exp.Pad):
+        arg = node.expression
+    elif name in _SIZE_ARG_BY_NAME:
+        args = node.expressions
+        index = _SIZE_ARG_BY_NAME[name]
+        arg = args[index] if len(args) > index else None
+    else:
+        return None
+    value = _integer(arg)
+    if value is None or not 0 <= value <= MAX_SIZE_ARG:
+        raise SqlRefused(
+            f"{name}() takes a literal size from 0 to {MAX_SIZE_ARG} here, not {_shown(arg)}"
+        )
+    return max(value, 1)
+
+
+def _sequence_size(node: exp.GenerateSeries) -> int:
+    start, end = _integer(node.args.get("start")), _integer(node.args.get("end"))
+    step_arg = node.args.get("step")
+    step = _integer(step_arg) if step_arg is not None else (1 if (end or 0) >= (start or 0) else -1)
+    if start is None or end is None or step is None or step == 0:
+        raise SqlRefused(
+            "sequence() takes literal integer bounds (and a non-zero literal step) here, not "
+            f"{_shown(node)}"
+        )
+    count = max(0, (end - start) // step + 1)
+    if count > MAX_SEQUENCE:
+        raise SqlRefused(
+            f"sequence() may make at most {MAX_SEQUENCE} elements here, "
+            f"{_shown(node)} makes {count}"
+        )
+    return max(count, 1)
+
+
+def _format_size(name: str, fmt: exp.Expression | None) -> int:
+    if not isinstance(fmt, exp.Literal) or not fmt.is_string:
+        raise SqlRefused(f"{name}() takes a literal format here, not {_shown(fmt)}")
+    widths = [int(n) for spec in _FORMAT_SPEC.findall(fmt.this) for n in spec if n]
+    widest = max(widths, default=0)
+    if widest > MAX_SIZE_ARG:
+        raise SqlRefused(f"{name}() widths are at most {MAX_SIZE_ARG} here, not {widest}")
+    return max(widest, 1)
+
+
+def _integer(node: exp.Expression | None) -> int | None:
+    """A literal integer (or its negation), else None."""
+    sign = 1
+    if isinstance(node, exp.Neg):
+        sign, node = -1, node.this
+    if isinstance(node, exp.Paren):
+        return _integer(node.this)
+    if not isinstance(node, exp.Literal) or node.is_string:
+        return None
+    try:
+        return sign * int(str(node.this))
+    except ValueError:
+        return None
+
+
+def _check_joins(select: exp.Select) -> int:
+    """The number of joins of `select`, each one refused unless a condition relates it to
+    the tables before it (a cartesian product of two streams is their sizes multiplied)."""
+    joins = select.args.get("joins") or []
+    if not joins:
+        return 0
+    source = select.args.get("from_")
+    seen = {source.this.alias_or_name.lower()} if source is not None else set()
+    where = select.args.get("where")
+    conjuncts = _conjuncts(where.this) if isinstance(where, exp.Where) else []
+    for join in joins:
+        name = join.this.alias_or_name.lower()
+        if join.args.get("method") or join.args.get("kind") == "NATURAL":
+            raise SqlRefused(
+                f"a NATURAL join ({name}) is not allowed: name its condition with ON or USING"
+            )
+        if join.args.get("using"):
+            seen.add(name)
+            continue
+        on = join.args.get("on")
+        candidates = (_conjuncts(on) if on is not None else []) + conjuncts
+        if not any(_relates(c, name, seen) for c in candidates):
+            raise SqlRefused(
+                f"the join with {name!r} has no condition relating it to "
+                f"{', '.join(sorted(seen)) or 'the tables before it'}: add ON or USING, or a "
+                "WHERE condition naming columns of both (a join without a condition is a "
+                "cartesian product)"
+            )
+        seen.add(name)
+    return len(joins)
+
+
+def _conjuncts(condition: exp.Expression) -> list[exp.Expression]:
+    return list(condition.flatten()) if isinstance(condition, exp.And) else [condition]
+
+
+def _relates(condition: exp.Expression, name: str, before: set[str]) -> bool:
+    """`condition` names a column of table `name` and of a table in `before`, or two
+    unqualified columns (which side each is on is Spark's to know)."""
+    columns = list(condition.find_all(exp.Column))
+    owners = {c.table.lower() for c in columns if c.table}
+    if name in owners and owners & before:
+        return True
+    return sum(1 for c in columns if not c.table) >= 2
+
+
+def _shown(node: exp.Expression | None) -> str:
+    return node.sql(dialect="spark")[:80] if node is not None else "nothing"
+
+
+def _table(node: exp.Table, names: dict[str, str], ctes: set[str], shown: list[str]) -> str:
+    """The known table `node` names ("" for a CTE of the query), or refuse it, listing the
+    `shown` tables."""
     if not isinstance(node.this, exp.Identifier):
         raise SqlRefused("table functions are not allowed; name a stream or results")
     if node.args.get("db") or node.args.get("catalog"):
@@ -119,7 +325,7 @@ def _table(node: exp.Table, names: dict[str, str], ctes: set[str]) -> str:
     if name in ctes:
         return ""
     if name not in names:
-        tables = ", ".join(sorted(names.values())) or "none"
+        tables = ", ".join(shown) or "none"
         raise SqlRefused(f"unknown table {node.name!r}; the tables are: {tables}")
     return names[name]
 

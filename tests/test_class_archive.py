@@ -196,6 +196,9 @@ def test_a_venv_reinstalled_at_the_same_path_names_another_archive(
     for jar in jars:
         jar.write_bytes(b"jar")
     monkeypatch.setattr(class_archive, "spark_jars", lambda: [str(j) for j in jars])
+    # a unit test starts no JVM: the java binary and its banner as a machine would give them
+    monkeypatch.setattr(class_archive, "spark_java", lambda: "/usr/bin/java")
+    monkeypatch.setattr(class_archive, "java_version_text", lambda java: 'openjdk "17.0.15"')
     monkeypatch.delenv("SPARK_CONF_DIR", raising=False)
     before = class_archive.archive_path(tmp_path)
     assert class_archive.archive_path(tmp_path) == before

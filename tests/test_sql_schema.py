@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from jobs.sql import StreamTable, representable, run_sql, stream_events, table_frame
+from jobs.sql import (
+    StreamTable,
+    json_result,
+    representable,
+    run_sql,
+    stream_events,
+    table_frame,
+)
 from runtime.nats import NatsEndpoint
 from tests.support import with_nats
 from tests.test_jetstream_source import add_stream, nats_url, publish, sp
@@ -78,6 +85,9 @@ def test_names_differing_only_in_case_are_left_out_with_a_note(
     assert "a,b" in nested and "y" in nested
     text = " ".join(notes)
     assert "Item" in text and "item" in text and "x.Deep" in text and "case" in text
+    answer = run_sql(sp, NatsEndpoint(nats_url), f"SELECT count(*) FROM `{ODD}`", {ODD: spec})
+    assert answer.notes and all(n.startswith(f"{ODD}: ") for n in answer.notes)
+    assert json_result(answer)["notes"] == answer.notes
 
 
 @pytest.mark.unit

@@ -4,7 +4,16 @@ The gateway holds no Spark: it checks the request here (the token, one read-only
 parsed with sqlglot by `runtime.sql_check`, the token allowed on every stream the query
 names) and hands the query to the analysis driver, which runs it over each stream's
 archive plus live tail (jobs/sql.py) and checks it again. Every refusal is a 400/401/403
-naming the problem, before anything is read.
+naming the problem, before anything is read; an unknown table's refusal lists only the
+streams the token may read.
+
+A query that names no table (``SELECT 1``, ``SELECT current_timestamp()``) reads no stream,
+so no stream's permission covers it: it runs only for a token allowed on every stream (with
+auth off, everyone), else 403. It cannot read anything a stream holds, but what a bare
+expression can reach is the driver's own, so it is for whom the gateway trusts with all.
+
+The driver runs a bounded number of queries at once; when they all run it answers at once
+with 429 and ``Retry-After`` (seconds until the first running query's timeout at most).
 
 Body: ``{"sql": "SELECT ...", "limit": 1000, "timeout_s": 30}``; answer:
 ``{"columns": [...], "rows": [[...], ...], "truncated": false, "tables": [...]}``.
@@ -51,10 +60,18 @@ class SqlRoutes:
             plane.access.authenticate(token)
             req = _decode(await request.read())
             refs = [stream_ref(s.config.name) for s in await plane.js.streams_info()]
-            known = {ref.public for ref in refs if not ref.kv}  # KV buckets are no tables
-            checked = check_select(req.sql, known)
+            tables = {ref.public: ref for ref in refs if not ref.kv}  # KV buckets are no tables
+            readable = sorted(n for n, ref in tables.items() if plane.access.may_read(token, ref))
+            checked = check_select(req.sql, tables, listed=readable)
             for name in sorted(checked.tables):
                 plane.access.authorize(token, stream_ref(name))
+            public = [n for n, ref in tables.items() if ref.js not in plane.access.internal]
+            if not checked.tables and len(readable) < len(public):
+                raise Problem(
+                    403,
+                    "a query that names no table needs a token allowed on every stream: "
+                    "name the streams it is about",
+                )
         except SqlRefused as err:
             return self._refuse(Problem(400, str(err)))
         except Problem as p:
@@ -65,10 +82,16 @@ class SqlRoutes:
                 "sql": req.sql,
                 "limit": req.limit,
                 "timeout_s": req.timeout_s,
-                "allowed": sorted(checked.tables),
+                # none named: the token may read every stream (checked above)
+                "allowed": sorted(checked.tables) if checked.tables else None,
             }
         )
         status = int(answer.pop("status", 500))
+        if status in (429, 503) and "retry_after_s" in answer:  # busy, or a purge got past
+            wait = max(1, int(answer.get("retry_after_s", 1)))
+            busy = self._refuse(Problem(status, str(answer.get("error")), retry_after_s=wait))
+            busy.headers["Retry-After"] = str(wait)
+            return busy
         if status != 200:
             return self._refuse(Problem(status, str(answer.get("error", "query failed"))))
         return reply(200, answer)

@@ -13,11 +13,19 @@ import msgspec
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.deploy.deployer import deploy
 from cluster.deploy.spec import RoleSpec, Start
-from jobs.driver import DRIVER_NAME, MAX_CONCURRENCY, AnalysisDriver, default_master
+from jobs.driver import (
+    DRIVER_NAME,
+    MAX_CONCURRENCY,
+    RECOMPUTE_GROUP,
+    RECOMPUTE_THREADS,
+    SQL_GROUP,
+    AnalysisDriver,
+    default_master,
+)
 from jobs.errors import JobError
 from jobs.specs import JobSpec, decode_spec
+from jobs.sql_admission import SQL_WAITING, sql_slots
 from jobs.standby import standby_name
 from runtime.config import Config
 from runtime.nats_endpoint import NatsEndpoint
@@ -61,6 +69,21 @@ def driver_ray_options(cfg: Config) -> dict[str, Any]:
     return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, **extra}
 
 
+def driver_groups(cfg: Config) -> dict[str, int]:
+    """The driver's Ray concurrency groups besides the default one (`MAX_CONCURRENCY`
+    threads for the control methods): ad-hoc SQL gets `sql_slots` threads to run queries
+    plus `SQL_WAITING` that answer 429 at once when the slots are taken; recomputes (minutes
+    each) their own. Ray takes groups only where the class is made remote (`driver_class`),
+    never in `.options()`."""
+    return {SQL_GROUP: sql_slots(cfg) + SQL_WAITING, RECOMPUTE_GROUP: RECOMPUTE_THREADS}
+
+
+def driver_class(cfg: Config) -> Any:
+    """AnalysisDriver as a Ray actor class with `driver_groups` (its `sql` and `recompute`
+    name their groups: Ray refuses to create it without them)."""
+    return ray.remote(concurrency_groups=driver_groups(cfg))(AnalysisDriver)
+
+
 def driver_options(cfg: Config, name: str = DRIVER_NAME) -> dict[str, Any]:
     """Ray options: detached, named, restarted forever (`supervised_options`), plus
     `driver_ray_options`."""
@@ -77,7 +100,8 @@ def analysis_role(
     state_dir: str | os.PathLike[str] | None = None,
 ) -> RoleSpec:
     """One driver, a detached actor Ray restarts (it restores its wanted jobs itself); with
-    `spark.standby`, the first of a warm pair (`start_standby` starts the second)."""
+    `spark.standby`, the first of a warm pair (`start_standby` starts the second). Started
+    by `start_driver`, not the generic deployer: its class needs `driver_groups`."""
     peer = standby_name(name) if cfg.spark.standby else None
     child = ChildSpec(
         name,
@@ -147,8 +171,9 @@ def start_driver(
     except ValueError:
         existed = False
     spec = analysis_role(cfg, nats_url, jobs, name=name, master=master, state_dir=state_dir)
-    (deployed,) = deploy([spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path))
-    driver = deployed.actors[0]
+    (child,) = spec.children  # started as the deployer starts a detached role, with groups
+    options = supervised_options(child.id, cfg.ray.namespace, **(child.ray_options or {}))
+    driver = driver_class(cfg).options(**options).remote(*child.args, **child.kwargs)
     if cfg.spark.standby:
         start_standby(cfg, driver, spec.children[0].kwargs, name=name)
     if not existed:
@@ -180,7 +205,7 @@ def start_standby(
         **driver_ray_options(cfg),
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     )
-    return ray.remote(AnalysisDriver).options(**options).remote(**kwargs)
+    return driver_class(cfg).options(**options).remote(**kwargs)
 
 
 def wait_running(driver: Any, timeout: float = 120.0) -> dict[str, Any]:
