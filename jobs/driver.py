@@ -17,9 +17,10 @@ and it exits so that Ray restarts it in a new process (jobs/escalation.py). Ray 
 only change the wanted set and read state, so heartbeats never wait behind Spark (the actor
 is threaded); ad-hoc SQL and recompute, which do run Spark jobs, have Ray concurrency groups
 of their own (jobs/sql_admission.py), so no query can occupy the threads `status`, `jobs`
-and the standby's role check answer on. Each stream with a job also gets a dead-letter scan (jobs/deadletter_scan.py,
-a reader without Spark, supervised like a query): malformed events go to
-``deadletter.<stream>``, and its position and exact count are kept in the checkpoint.
+and the standby's role check answer on. Each stream with a job also gets a dead-letter
+scan (jobs/deadletter_scan.py, a reader without Spark, supervised like a query): malformed
+events go to ``deadletter.<stream>``, and its position and exact count are kept in the
+checkpoint.
 
 `recompute` makes a job's batch view (jobs/batch_view.py, jobs/recompute.py): it pauses the
 job's streaming query, runs the spec as a batch job over the stream's history up to its last
@@ -1302,15 +1303,23 @@ class AnalysisDriver(SupervisedActor):
             purge = self.purges.get(name)
             copy = read_copy(self.checkpoint_root / archive_query_name(name))
             q = self._w.queries.get(archive_query_name(name))
+            error = q.error if q and q.error else None
             out[name] = {
-                "path": self.cfg.archive_root(name),
+                # the directory of the copy this checkpoint archives (jobs/archive.py)
+                "path": copy_root(self.cfg.archive_root(name), copy),
                 "next_seq": pos.next_seq if pos else 1,
                 "skipped": pos.skipped if pos else 0,
                 "purged_below": purge.below if purge else None,
                 "warning": purge.warning if purge else None,
+                # who kept the stream from being trimmed further: the archive, a site, a reader
+                "held_by": [h.holder for h in purge.held_by] if purge else [],
                 "copy": copy.describe() if copy else None,
                 # a position of another copy: not resumed (the error says what to do)
-                "copy_error": q.error if q and q.error and "sequences of copy" in q.error else None,
+                "copy_error": error if error and "sequences of copy" in error else None,
+                # a directory this checkpoint does not own: refused at start
+                "owner_error": error
+                if error and ("archive directory" in error or "archive checkpoint" in error)
+                else None,
             }
         return out
 

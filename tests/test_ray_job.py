@@ -28,6 +28,7 @@ import pytest
 
 from cluster.demo.meetup import reference
 from cluster.demo.rsvps import RsvpGenerator
+from cluster.lab.services import ray_env
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect, free_port
@@ -39,21 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _env() -> dict[str, str]:
-    """The CLI's environment: the venv's `ray` and `python` first on PATH (the job's
-    `python -m cluster.demo` is resolved by the raylet's PATH), and token auth, which
-    Ray 2.60 turns on for a new head, for the `ray job` client."""
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_AUTH_MODE"] = "token"
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
 def _ray(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "ray"), *args],
-        env=_env(),
+        env=ray_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

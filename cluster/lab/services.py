@@ -102,37 +102,15 @@ class RayNodes:
         self.temp_dirs[host] = path
         return path
 
-    def start_head(self, timeout: float = 180.0) -> None:
-        host = self.head_host
-        addr = self.lab.address(host)
+    def _start_node(self, host: str, *role: str) -> None:
+        """`ray start` inside `host`, in the foreground (its pid the lab's), `role` being
+        the head's or a worker's own options."""
         self.lab.spawn(
             host,
             [
                 str(BIN / "ray"),
                 "start",
-                "--head",
-                f"--node-ip-address={addr}",
-                f"--port={RAY_PORT}",
-                f"--dashboard-host={addr}",
-                f"--dashboard-port={RAY_DASHBOARD_PORT}",
-                f"--temp-dir={self._temp_dir(host)}",
-                f"--num-cpus={self.cpus_per_host}",
-                *RAY_NODE_PORTS,
-                "--disable-usage-stats",
-                "--block",
-            ],
-            env=ray_env(),
-            log=self.base_dir / f"ray-{host}.log",
-        )
-        self._wait_dashboard(timeout)
-
-    def start_worker(self, host: str) -> None:
-        self.lab.spawn(
-            host,
-            [
-                str(BIN / "ray"),
-                "start",
-                f"--address={self.address}",
+                *role,
                 f"--node-ip-address={self.lab.address(host)}",
                 f"--temp-dir={self._temp_dir(host)}",
                 f"--num-cpus={self.cpus_per_host}",
@@ -143,6 +121,20 @@ class RayNodes:
             env=ray_env(),
             log=self.base_dir / f"ray-{host}.log",
         )
+
+    def start_head(self, timeout: float = 180.0) -> None:
+        addr = self.lab.address(self.head_host)
+        self._start_node(
+            self.head_host,
+            "--head",
+            f"--port={RAY_PORT}",
+            f"--dashboard-host={addr}",
+            f"--dashboard-port={RAY_DASHBOARD_PORT}",
+        )
+        self._wait_dashboard(timeout)
+
+    def start_worker(self, host: str) -> None:
+        self._start_node(host, f"--address={self.address}")
 
     def start(self, timeout: float = 180.0) -> None:
         self.start_head(timeout)
