@@ -1,0 +1,167 @@
+"""One lab fault under load, judged: the pipeline on a `LabCluster`, a known-id load from
+the laptop to every collector, the nemesis's fault at its time, then the verdict (every
+acknowledged event stored exactly once, cluster/verify.py) and what the fault cost the
+writers (`nemesis.recovery`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.lab.cluster import LabCluster
+from cluster.lab.nemesis import (
+    BRIDGE_PARTITION,
+    HOST_CRASH,
+    HOST_PAUSE,
+    LabFault,
+    Marks,
+    Recovery,
+    apply,
+    recovery,
+    resolve,
+)
+from cluster.loadgen import drive
+from cluster.verify import Verdict, judge, stream_ids
+from runtime.nats import connect
+from runtime.roles import ANALYSIS_DRIVER
+from runtime.waiting import await_until
+
+__all__ = ["LabRun", "holders", "run_fault"]
+
+
+@dataclass
+class LabRun:
+    fault: LabFault
+    hosts: tuple[str, ...]
+    events: int
+    acknowledged: int
+    verdict: Verdict
+    recovery: Recovery
+    marks: Marks
+    elapsed_s: float
+    errors: int
+    refused: int
+
+    def row(self) -> dict[str, Any]:
+        r = self.recovery
+        return {
+            "fault": self.fault.kind,
+            "hosts": "+".join(self.hosts),
+            "events": self.events,
+            "acknowledged": self.acknowledged,
+            "lost": len(self.verdict.lost),
+            "duplicated": len(self.verdict.duplicated),
+            "to_next_ack_s": None if r.to_next_ack_s is None else round(r.to_next_ack_s, 2),
+            "to_full_rate_s": None if r.to_full_rate_s is None else round(r.to_full_rate_s, 2),
+            "errors": self.errors,
+            "refused_503": self.refused,
+            "elapsed_s": round(self.elapsed_s, 1),
+        }
+
+
+def holders(lc: LabCluster, stream: str) -> dict[str, str]:
+    """Which host holds what now: the stream's NATS leader, the Ray head, the Spark
+    driver, collector-0."""
+    out: dict[str, str] = {}
+    assert lc.ray is not None
+    out["ray-head"] = lc.ray.head_host
+    by_address = {lc.lab.address(h): h for h in lc.lab.hosts()}
+    for name, address in lc.hosts_of([ANALYSIS_DRIVER, "collector-0"]).items():
+        if address in by_address:
+            out["spark-driver" if name == ANALYSIS_DRIVER else name] = by_address[address]
+
+    async def leader() -> str | None:
+        nc = await connect(lc.nats_url)
+        try:
+            info = await nc.jetstream().stream_info(stream)
+            return str(info.cluster.leader) if info.cluster and info.cluster.leader else None
+        finally:
+            await nc.close()
+
+    found = asyncio.run(leader())
+    if found in lc.lab.hosts():
+        out["nats-leader"] = found
+    return out
+
+
+def run_fault(
+    lc: LabCluster,
+    fault: LabFault,
+    urls: list[str],
+    stream: str,
+    *,
+    events: int,
+    rate: float,
+    prefix: str,
+) -> LabRun:
+    """`events` known-id events at `rate` to `urls`, `fault` at its fraction of the window
+    (a role resolved to its host then; a crash or pause never hits the Ray head, which
+    the lab does not restart), then the verdict once the stream holds every acknowledged
+    event (or a deadline passes: the verdict says what is missing)."""
+    window = events / rate
+    acks: list[float] = []
+    body = [{"id": f"{prefix}-{i}", "n": i, "response": "yes"} for i in range(events)]
+    batch = 50
+
+    async def run() -> tuple[Any, Marks, tuple[str, ...]]:
+        def acked(idx: int) -> None:
+            now = time.monotonic()
+            acks.extend([now] * min(batch, events - idx * batch))
+
+        load = asyncio.create_task(
+            drive(
+                urls,
+                stream,
+                body,
+                batch=batch,
+                concurrency=8,
+                rate=rate,
+                deadline_s=window + 600,
+                request_timeout_s=5.0,
+                on_batch=acked,
+            )
+        )
+        await asyncio.sleep(fault.at * window)
+        hosts = resolve(fault, await asyncio.to_thread(holders, lc, stream))
+        if fault.kind in (HOST_CRASH, HOST_PAUSE) and lc.ray and lc.ray.head_host in hosts:
+            others = [h for h in lc.lab.hosts() if h != lc.ray.head_host]
+            hosts = (others[0],)
+        if fault.kind == BRIDGE_PARTITION:
+            hosts = hosts[:1]  # that host alone on one side, the rest on the other
+        marks = await apply(lc.lab, fault, hosts, restart=lc.restart_host)
+        return await load, marks, hosts
+
+    report, marks, hosts = asyncio.run(run())
+
+    async def stored() -> Any:
+        nc = await connect(lc.nats_url)
+        try:
+            return await stream_ids(nc, stream, timeout=300)
+        finally:
+            await nc.close()
+
+    async def settled() -> Any:
+        got = await stored()
+        return got if all(got[i] for i in report.acknowledged) else None
+
+    async def wait() -> Any:
+        try:
+            return await await_until(settled, timeout=300, interval=2.0, what="stored")
+        except AssertionError:
+            return await stored()
+
+    got = asyncio.run(wait())
+    return LabRun(
+        fault=fault,
+        hosts=hosts,
+        events=events,
+        acknowledged=len(report.acknowledged),
+        verdict=judge(report.acknowledged, got),
+        recovery=recovery(acks, marks),
+        marks=marks,
+        elapsed_s=report.elapsed_s,
+        errors=report.errors,
+        refused=report.refused,
+    )

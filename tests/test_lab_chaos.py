@@ -1,0 +1,84 @@
+"""`make chaos`: every lab fault under a known-id load on the pipeline spread over three
+hosts (cluster/lab/chaos.py), each judged: every acknowledged event stored exactly once.
+What each fault cost the writers (to the next acknowledgement, back to full rate) is
+printed and written to reports/lab_chaos.json; a speed is reported, never asserted.
+
+`TIERFLOW_LAB_EVENTS` (default 100,000) and `TIERFLOW_LAB_RATE` (events/s, default 1,000)
+size each fault's load. `make test` runs the short form, tests/test_lab_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.lab.chaos import run_fault
+from cluster.lab.cluster import LabCluster
+from cluster.lab.hosts import Lab, lab_unavailable
+from cluster.lab.nemesis import (
+    BRIDGE_PARTITION,
+    FLAKY_LINK,
+    HOST_CRASH,
+    HOST_PAUSE,
+    PARTITION_HOST,
+    PARTITION_MINORITY,
+    LabFault,
+    plan,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(3600)]
+
+EVENTS = int(os.environ.get("TIERFLOW_LAB_EVENTS", "100000"))
+RATE = float(os.environ.get("TIERFLOW_LAB_RATE", "1000"))
+SEED = 1
+STREAM = "meetup"
+REPORT = Path("reports/lab_chaos.json")
+# one partition per role mix, then each other fault on a host the seed picks
+ROLE_MIXES = ("nats-leader", "ray-head", "spark-driver", "collector-0")
+CASES: list[LabFault] = [
+    *(LabFault(0.3, PARTITION_HOST, (f"role:{role}",), 30.0) for role in ROLE_MIXES),
+    *plan(
+        [PARTITION_MINORITY, BRIDGE_PARTITION, HOST_CRASH, HOST_PAUSE, FLAKY_LINK],
+        ["h1", "h2", "h3"],
+        SEED,
+    ),
+]
+ROWS: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module")
+def lab_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabCluster, list]]:
+    why = lab_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    work = tmp_path_factory.mktemp("labchaos")
+    with Lab.up(3, work / "records") as lab:
+        lc = LabCluster(lab, work)
+        lc.start_engines()
+        lc.submit(lc.config())
+        try:
+            found = lc.endpoints({"collector": 3, "gateway": 2})
+            urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
+            yield lc, urls
+        finally:
+            REPORT.parent.mkdir(exist_ok=True)
+            REPORT.write_text(json.dumps(ROWS, indent=2))
+            lc.stop_job()
+
+
+@pytest.mark.parametrize("fault", CASES, ids=[f"{f.kind}-{f.hosts[0]}" for f in CASES])
+def test_a_lab_fault_loses_and_duplicates_nothing_acknowledged(
+    lab_cluster: tuple[LabCluster, list[str]], fault: LabFault
+) -> None:
+    lc, urls = lab_cluster
+    prefix = f"{fault.kind}-{fault.hosts[0].replace(':', '-')}"
+    run = run_fault(lc, fault, urls, STREAM, events=EVENTS, rate=RATE, prefix=prefix)
+    ROWS.append(run.row())
+    print(f"\nlab chaos: {run.row()}")
+    assert run.acknowledged == EVENTS, run.row()
+    assert run.verdict.ok, str(run.verdict)
