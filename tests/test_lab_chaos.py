@@ -52,7 +52,11 @@ ROWS: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="module")
-def lab_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabCluster, list]]:
+def lab_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LabCluster, list]]:
+    if "chaos" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the lab's faults at full size run with -m chaos (make chaos)")
     why = lab_unavailable()
     if why is not None:
         pytest.skip(why)
