@@ -603,7 +603,7 @@ async def test_oversized_bodies_are_413(stack: Stack) -> None:
         assert answer.status == 413 and "bytes" in answer.json()["error"], answer
         # Chunked, no Content-Length: refused once the limit is crossed.
         chunked = (
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
         ).encode()
         piece = b"x" * (1 << 20)

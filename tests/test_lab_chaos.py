@@ -54,7 +54,7 @@ ROWS: list[dict[str, Any]] = []
 @pytest.fixture(scope="module")
 def lab_cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[LabCluster, list]]:
+) -> Iterator[tuple[LabCluster, dict[str, Any]]]:
     if "chaos" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the lab's faults at full size run with -m chaos (make chaos)")
     why = lab_unavailable()
@@ -67,8 +67,7 @@ def lab_cluster(
         lc.submit(lc.config())
         try:
             found = lc.endpoints({"collector": 3, "gateway": 2})
-            urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
-            yield lc, urls
+            yield lc, found
         finally:
             REPORT.parent.mkdir(exist_ok=True)
             REPORT.write_text(json.dumps(ROWS, indent=2))
@@ -77,12 +76,17 @@ def lab_cluster(
 
 @pytest.mark.parametrize("fault", CASES, ids=[f"{f.kind}-{f.hosts[0]}" for f in CASES])
 def test_a_lab_fault_loses_and_duplicates_nothing_acknowledged(
-    lab_cluster: tuple[LabCluster, list[str]], fault: LabFault
+    lab_cluster: tuple[LabCluster, dict[str, Any]], fault: LabFault
 ) -> None:
-    lc, urls = lab_cluster
+    lc, found = lab_cluster
+    urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
+    gateways = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
     prefix = f"{fault.kind}-{fault.hosts[0].replace(':', '-')}"
-    run = run_fault(lc, fault, urls, STREAM, events=EVENTS, rate=RATE, prefix=prefix)
+    run = run_fault(
+        lc, fault, urls, STREAM, events=EVENTS, rate=RATE, prefix=prefix, gateways=gateways
+    )
     ROWS.append(run.row())
     print(f"\nlab chaos: {run.row()}")
     assert run.acknowledged == EVENTS, run.row()
     assert run.verdict.ok, str(run.verdict)
+    assert run.ok, run.row()  # the gateway client: every stored match once

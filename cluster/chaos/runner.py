@@ -27,7 +27,7 @@ import logging
 import secrets
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,7 +251,7 @@ async def gateway_url(d: Deployment) -> str:
 
 
 @dataclass
-class _Subscriber:
+class Subscriber:
     """A gateway client that resumes by cursor; keeps every delivered id in order."""
 
     ids: list[str] = field(default_factory=list)
@@ -259,7 +259,7 @@ class _Subscriber:
     task: asyncio.Task[None] | None = None
     error: str = ""
 
-    async def start(self, url: str, stream: str, filter_sql: str) -> None:
+    async def start(self, url: str | Sequence[str], stream: str, filter_sql: str) -> None:
         self.client = TierflowClient(url, give_up_after=120.0)
 
         async def consume() -> None:
@@ -399,7 +399,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
         work = Path(tmp.name)
     else:
         work = opts.workdir / f"{scn.name}-{opts.seed}-{secrets.token_hex(2)}"
-    sub = _Subscriber()
+    sub = Subscriber()
     try:
         d = await deploy(scn, opts, work, stack)
         events, matches = scenario_events(

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.chaos.report import DeliveryCheck, delivery_check
+from cluster.chaos.runner import Subscriber
 from cluster.lab.cluster import LabCluster
 from cluster.lab.nemesis import (
     BRIDGE_PARTITION,
@@ -43,6 +45,12 @@ class LabRun:
     elapsed_s: float
     errors: int
     refused: int
+    delivery: DeliveryCheck | None = None  # the gateway client's, when it had gateways
+
+    @property
+    def ok(self) -> bool:
+        delivered = self.delivery is None or self.delivery.ok
+        return self.verdict.ok and self.acknowledged == self.events and delivered
 
     def row(self) -> dict[str, Any]:
         r = self.recovery
@@ -58,7 +66,15 @@ class LabRun:
             "errors": self.errors,
             "refused_503": self.refused,
             "elapsed_s": round(self.elapsed_s, 1),
+            "client": None if self.delivery is None else _delivered(self.delivery),
         }
+
+
+def _delivered(d: DeliveryCheck) -> str:
+    return (
+        f"{d.received}/{d.expected}, missing {len(d.missing)}, duplicated {len(d.duplicated)}, "
+        f"reconnects {d.reconnects}"
+    )
 
 
 def holders(lc: LabCluster, stream: str) -> dict[str, str]:
@@ -95,14 +111,21 @@ def run_fault(
     events: int,
     rate: float,
     prefix: str,
+    gateways: list[str] | None = None,
 ) -> LabRun:
     """`events` known-id events at `rate` to `urls`, `fault` at its fraction of the window
     (a role resolved to its host then; a crash or pause never hits the Ray head, which
     the lab does not restart), then the verdict once the stream holds every acknowledged
-    event (or a deadline passes: the verdict says what is missing)."""
+    event (or a deadline passes: the verdict says what is missing). With `gateways`, a
+    client on the laptop subscribes through them (a third of the run's events, by a filter)
+    and must get each stored one exactly once, across the fault."""
     window = events / rate
     acks: list[float] = []
-    body = [{"id": f"{prefix}-{i}", "n": i, "response": "yes"} for i in range(events)]
+    body = [
+        {"id": f"{prefix}-{i}", "n": i, "k": "abc"[i % 3], "run": prefix, "response": "yes"}
+        for i in range(events)
+    ]
+    sub = Subscriber()
     batch = 50
 
     async def run() -> tuple[Any, Marks, tuple[str, ...]]:
@@ -110,6 +133,8 @@ def run_fault(
             now = time.monotonic()
             acks.extend([now] * min(batch, events - idx * batch))
 
+        if gateways:  # a client on the laptop reading through the hosts' gateways
+            await sub.start(gateways, stream, f"WHERE run = '{prefix}' AND k = 'a'")
         load = asyncio.create_task(
             drive(
                 urls,
@@ -153,6 +178,20 @@ def run_fault(
             return await stored()
 
     got = asyncio.run(wait())
+    delivery = None
+    if gateways:
+        want = {i for i in got if i.startswith(f"{prefix}-") and int(i.rsplit("-", 1)[1]) % 3 == 0}
+
+        async def caught_up() -> DeliveryCheck:
+            try:
+                await await_until(lambda: want <= set(sub.ids), 180, 0.5, what="client")
+            except AssertionError:
+                pass  # the check below says what is missing
+            finally:
+                await sub.stop()
+            return delivery_check(want, list(sub.ids), sub.client.stats.reconnects)
+
+        delivery = asyncio.run(caught_up())
     return LabRun(
         fault=fault,
         hosts=hosts,
@@ -164,4 +203,5 @@ def run_fault(
         elapsed_s=report.elapsed_s,
         errors=report.errors,
         refused=report.refused,
+        delivery=delivery,
     )

@@ -93,11 +93,12 @@ class LabCluster:
     # ---- the pipeline as a Ray job --------------------------------------------------------------
 
     def config(self, extra: str = "") -> Path:
-        """The job's tierflow.toml: every role on its node's address, NATS on every host."""
+        """The job's tierflow.toml: every role on its node's address, NATS on every host,
+        streams R3 (of up to three hosts)."""
         path = self.work / "tierflow.toml"
         path.write_text(
             f'state_dir = "{self.work / "state"}"\n'
-            f'[nats]\nurl = "{self.nats_url}"\n'
+            f'[nats]\nurl = "{self.nats_url}"\nstream_replicas = {min(3, len(self.nats))}\n'
             f'[ray]\nnamespace = "{self.namespace}"\n'
             '[roles.collector]\nhost = "node"\nreplicas = 3\n'
             '[roles.gateway]\nhost = "node"\nreplicas = 2\n'
@@ -169,10 +170,14 @@ class LabCluster:
 
     def hosts_of(self, names: list[str]) -> dict[str, str]:
         """The address of the node each named actor runs on."""
+        assert self.ray is not None
         code = f"""
         from ray.util.state import list_actors
         nodes = {{x["NodeID"]: x["NodeManagerAddress"] for x in ray.nodes()}}
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)]
+        # the state API finds "the" Ray instance by itself, and this machine may run others
+        alive = list_actors(
+            address={self.ray.dashboard!r}, filters=[("state", "=", "ALIVE")], limit=10000
+        )
         out = {{a.name: nodes.get(a.node_id, "?") for a in alive if a.name in {names!r}}}
         """
         return dict(self.ask_ray(code))
