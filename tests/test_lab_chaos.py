@@ -3,7 +3,7 @@ hosts (cluster/lab/chaos.py), each judged: every acknowledged event stored exact
 What each fault cost the writers (to the next acknowledgement, back to full rate) is
 printed and written to reports/lab_chaos.json; a speed is reported, never asserted.
 
-`TIERFLOW_LAB_EVENTS` (default 100,000) and `TIERFLOW_LAB_RATE` (events/s, default 1,000)
+`TFLAB_EVENTS` (default 100,000) and `TFLAB_RATE` (events/s, default 1,000)
 size each fault's load. `make test` runs the short form, tests/test_lab_pipeline.py.
 """
 
@@ -33,8 +33,8 @@ from cluster.lab.nemesis import (
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(3600)]
 
-EVENTS = int(os.environ.get("TIERFLOW_LAB_EVENTS", "100000"))
-RATE = float(os.environ.get("TIERFLOW_LAB_RATE", "1000"))
+EVENTS = int(os.environ.get("TFLAB_EVENTS", "100000"))
+RATE = float(os.environ.get("TFLAB_RATE", "1000"))
 SEED = 1
 STREAM = "meetup"
 REPORT = Path("reports/lab_chaos.json")
@@ -66,7 +66,11 @@ def lab_cluster(
         lc.start_engines()
         lc.submit(lc.config())
         try:
-            found = lc.endpoints({"collector": 3, "gateway": 2})
+            try:
+                found = lc.endpoints({"collector": 3, "gateway": 2})
+            except Exception:
+                print(lc.job_logs())
+                raise
             yield lc, found
         finally:
             REPORT.parent.mkdir(exist_ok=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.lab.hosts import Lab, LabError
-from runtime.nats import NatsServer
+from runtime.nats import PORT_SLICE_ENV, NatsServer
 
 __all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_env"]
 
@@ -64,10 +64,15 @@ def lab_nats(lab: Lab, base_dir: Path, *, sync_interval: str = "always") -> list
 
 
 def ray_env() -> dict[str, str]:
-    """The environment of Ray's CLI and of drivers on the laptop: this venv first on PATH,
-    token auth (Ray 2.60's default for a new head; the token file is shared, as the hosts
-    share this machine's file system)."""
-    env = dict(os.environ)
+    """The environment of Ray's CLI, Ray's nodes and drivers on the laptop: this venv first
+    on PATH; no `TIERFLOW_*` config override (another host has its own environment, and a
+    job reads its own config); token auth (Ray 2.60's default for a new head; the token file
+    is shared, as the hosts share this machine's file system)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TIERFLOW_") or k == PORT_SLICE_ENV  # test workers' port shares
+    }
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_AUTH_MODE"] = "token"
     env.pop("RAY_ADDRESS", None)
