@@ -84,15 +84,25 @@ def holders(lc: LabCluster, stream: str) -> dict[str, str]:
     assert lc.ray is not None
     out["ray-head"] = lc.ray.head_host
     by_address = {lc.lab.address(h): h for h in lc.lab.hosts()}
-    for name, address in lc.hosts_of([ANALYSIS_DRIVER, "collector-0"]).items():
+    for name, address in lc.hosts_of([ANALYSIS_DRIVER, "collector-0"]).items():  # if alive
         if address in by_address:
             out["spark-driver" if name == ANALYSIS_DRIVER else name] = by_address[address]
 
     async def leader() -> str | None:
+        """The stream's leader, asked again while the cluster is too busy to answer in
+        time (under load one request may time out), for up to 30 s."""
         nc = await connect(lc.nats_url)
         try:
-            info = await nc.jetstream().stream_info(stream)
-            return str(info.cluster.leader) if info.cluster and info.cluster.leader else None
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    info = await nc.jetstream(timeout=5).stream_info(stream)
+                    lead = info.cluster.leader if info.cluster else None
+                    return str(lead) if lead else None
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         finally:
             await nc.close()
 
