@@ -250,6 +250,7 @@ def test_spark_defaults_fit_two_core_workers() -> None:
     assert conf["spark.master"] == "spark://HEAD_IP:7077"
     assert conf["spark.pyspark.python"].endswith("/tierflow-venv/bin/python")
     assert conf["spark.sql.streaming.checkpointLocation"].startswith("file:///mnt/shared/")
+    assert conf["spark.sql.variable.substitute"] == "false"  # checked SQL is what runs
     # the YAML's workers offer 2 cores and 3g: whole executors must fit
     worker = yaml.safe_load((CLUSTER / "ray-cluster.yaml").read_text())
     start = next(c for c in worker["worker_start_ray_commands"] if "deploy.worker.Worker" in c)
