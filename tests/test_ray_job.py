@@ -28,7 +28,7 @@ import pytest
 
 from cluster.demo.meetup import reference
 from cluster.demo.rsvps import RsvpGenerator
-from cluster.lab.services import ray_env
+from cluster.lab.services import ray_cli
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect, free_port
@@ -37,18 +37,10 @@ from runtime.waiting import await_until, wait_until
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def _ray(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "ray"), *args],
-        env=ray_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    return ray_cli(*args, timeout=timeout, cwd=REPO)
 
 
 def _head_processes(temp_dir: str) -> list[psutil.Process]:

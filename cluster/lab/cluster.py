@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.lab.hosts import Lab, LabError
-from cluster.lab.services import BIN, RayNodes, lab_nats, ray_env
+from cluster.lab.services import RayNodes, lab_nats, ray_cli, ray_env
 from runtime.nats import NatsServer
 
 __all__ = ["LabCluster", "REPO"]
@@ -140,14 +140,7 @@ class LabCluster:
             self._ray_cli("job", "stop", "--address", self.ray.dashboard, self.job_id)
 
     def _ray_cli(self, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(BIN / "ray"), *args],
-            env=ray_env(),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return ray_cli(*args, timeout=timeout, cwd=REPO)
 
     def endpoints(self, names: Mapping[str, int], timeout: float = 300.0) -> dict[str, Any]:
         """Each role's replicas' `endpoints()` (role -> replica count), once all answer."""

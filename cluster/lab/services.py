@@ -5,12 +5,14 @@ NATS: a cluster of every host (full routes, streams R3 where there are three hos
 fixed (each host has its own port space, as a machine has). Ray: the head on the first
 host, workers on the others (`ray start --node-ip-address <host>`, token auth, a temp dir
 per host), each kept in the foreground (`--block`) so its pid is the lab's; the daemons it
-forks stay in the host's namespace, where `Lab.down` finds them. Never `ray stop`.
+forks stay in the host's namespace, where `Lab.down` finds them. Ray's own stop command is
+never run: it ends every Ray process on the machine.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import urllib.error
@@ -21,7 +23,7 @@ from pathlib import Path
 from cluster.lab.hosts import Lab, LabError
 from runtime.nats import PORT_SLICE_ENV, NatsServer
 
-__all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_env"]
+__all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_cli", "ray_env"]
 
 NATS_PORT, NATS_MONITOR_PORT, NATS_ROUTE_PORT = 4222, 8222, 6222
 RAY_PORT, RAY_DASHBOARD_PORT = 6379, 8265
@@ -77,6 +79,20 @@ def ray_env() -> dict[str, str]:
     env["RAY_AUTH_MODE"] = "token"
     env.pop("RAY_ADDRESS", None)
     return env
+
+
+def ray_cli(
+    *args: str, timeout: float = 300.0, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """This venv's `ray` command (`ray job submit`, `ray job logs` ...) with `ray_env`."""
+    return subprocess.run(
+        [str(BIN / "ray"), *args],
+        env=ray_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @dataclass
