@@ -78,12 +78,12 @@ async def stream_records(
     deadline = loop.time() + timeout
 
     async def settled(call: Callable[[], Awaitable[T]]) -> T:
-        """`call`, again while it answers 503: right after a partition heals or a node
-        returns, the stream's group may still be electing its leader."""
+        """`call`, again while it answers 503 or not in time: right after a partition heals
+        or a node returns, the stream's group may still be electing its leader."""
         while True:
             try:
                 return await call()
-            except ServiceUnavailableError:
+            except (ServiceUnavailableError, TimeoutError):
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.2)

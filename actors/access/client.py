@@ -179,6 +179,9 @@ class TierflowClient:
     backoff_cap: float = 2.0
     give_up_after: float = 30.0
     heartbeat: float = 10.0
+    # a gateway's host cut off answers no SYN: without a bound, connecting to it waits out
+    # the kernel's retries (about two minutes) before the next URL is tried
+    connect_timeout: float = 5.0
     on_notice: Callable[[dict[str, Any]], None] | None = None
     rng: random.Random = field(default_factory=random.Random)
     stats: ClientStats = field(default_factory=ClientStats)
@@ -206,7 +209,10 @@ class TierflowClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            bound = self.connect_timeout
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=bound, sock_connect=bound)
+            )
         return self._session
 
     async def subscribe(

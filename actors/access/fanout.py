@@ -385,9 +385,20 @@ class Subscriber:
                         continue
                     if reader is None or reader_seq != self.next_seq:
                         if reader is not None:
-                            await reader.close()
+                            await feed.close_history(reader)
+                        reader = None
                         reader = await feed.open_history(history, self.next_seq)
-                    events = await reader.fetch(self.batch, 1.0)
+                        reader_seq = self.next_seq
+                    try:
+                        events = await reader.fetch(self.batch, 1.0)
+                    except Exception as err:  # noqa: BLE001 - its server went: read elsewhere
+                        log.info(
+                            "%s: history read at %d: %r; reopening", self.sid, self.next_seq, err
+                        )
+                        await feed.close_history(reader)
+                        reader = None
+                        await asyncio.sleep(0.2)
+                        continue
                     if not events:
                         continue
                 else:

@@ -26,6 +26,7 @@ from actors.access.wire import tap
 from runtime.nats import publish
 
 __all__ = [
+    "ConsumerLost",
     "JetStreamReader",
     "PullCredit",
     "delivery_position",
@@ -86,7 +87,14 @@ class JetStreamReader:
 
     A stream reader's deliveries are taken off the wire (actors/access/wire.py: no nats-py
     `Msg`, header dict or callback per message); statuses (408, 409, 100, ...) and a KV
-    reader's messages, whose headers matter, still come through nats-py to `_on_msg`."""
+    reader's messages, whose headers matter, still come through nats-py to `_on_msg`.
+
+    The consumer is one replica on one server: when that server is cut off or crashes, its
+    pull requests vanish without an answer (no 503 until the cluster notices the route
+    is gone, which a partition delays by minutes). So every request asks for idle
+    heartbeats, and a reader that heard nothing (no message, no status) for
+    `heartbeat_misses` heartbeats raises `ConsumerLost` on its next fetch: the caller
+    reopens it from its position, on a server that answers."""
 
     def __init__(
         self,
@@ -97,6 +105,8 @@ class JetStreamReader:
         last_per_subject: bool = False,
         inactive_s: float = 30.0,
         pending_msgs: int = 8192,
+        heartbeat_s: float = 2.0,
+        heartbeat_misses: int = 3,
     ) -> None:
         self.js = js
         self.stream = stream
@@ -114,6 +124,10 @@ class JetStreamReader:
         self._ready = asyncio.Event()
         self._credit: PullCredit | None = None
         self._error: Exception | None = None
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat_misses = heartbeat_misses
+        self._silent_limit_s = 0.0  # 0: no heartbeats asked for, silence proves nothing
+        self._heard = time.monotonic()  # last message or status from the consumer
 
     async def open(self) -> JetStreamReader:
         self.name = f"tf-gw-{uuid.uuid4().hex[:16]}"
@@ -161,11 +175,13 @@ class JetStreamReader:
             self._buf.append((StreamMessage(seq, subject.decode(), data), pending))
         if self._credit is not None:
             self._credit.delivered()
+        self._heard = time.monotonic()
         self._ready.set()
         return True
 
     async def _on_msg(self, msg: Msg) -> None:
         """Every delivery and status of this reader's pull requests, in arrival order."""
+        self._heard = time.monotonic()
         status = msg.headers.get(_STATUS) if msg.headers and not msg.data else None
         if status is None:
             self._buf.append(msg)
@@ -198,7 +214,12 @@ class JetStreamReader:
         batch = self._credit.want(len(self._buf))
         if batch:
             expires = int(self._credit.expires_s * 1e9)
-            body = json.dumps({"batch": batch, "expires": expires}).encode()
+            ask: dict[str, int] = {"batch": batch, "expires": expires}
+            beat = min(self._heartbeat_s, self._credit.expires_s / 2)  # the server's rule
+            if beat > 0:
+                ask["idle_heartbeat"] = int(beat * 1e9)
+                self._silent_limit_s = beat * self._heartbeat_misses
+            body = json.dumps(ask).encode()
             await publish(self.js._nc, self._next, body, reply=self._inbox)  # raises a lost cancel
 
     async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
@@ -207,6 +228,7 @@ class JetStreamReader:
         reopens)."""
         if self._error is not None:
             raise self._error
+        self._check_heard()
         await self._ask(max_events, timeout)
         if not self._buf:
             self._ready.clear()
@@ -235,6 +257,15 @@ class JetStreamReader:
                 out.append(StreamMessage(seq, m.subject, m.data))
         return out
 
+    def _check_heard(self) -> None:
+        """Raise `ConsumerLost` when requests are open and the consumer has said nothing
+        for longer than the heartbeats allow (see the class doc)."""
+        open_requests = self._credit is not None and self._credit.credit > 0
+        silent = time.monotonic() - self._heard
+        limit = self._silent_limit_s
+        if limit and open_requests and not self._buf and silent > limit:
+            raise ConsumerLost(f"consumer {self.name} of {self.stream!r} silent for {silent:.1f}s")
+
     async def close(self) -> None:
         sub, self._sub = self._sub, None
         if self._tapped is not None and sub is not None:
@@ -244,6 +275,10 @@ class JetStreamReader:
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self.js.delete_consumer(self.stream, self.name)
+
+
+class ConsumerLost(Exception):
+    """A reader's consumer stopped answering (its server cut off or gone): reopen it."""
 
 
 def _status_error(msg: Msg) -> Exception:
