@@ -39,7 +39,7 @@ SEED = 1
 STREAM = "meetup"
 REPORT = Path("reports/lab_chaos.json")
 # one partition per role mix, then each other fault on a host the seed picks
-ROLE_MIXES = ("nats-leader", "ray-head", "spark-driver", "collector-0")
+ROLE_MIXES = ("logger-primary", "nats-leader", "ray-head", "spark-driver", "collector-0")
 CASES: list[LabFault] = [
     *(LabFault(0.3, PARTITION_HOST, (f"role:{role}",), 30.0) for role in ROLE_MIXES),
     *plan(
@@ -76,6 +76,7 @@ def lab_cluster(
             REPORT.parent.mkdir(exist_ok=True)
             REPORT.write_text(json.dumps(ROWS, indent=2))
             lc.stop_job()
+            lc.close()
 
 
 @pytest.mark.parametrize("fault", CASES, ids=[f"{f.kind}-{f.hosts[0]}" for f in CASES])

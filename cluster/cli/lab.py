@@ -115,6 +115,7 @@ def chaos(
                 print(json.dumps(rows[-1]))
         finally:
             lc.stop_job()
+            lc.close()
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(rows, indent=2))
     if failed:

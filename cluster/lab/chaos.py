@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.chaos.report import DeliveryCheck, delivery_check
@@ -30,7 +30,7 @@ from runtime.nats import connect
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.waiting import await_until
 
-__all__ = ["LabRun", "holders", "run_fault"]
+__all__ = ["LabRun", "holders", "logger_primary", "run_fault"]
 
 
 @dataclass
@@ -46,6 +46,7 @@ class LabRun:
     errors: int
     refused: int
     delivery: DeliveryCheck | None = None  # the gateway client's, when it had gateways
+    diagnosis: dict[str, Any] = field(default_factory=dict)  # the gateways', when it failed
 
     @property
     def ok(self) -> bool:
@@ -67,6 +68,7 @@ class LabRun:
             "refused_503": self.refused,
             "elapsed_s": round(self.elapsed_s, 1),
             "client": None if self.delivery is None else _delivered(self.delivery),
+            **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
         }
 
 
@@ -79,14 +81,16 @@ def _delivered(d: DeliveryCheck) -> str:
 
 def holders(lc: LabCluster, stream: str) -> dict[str, str]:
     """Which host holds what now: the stream's NATS leader, the Ray head, the Spark
-    driver, collector-0."""
+    driver, collector-0, the primary of logger group 0."""
     out: dict[str, str] = {}
     assert lc.ray is not None
     out["ray-head"] = lc.ray.head_host
     by_address = {lc.lab.address(h): h for h in lc.lab.hosts()}
-    for name, address in lc.hosts_of([ANALYSIS_DRIVER, "collector-0"]).items():  # if alive
-        if address in by_address:
-            out["spark-driver" if name == ANALYSIS_DRIVER else name] = by_address[address]
+    primary = f"logger-0-{logger_primary(lc)}"
+    for name, address in lc.hosts_of([ANALYSIS_DRIVER, "collector-0", primary]).items():
+        if address in by_address:  # the ones alive now
+            role = {ANALYSIS_DRIVER: "spark-driver", primary: "logger-primary"}.get(name, name)
+            out[role] = by_address[address]
 
     async def leader() -> str | None:
         """The stream's leader, asked again while the cluster is too busy to answer in
@@ -110,6 +114,42 @@ def holders(lc: LabCluster, stream: str) -> dict[str, str]:
     if found in lc.lab.hosts():
         out["nats-leader"] = found
     return out
+
+
+def _gateway_feeds(lc: LabCluster, n: int) -> dict[str, Any]:
+    """Each gateway's connections and its feeds' counters (where a client stalls)."""
+    code = f"""
+    out = {{}}
+    for i in range({n}):
+        try:
+            st = ray.get(ray.get_actor(f"gateway-{{i}}").stats.remote(), timeout=10)
+            out[f"gateway-{{i}}"] = {{"open": st["open"], "feeds": st["feeds"]}}
+        except Exception as err:
+            out[f"gateway-{{i}}"] = repr(err)[:300]
+    """
+    try:
+        return dict(lc.ask_ray(code))
+    except Exception as err:  # noqa: BLE001 - a diagnosis must not hide the verdict
+        return {"error": repr(err)[:300]}
+
+
+def logger_primary(lc: LabCluster, group: str = "logger-0") -> int:
+    """The index of `group`'s primary, as its replicas report it (the newest epoch's)."""
+    code = f"""
+    answers = []
+    for i in range(8):
+        try:
+            h = ray.get_actor("{group}-" + str(i))
+        except ValueError:
+            break
+        try:
+            answers.append(ray.get(h.status.remote(), timeout=10))
+        except Exception:
+            pass
+    best = max(answers, key=lambda a: a["epoch"]) if answers else {{"primary": 0}}
+    out = best["primary"]
+    """
+    return int(lc.ask_ray(code))
 
 
 def run_fault(
@@ -138,7 +178,7 @@ def run_fault(
     sub = Subscriber()
     batch = 50
 
-    async def run() -> tuple[Any, Marks, tuple[str, ...]]:
+    async def run() -> tuple[Any, Marks, tuple[str, ...], Any, DeliveryCheck | None]:
         def acked(idx: int) -> None:
             now = time.monotonic()
             acks.extend([now] * min(batch, events - idx * batch))
@@ -166,9 +206,21 @@ def run_fault(
         if fault.kind == BRIDGE_PARTITION:
             hosts = hosts[:1]  # that host alone on one side, the rest on the other
         marks = await apply(lc.lab, fault, hosts, restart=lc.restart_host)
-        return await load, marks, hosts
-
-    report, marks, hosts = asyncio.run(run())
+        report = await load
+        got = await stored_all(report.acknowledged)
+        delivery = None
+        if gateways:  # on this loop still: the client has read all along
+            want = {
+                i for i in got if i.startswith(f"{prefix}-") and int(i.rsplit("-", 1)[1]) % 3 == 0
+            }
+            try:
+                await await_until(lambda: want <= set(sub.ids), 180, 0.5, what="client")
+            except AssertionError:
+                pass  # the check below says what is missing
+            finally:
+                await sub.stop()
+            delivery = delivery_check(want, list(sub.ids), sub.client.stats.reconnects)
+        return report, marks, hosts, got, delivery
 
     async def stored() -> Any:
         nc = await connect(lc.nats_url)
@@ -177,31 +229,23 @@ def run_fault(
         finally:
             await nc.close()
 
-    async def settled() -> Any:
-        got = await stored()
-        return got if all(got[i] for i in report.acknowledged) else None
+    async def stored_all(acknowledged: Any) -> Any:
+        """The stream's ids once it holds every acknowledged one, or after 300 s as they
+        are (the verdict says what is missing)."""
 
-    async def wait() -> Any:
+        async def settled() -> Any:
+            got = await stored()
+            return got if all(got[i] for i in acknowledged) else None
+
         try:
             return await await_until(settled, timeout=300, interval=2.0, what="stored")
         except AssertionError:
             return await stored()
 
-    got = asyncio.run(wait())
-    delivery = None
-    if gateways:
-        want = {i for i in got if i.startswith(f"{prefix}-") and int(i.rsplit("-", 1)[1]) % 3 == 0}
-
-        async def caught_up() -> DeliveryCheck:
-            try:
-                await await_until(lambda: want <= set(sub.ids), 180, 0.5, what="client")
-            except AssertionError:
-                pass  # the check below says what is missing
-            finally:
-                await sub.stop()
-            return delivery_check(want, list(sub.ids), sub.client.stats.reconnects)
-
-        delivery = asyncio.run(caught_up())
+    report, marks, hosts, got, delivery = asyncio.run(run())
+    diagnosis: dict[str, Any] = {}
+    if delivery is not None and not delivery.ok:  # what the gateways' feeds say
+        diagnosis = _gateway_feeds(lc, len(gateways or ()))
     return LabRun(
         fault=fault,
         hosts=hosts,
@@ -214,4 +258,5 @@ def run_fault(
         errors=report.errors,
         refused=report.refused,
         delivery=delivery,
+        diagnosis=diagnosis,
     )

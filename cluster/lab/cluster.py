@@ -44,6 +44,12 @@ class LabCluster:
         self.ray = RayNodes(self.lab, self.work)
         self.ray.start(timeout)
         self.wait_ray_nodes(len(self.lab.hosts()), timeout)
+        self.ray.keep(lambda host: self.nats_on(host).running)
+
+    def close(self) -> None:
+        """Stop keeping the Ray nodes (the lab's `down` stops the processes)."""
+        if self.ray is not None:
+            self.ray.unkeep()
 
     @property
     def nats_url(self) -> str:
@@ -179,8 +185,8 @@ class LabCluster:
 
     def restart_host(self, host: str) -> None:
         """After a crash: the host's NATS node on its own store, its Ray node again."""
-        self.nats_on(host).restart(timeout=60)
         assert self.ray is not None
         if host == self.ray.head_host:
             raise LabError("restarting the Ray head is not supported by the lab")
-        self.ray.start_worker(host)
+        self.nats_on(host).restart(timeout=60)
+        self.ray.ensure_worker(host)

@@ -7,6 +7,10 @@ host, workers on the others (`ray start --node-ip-address <host>`, token auth, a
 per host), each kept in the foreground (`--block`) so its pid is the lab's; the daemons it
 forks stay in the host's namespace, where `Lab.down` finds them. Ray's own stop command is
 never run: it ends every Ray process on the machine.
+
+A worker node the Ray head declared dead (cut off past its health checks) ends itself when
+it hears so: `RayNodes.keep` starts it again, as a cluster's node manager (KubeRay, the
+autoscaler, systemd) does on real machines.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +109,11 @@ class RayNodes:
     base_dir: Path
     cpus_per_host: int = 1
     temp_dirs: dict[str, Path] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # by the keeper, per host
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _keeper: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def head_host(self) -> str:
@@ -126,7 +137,7 @@ class RayNodes:
     def _start_node(self, host: str, *role: str) -> None:
         """`ray start` inside `host`, in the foreground (its pid the lab's), `role` being
         the head's or a worker's own options."""
-        self.lab.spawn(
+        self.procs[host] = self.lab.spawn(
             host,
             [
                 str(BIN / "ray"),
@@ -156,6 +167,35 @@ class RayNodes:
 
     def start_worker(self, host: str) -> None:
         self._start_node(host, f"--address={self.address}")
+
+    def ensure_worker(self, host: str) -> bool:
+        """Start `host`'s worker node unless it runs; True when it was started."""
+        with self._lock:
+            proc = self.procs.get(host)
+            if proc is not None and proc.poll() is None:
+                return False
+            self.start_worker(host)
+            return True
+
+    def keep(self, up: Callable[[str], bool], every_s: float = 1.0) -> None:
+        """Until `unkeep`: start again each worker node that ended while its host is `up`
+        (a crashed host is not: its engines come back with the host)."""
+
+        def watch() -> None:
+            while not self._stop.wait(every_s):  # bounded by unkeep
+                for host in self.lab.hosts()[1:]:
+                    if up(host) and self.ensure_worker(host):
+                        self.restarts[host] = self.restarts.get(host, 0) + 1
+
+        self._stop.clear()
+        self._keeper = threading.Thread(target=watch, name="lab-ray-keeper", daemon=True)
+        self._keeper.start()
+
+    def unkeep(self) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=10)
+            self._keeper = None
 
     def start(self, timeout: float = 180.0) -> None:
         self.start_head(timeout)
