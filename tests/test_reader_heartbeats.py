@@ -129,3 +129,36 @@ def test_a_reader_whose_consumer_server_stops_answering_raises_and_reopens_elsew
             await nc.close()
 
     asyncio.run(run())
+
+
+def test_a_client_whose_server_stops_answering_moves_to_another_within_its_ping_window(
+    cluster: NatsCluster,
+) -> None:
+    """runtime.nats.connect's pings: two missed (3 s apart) and the client reconnects to
+    another server of its list, well inside the 30 s a partition's cut server held a
+    client with pings every 10 s and three missed."""
+    from runtime.nats import connect
+
+    async def run() -> None:
+        nc = await connect(cluster.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{STREAM}.>"], num_replicas=3))
+            first = nc.connected_url.netloc if nc.connected_url else ""
+            server = next(s for s in cluster.servers if s.url.endswith(first))
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            paused_at = time.monotonic()
+            deadline = paused_at + 20
+            while time.monotonic() < deadline:
+                now = nc.connected_url.netloc if nc.connected_url else ""
+                if nc.is_connected and now != first:
+                    break
+                await asyncio.sleep(0.2)
+            moved = nc.connected_url.netloc if nc.connected_url else ""
+            assert moved != first, f"still on the paused server {first} after 20 s"
+            await _publish(js, 0, 5)  # and JetStream answers through the new one
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
