@@ -44,6 +44,9 @@ _LOG_TAIL_CHARS = 4000
 _log = logging.getLogger(__name__)
 
 
+PORT_TAKEN = "address already in use"  # nats-server's bind error, in its log
+
+
 class NatsServerError(RuntimeError):
     """nats-server could not be found, started or made ready; the message has the log tail."""
 
@@ -203,6 +206,8 @@ class NatsServer:
         default=None, init=False, repr=False, compare=False
     )
     _log_offset: int = field(default=0, init=False, repr=False, compare=False)
+    # the ports this server chose itself (0 when made): chosen again if one was taken
+    _chosen: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
@@ -247,12 +252,18 @@ class NatsServer:
             bool(self.cluster_name) and not self.cluster_port,
         ]
         new = iter(free_ports(sum(wanted), self.host))
-        if wanted[0]:
-            self.port = next(new)
-        if wanted[1]:
-            self.monitor_port = next(new)
-        if wanted[2]:
-            self.cluster_port = next(new)
+        for name, want in zip(("port", "monitor_port", "cluster_port"), wanted, strict=True):
+            if want:
+                setattr(self, name, next(new))
+                self._chosen.add(name)
+
+    def _choose_ports_again(self) -> bool:
+        """Free the ports this server chose itself (another process bound one between the
+        choice and the bind); False when it chose none, so trying again cannot help."""
+        for name in self._chosen:
+            setattr(self, name, 0)
+        chosen, self._chosen = bool(self._chosen), set()
+        return chosen
 
     def config_text(self) -> str:
         """The nats.conf this server runs with (ports must already be resolved)."""
@@ -389,14 +400,26 @@ class NatsServer:
             self.stop()
             raise
 
-    def start(self, timeout: float = 20.0) -> NatsServer:
-        """Write nats.conf, spawn, wait for the ready log line and healthz. Idempotent."""
+    def start(self, timeout: float = 20.0, port_attempts: int = 3) -> NatsServer:
+        """Write nats.conf, spawn, wait for the ready log line and healthz. Idempotent.
+
+        Ports are chosen free and bound a moment later by the server: when another process
+        took one in between, ports this server chose itself are chosen again, up to
+        `port_attempts` starts in all."""
         if self.running:
             return self
         deadline = time.monotonic() + timeout
-        self._spawn()
-        self._wait_ready(deadline)
-        return self
+        for attempt in range(1, port_attempts + 1):
+            self._spawn()
+            try:
+                self._wait_ready(deadline)
+                return self
+            except NatsServerError as err:
+                taken = PORT_TAKEN in str(err)
+                if not (taken and attempt < port_attempts and self._choose_ports_again()):
+                    raise
+                _log.info("nats-server %s: a port was taken; starting on new ports", self.url)
+        raise AssertionError("unreachable")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait, SIGKILL if still alive, reap. Safe to call repeatedly."""

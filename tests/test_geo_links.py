@@ -19,7 +19,7 @@ import pytest
 
 from runtime.certs import make_dev_certs
 from runtime.config import validate
-from runtime.nats import NatsEndpoint, NatsServer, connect, free_port
+from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.services import ensure_streams
 from runtime.sites import LEAF_AUTH_FILE, LeafAuth, NatsSites, leaf_block, read_leaf_auth
 from runtime.tls import tls_files
@@ -130,7 +130,9 @@ def _rogue(tmp: Path, name: str, hub_leaf: int, auth: LeafAuth | None, tls: Any)
         store_dir=tmp / name,
         server_name=name,
         js_domain=name,
-        extra_conf=leaf_block(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{hub_leaf}"], (), auth, tls),
+        # its own leaf port is never dialled: -1 lets the server take any at bind time, so
+        # no other process can take it between a choice and the bind
+        extra_conf=leaf_block("127.0.0.1:-1", [f"127.0.0.1:{hub_leaf}"], (), auth, tls),
     )
 
 
