@@ -164,7 +164,7 @@ def run_fault(
     gateways: list[str] | None = None,
 ) -> LabRun:
     """`events` known-id events at `rate` to `urls`, `fault` at its fraction of the window
-    (a role resolved to its host then; a crash or pause never hits the Ray head, which
+    (a role resolved to its host as the load starts; a crash or pause never hits the Ray head, which
     the lab does not restart), then the verdict once the stream holds every acknowledged
     event (or a deadline passes: the verdict says what is missing). With `gateways`, a
     client on the laptop subscribes through them (a third of the run's events, by a filter)
@@ -185,6 +185,9 @@ def run_fault(
 
         if gateways:  # a client on the laptop reading through the hosts' gateways
             await sub.start(gateways, stream, f"WHERE run = '{prefix}' AND k = 'a'")
+        # who holds each role, asked before the load (Ray's answers take seconds, which
+        # would push the fault past the window of a short run)
+        hosts = resolve(fault, await asyncio.to_thread(holders, lc, stream))
         load = asyncio.create_task(
             drive(
                 urls,
@@ -199,7 +202,6 @@ def run_fault(
             )
         )
         await asyncio.sleep(fault.at * window)
-        hosts = resolve(fault, await asyncio.to_thread(holders, lc, stream))
         if fault.kind in (HOST_CRASH, HOST_PAUSE) and lc.ray and lc.ray.head_host in hosts:
             others = [h for h in lc.lab.hosts() if h != lc.ray.head_host]
             hosts = (others[0],)
