@@ -1,5 +1,7 @@
-"""`make chaos`: every lab fault under a known-id load on the pipeline spread over three
-hosts (cluster/lab/chaos.py), each judged: every acknowledged event stored exactly once.
+"""`make chaos`: every lab fault under a known-id load of Meetup RSVPs on the pipeline
+spread over three hosts (cluster/lab/chaos.py), each judged: every acknowledged event
+stored exactly once, a gateway client on the laptop got each stored match once, and the
+analysis's answers equal an exact recount of the stream.
 What each fault cost the writers (to the next acknowledgement, back to full rate) is
 printed and written to reports/lab_chaos.json; a speed is reported, never asserted.
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.chaos import run_fault
 from cluster.lab.cluster import LabCluster
 from cluster.lab.hosts import Lab, lab_unavailable
@@ -49,6 +52,7 @@ CASES: list[LabFault] = [
     ),
 ]
 ROWS: list[dict[str, Any]] = []
+RSVPS = RsvpGenerator(seed=SEED)  # one for the suite: event times only move forward
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +92,19 @@ def test_a_lab_fault_loses_and_duplicates_nothing_acknowledged(
     gateways = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
     prefix = f"{fault.kind}-{fault.hosts[0].replace(':', '-')}"
     run = run_fault(
-        lc, fault, urls, STREAM, events=EVENTS, rate=RATE, prefix=prefix, gateways=gateways
+        lc,
+        fault,
+        urls,
+        STREAM,
+        events=EVENTS,
+        rate=RATE,
+        prefix=prefix,
+        gateways=gateways,
+        rsvps=RSVPS,
     )
     ROWS.append(run.row())
     print(f"\nlab chaos: {run.row()}")
     assert run.acknowledged == EVENTS, run.row()
     assert run.verdict.ok, str(run.verdict)
-    assert run.ok, run.row()  # the gateway client: every stored match once
+    assert run.delivery is not None and run.delivery.ok, run.row()  # the client: each once
+    assert run.analysis == [], run.row()  # the answers: an exact recount of the stream

@@ -84,8 +84,10 @@ def chaos(
     report: Annotated[Path, typer.Option(help="the JSON report")] = Path("reports/lab_chaos.json"),
 ) -> None:
     """A lab of three hosts with the pipeline on it (a Ray job), then each fault under a
-    known-id load from this machine: per fault, every acknowledged event stored exactly
-    once, and the time to the next acknowledgement and back to full rate."""
+    known-id load of Meetup RSVPs from this machine: per fault, every acknowledged event
+    stored exactly once, a gateway client's deliveries, the analysis against an exact
+    recount, and the time to the next acknowledgement and back to full rate."""
+    from cluster.demo.rsvps import RsvpGenerator
     from cluster.lab.chaos import run_fault
     from cluster.lab.cluster import LabCluster
     from cluster.lab.nemesis import KINDS, plan
@@ -106,9 +108,18 @@ def chaos(
             found = lc.endpoints({"collector": 3, "gateway": 2})
             urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
             gws = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
+            rsvps = RsvpGenerator(seed=seed)  # one for every fault: event times move forward
             for i, f in enumerate(plan(kinds, lab.hosts(), seed)):
                 run = run_fault(
-                    lc, f, urls, "meetup", events=events, rate=rate, prefix=f"c{i}", gateways=gws
+                    lc,
+                    f,
+                    urls,
+                    "meetup",
+                    events=events,
+                    rate=rate,
+                    prefix=f"c{i}",
+                    gateways=gws,
+                    rsvps=rsvps,
                 )
                 rows.append({**run.row(), "verdict": "PASS" if run.ok else "FAIL"})
                 failed |= not run.ok

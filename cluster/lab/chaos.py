@@ -6,12 +6,14 @@ writers (`nemesis.recovery`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.chaos.report import DeliveryCheck, delivery_check
-from cluster.chaos.runner import Subscriber
+from cluster.chaos.runner import Subscriber, analysis_mismatches, read_results
+from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.cluster import LabCluster
 from cluster.lab.nemesis import (
     BRIDGE_PARTITION,
@@ -25,7 +27,7 @@ from cluster.lab.nemesis import (
     resolve,
 )
 from cluster.loadgen import drive
-from cluster.verify import Verdict, judge, stream_ids
+from cluster.verify import Verdict, judge, stream_ids, stream_records
 from runtime.nats import connect
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.waiting import await_until
@@ -47,11 +49,13 @@ class LabRun:
     refused: int
     delivery: DeliveryCheck | None = None  # the gateway client's, when it had gateways
     diagnosis: dict[str, Any] = field(default_factory=dict)  # the gateways', when it failed
+    analysis: list[str] | None = None  # queries off the exact recount; None: not checked
 
     @property
     def ok(self) -> bool:
         delivered = self.delivery is None or self.delivery.ok
-        return self.verdict.ok and self.acknowledged == self.events and delivered
+        exact = not self.analysis
+        return self.verdict.ok and self.acknowledged == self.events and delivered and exact
 
     def row(self) -> dict[str, Any]:
         r = self.recovery
@@ -68,6 +72,7 @@ class LabRun:
             "refused_503": self.refused,
             "elapsed_s": round(self.elapsed_s, 1),
             "client": None if self.delivery is None else _delivered(self.delivery),
+            "analysis": None if self.analysis is None else (", ".join(self.analysis) or "exact"),
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
         }
 
@@ -116,6 +121,30 @@ def holders(lc: LabCluster, stream: str) -> dict[str, str]:
     return out
 
 
+async def recount(lc: LabCluster, stream: str) -> list[str]:
+    """The analysis's answers against an exact recount of every event `stream` holds, once
+    the driver has committed all of it; the queries that differ (none: exact)."""
+    code = f"""
+    d = ray.get_actor({ANALYSIS_DRIVER!r})
+    out = ray.get(d.await_idle.remote(300), timeout=330)
+    """
+    idle = await asyncio.to_thread(lc.ask_ray, code, 400.0)
+    if not idle.get("idle"):
+        return [f"driver not idle: {idle}"]
+    nc = await connect(lc.nats_url)
+    try:
+        stored = await stream_records(nc, stream, timeout=300, digest=bytes.decode)
+    finally:
+        await nc.close()
+    once = {i: body for i, body in stored}  # the stream holds each id once (the verdict)
+    return analysis_mismatches(await read_results(lc.nats_url), [_json(b) for b in once.values()])
+
+
+def _json(body: str) -> dict[str, Any]:
+    value = json.loads(body)
+    return value if isinstance(value, dict) else {}
+
+
 def _gateway_feeds(lc: LabCluster, n: int) -> dict[str, Any]:
     """Each gateway's connections and its feeds' counters (where a client stalls)."""
     code = f"""
@@ -162,23 +191,35 @@ def run_fault(
     rate: float,
     prefix: str,
     gateways: list[str] | None = None,
+    rsvps: RsvpGenerator | None = None,
 ) -> LabRun:
     """`events` known-id events at `rate` to `urls`, `fault` at its fraction of the window
     (a role resolved to its host as the load starts; a crash or pause never hits the Ray head, which
     the lab does not restart), then the verdict once the stream holds every acknowledged
     event (or a deadline passes: the verdict says what is missing). With `gateways`, a
     client on the laptop subscribes through them (a third of the run's events, by a filter)
-    and must get each stored one exactly once, across the fault."""
+    and must get each stored one exactly once, across the fault. With `rsvps` (one
+    generator for every run on the pipeline, so event times only move forward), the events
+    are Meetup RSVPs and the analysis's answers must equal an exact recount of every RSVP
+    the stream holds."""
     window = events / rate
     acks: list[float] = []
     body = [
-        {"id": f"{prefix}-{i}", "n": i, "k": "abc"[i % 3], "run": prefix, "response": "yes"}
+        {
+            **(rsvps.next() if rsvps is not None else {"response": "yes"}),
+            "id": f"{prefix}-{i}",
+            "n": i,
+            "k": "abc"[i % 3],
+            "run": prefix,
+        }
         for i in range(events)
     ]
     sub = Subscriber()
     batch = 50
 
-    async def run() -> tuple[Any, Marks, tuple[str, ...], Any, DeliveryCheck | None]:
+    async def run() -> tuple[
+        Any, Marks, tuple[str, ...], Any, DeliveryCheck | None, list[str] | None
+    ]:
         def acked(idx: int) -> None:
             now = time.monotonic()
             acks.extend([now] * min(batch, events - idx * batch))
@@ -222,7 +263,8 @@ def run_fault(
             finally:
                 await sub.stop()
             delivery = delivery_check(want, list(sub.ids), sub.client.stats.reconnects)
-        return report, marks, hosts, got, delivery
+        analysis = await recount(lc, stream) if rsvps is not None else None
+        return report, marks, hosts, got, delivery, analysis
 
     async def stored() -> Any:
         nc = await connect(lc.nats_url)
@@ -244,7 +286,7 @@ def run_fault(
         except AssertionError:
             return await stored()
 
-    report, marks, hosts, got, delivery = asyncio.run(run())
+    report, marks, hosts, got, delivery, analysis = asyncio.run(run())
     diagnosis: dict[str, Any] = {}
     if delivery is not None and not delivery.ok:  # what the gateways' feeds say
         diagnosis = _gateway_feeds(lc, len(gateways or ()))
@@ -261,4 +303,5 @@ def run_fault(
         refused=report.refused,
         delivery=delivery,
         diagnosis=diagnosis,
+        analysis=analysis,
     )
