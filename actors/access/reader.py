@@ -128,6 +128,7 @@ class JetStreamReader:
         self._heartbeat_misses = heartbeat_misses
         self._silent_limit_s = 0.0  # 0: no heartbeats asked for, silence proves nothing
         self._heard = time.monotonic()  # last message or status from the consumer
+        self._asked = 0.0  # when the first request since the last word heard went out
 
     async def open(self) -> JetStreamReader:
         self.name = f"tf-gw-{uuid.uuid4().hex[:16]}"
@@ -221,6 +222,8 @@ class JetStreamReader:
                 self._silent_limit_s = beat * self._heartbeat_misses
             body = json.dumps(ask).encode()
             await publish(self.js._nc, self._next, body, reply=self._inbox)  # raises a lost cancel
+            if self._asked <= self._heard:  # heard since the last wait began: a new one
+                self._asked = time.monotonic()
 
     async def fetch(self, max_events: int, timeout: float) -> list[StreamMessage]:
         """Up to `max_events` messages in stream order, waiting up to `timeout` for one;
@@ -260,10 +263,13 @@ class JetStreamReader:
     def _check_heard(self) -> None:
         """Raise `ConsumerLost` when requests are open and the consumer has said nothing
         for longer than the heartbeats allow (see the class doc)."""
-        open_requests = self._credit is not None and self._credit.credit > 0
-        silent = time.monotonic() - self._heard
+        # A request owes an answer: messages, heartbeats while it waits, a 408 when it
+        # expires. Silence counts from the first request sent since the last word heard
+        # (a reader left unread for a while heard nothing because it asked nothing).
+        waiting = self._asked > self._heard
+        silent = time.monotonic() - self._asked
         limit = self._silent_limit_s
-        if limit and open_requests and not self._buf and silent > limit:
+        if limit and waiting and not self._buf and silent > limit:
             raise ConsumerLost(f"consumer {self.name} of {self.stream!r} silent for {silent:.1f}s")
 
     async def close(self) -> None:
