@@ -39,6 +39,7 @@ from actors.access.client import TierflowClient
 from cluster.chaos.injectors import Deployment, FaultRecord, inject
 from cluster.chaos.proxy import ProxyThread
 from cluster.chaos.report import (
+    DeliveryCheck,
     ScenarioReport,
     delivery_check,
     fault_reports,
@@ -273,6 +274,13 @@ class Subscriber:
 
         self.task = asyncio.create_task(consume())
 
+    async def caught_up(self, want: set[str], timeout: float) -> DeliveryCheck:
+        """Wait (at most `timeout` s) until every id of `want` arrived; what it got against
+        `want`, whether it got there or not."""
+        with contextlib.suppress(AssertionError):  # the check says what is missing
+            await await_until(lambda: want <= set(self.ids), timeout, 0.5, what="client")
+        return delivery_check(want, list(self.ids), self.client.stats.reconnects)
+
     async def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
@@ -472,9 +480,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
                 for i, h in stored[d.stream]
                 if (d.stream, h) in body_of and matches(body_of[(d.stream, h)])
             }
-            with contextlib.suppress(AssertionError):
-                await await_until(lambda: want <= set(sub.ids), 90, 0.5, what="client caught up")
-            rep.gateway = delivery_check(want, list(sub.ids), sub.client.stats.reconnects)
+            rep.gateway = await sub.caught_up(want, 90)
             if sub.error:
                 rep.notes.append(f"gateway client: {sub.error}")
         if scn.analysis:
