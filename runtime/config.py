@@ -233,6 +233,12 @@ class LoggingConfig(_Strict):
     mode: LoggingMode = "hml"
     max_pending_events: Positive = 1_000_000
     max_pending_bytes: Positive = 1 << 30
+    # replicas beyond k+1 in each logger group (at most k): with one, an in-sync replica
+    # silent for `drop_after_s` in a write the others took is dropped from the set and
+    # writes go on, instead of stopping until the replica is back or replaced
+    # (actors/queue/logger/in_sync.py). Costs one more copy of every write.
+    extra_replicas: NonNeg = 0
+    drop_after_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
 
 
 class AuthConfig(_Strict):
@@ -621,6 +627,12 @@ def _check_cross_keys(cfg: Config) -> None:
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
+    if cfg.logging.extra_replicas > cfg.roles.logger.k:
+        raise ConfigError(
+            f"logging.extra_replicas: {cfg.logging.extra_replicas} needs roles.logger.k >= "
+            f"{cfg.logging.extra_replicas} (k={cfg.roles.logger.k}): with more, two in-sync "
+            "sets could share no replica and both take writes"
+        )
     for role in ("collector", "gateway"):
         why = check_host(getattr(cfg.roles, role).host)
         if why is not None:

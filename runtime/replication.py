@@ -54,23 +54,30 @@ class FencedError(Exception):
 class _FenceState(msgspec.Struct, forbid_unknown_fields=True):
     epoch: Annotated[int, msgspec.Meta(ge=0)]
     primary: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    in_sync: list[int] | None = None
 
 
 class Fence:
-    """The highest epoch a replica has accepted, and the primary that epoch names.
+    """The highest epoch a replica has accepted, the primary that epoch names and, when the
+    group acknowledges writes on fewer than all its replicas, the in-sync set it names.
 
-    Guarantees: the epoch never decreases; a write with an older epoch is never admitted.
-    Epoch 0 means no primary was announced yet. Not thread-safe: replicas call it from one
-    thread (Ray's default actor concurrency) or without awaiting between check and write.
+    Guarantees: the epoch never decreases; a write with an older epoch is never admitted;
+    an epoch names one configuration (primary, in-sync set) and never another. Epoch 0
+    means no primary was announced yet. `in_sync` None means every replica. Not
+    thread-safe: replicas call it from one thread (Ray's default actor concurrency) or
+    without awaiting between check and write.
     """
 
-    __slots__ = ("_epoch", "_primary")
+    __slots__ = ("_epoch", "_in_sync", "_primary")
 
-    def __init__(self, epoch: int = 0, primary: int | None = None) -> None:
+    def __init__(
+        self, epoch: int = 0, primary: int | None = None, in_sync: Sequence[int] | None = None
+    ) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         self._epoch = epoch
         self._primary = primary
+        self._in_sync = None if in_sync is None else tuple(sorted(in_sync))
 
     @property
     def epoch(self) -> int:
@@ -80,6 +87,11 @@ class Fence:
     def primary(self) -> int | None:
         """Index of the primary named by the current epoch, None when not yet known."""
         return self._primary
+
+    @property
+    def in_sync(self) -> tuple[int, ...] | None:
+        """The replicas whose acknowledgement a write of this epoch needs; None: all."""
+        return self._in_sync
 
     def admit(self, epoch: int) -> bool:
         """True when a write with `epoch` may proceed.
@@ -92,6 +104,7 @@ class Fence:
         if epoch > self._epoch:
             self._epoch = epoch
             self._primary = None
+            self._in_sync = None
         return True
 
     def check(self, epoch: int) -> None:
@@ -99,27 +112,44 @@ class Fence:
         if not self.admit(epoch):
             raise FencedError(self._epoch, epoch)
 
-    def advance(self, epoch: int, primary: int | None = None) -> None:
-        """Accept the announcement of a new primary. Idempotent for a repeated announcement.
+    def advance(
+        self, epoch: int, primary: int | None = None, in_sync: Sequence[int] | None = None
+    ) -> None:
+        """Accept the announcement of a new primary (and in-sync set). Idempotent for a
+        repeated announcement.
 
         Raises FencedError for an older epoch (a stale controller) and ValueError when the
-        same epoch is announced with a different primary (two controllers, a bug).
+        same epoch is announced with another primary or in-sync set (two holders deciding
+        at once: the first to reach this replica wins the epoch).
         """
+        members = None if in_sync is None else tuple(sorted(in_sync))
         if epoch < self._epoch:
             raise FencedError(self._epoch, epoch)
         if epoch > self._epoch:
             self._epoch = epoch
             self._primary = primary
+            self._in_sync = members
             return
-        if primary is None or primary == self._primary:
-            return
-        if self._primary is not None:
-            raise ValueError(f"epoch {epoch} already names primary {self._primary}, not {primary}")
-        self._primary = primary
+        if primary is not None and primary != self._primary:
+            if self._primary is not None:
+                raise ValueError(
+                    f"epoch {epoch} already names primary {self._primary}, not {primary}"
+                )
+            self._primary = primary
+        if members is not None and members != self._in_sync:
+            if self._in_sync is not None:
+                raise ValueError(
+                    f"epoch {epoch} already names in-sync {list(self._in_sync)}, "
+                    f"not {list(members)}"
+                )
+            self._in_sync = members
 
     def to_bytes(self) -> bytes:
         """Serialized form for a replica's checkpoint (JSON, stable across versions)."""
-        return msgspec.json.encode(_FenceState(epoch=self._epoch, primary=self._primary))
+        members = None if self._in_sync is None else list(self._in_sync)
+        return msgspec.json.encode(
+            _FenceState(epoch=self._epoch, primary=self._primary, in_sync=members)
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Fence:
@@ -128,15 +158,16 @@ class Fence:
             state = msgspec.json.decode(data, type=_FenceState)
         except msgspec.DecodeError as exc:
             raise ValueError(f"not a fence record: {exc}") from exc
-        return cls(state.epoch, state.primary)
+        return cls(state.epoch, state.primary, state.in_sync)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fence):
             return NotImplemented
-        return (self._epoch, self._primary) == (other._epoch, other._primary)
+        mine = (self._epoch, self._primary, self._in_sync)
+        return mine == (other._epoch, other._primary, other._in_sync)
 
     def __repr__(self) -> str:
-        return f"Fence(epoch={self._epoch}, primary={self._primary})"
+        return f"Fence(epoch={self._epoch}, primary={self._primary}, in_sync={self._in_sync})"
 
 
 # --------------------------------------------------------------------------- placement policy
@@ -249,9 +280,11 @@ class ReplicaMixin:
             self._replication_fence = self._load_fence() or Fence()
         return self._replication_fence
 
-    def set_epoch(self, epoch: int, primary_index: int) -> int:
+    def set_epoch(
+        self, epoch: int, primary_index: int, in_sync: Sequence[int] | None = None
+    ) -> int:
         """Accept a promotion; returns the accepted epoch. FencedError if `epoch` is stale."""
-        self.fence.advance(epoch, primary_index)
+        self.fence.advance(epoch, primary_index, in_sync)
         self._save_fence(self.fence)
         return self.fence.epoch
 
@@ -321,7 +354,11 @@ class ReplicaGroup:
         resources: Mapping[str, float] | None = None,
         ready_timeout: float = 30.0,
         call_timeout: float = 10.0,
+        choose_primary: Callable[[list[Any]], int] | None = None,
     ) -> None:
+        """`choose_primary`: given the started replicas' handles, the index to promote
+        first (default 0); the role's chance to read what its replicas reopened and to
+        keep a replica that missed writes from leading."""
         if not role:
             raise ValueError("role must be a non-empty name")
         if k < 0:
@@ -367,7 +404,8 @@ class ReplicaGroup:
             # a replica's first answer waits on its worker's start (seconds on a busy node):
             # that is the ready timeout's to bound, not a call's
             start_timeout = max(ready_timeout, call_timeout)
-            self.promote(0, timeout=start_timeout)
+            first = 0 if choose_primary is None else choose_primary(list(self._replicas))
+            self.promote(first, timeout=start_timeout)
             if self.unacknowledged:
                 raise ReplicaGroupError(
                     f"{role!r} replicas {self.unacknowledged} did not start within {start_timeout}s"

@@ -65,7 +65,9 @@ def deploy(
         elif spec.start is Start.DETACHED:
             d.actors = [_start_detached(c, namespace) for c in spec.children]
         else:
-            d.groups = [start_group(c, spec.k, namespace) for c in spec.children]
+            d.groups = [
+                start_group(c, spec.k, namespace, **spec.group_options) for c in spec.children
+            ]
         out.append(d)
     handles = {
         name: start_supervisor(

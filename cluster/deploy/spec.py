@@ -58,6 +58,8 @@ class RoleSpec:
     supervisor: SupervisorSpec | None = None
     ready: str | None = None
     k: int = 0
+    # REPLICA_GROUPS: keyword arguments of each group's start (`deploy.logger.start_group`)
+    group_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.role:

@@ -1,8 +1,10 @@
 """`LoggerGroup`: the picklable client of one logger group, as Collector and Bridge hold it.
 
-Writes go to every replica and succeed only when all acknowledged; reads go to the
-primary. It also keeps the group whole: `heal` catches up replicas that came back empty,
-promotes a healthy one when the primary did, and reconciles forgets a replica missed.
+Writes go to every replica of the in-sync set (every replica unless the group has more
+than k+1, `in_sync.py`) and succeed only when all acknowledged; reads go to the primary.
+It also keeps the group whole: `heal` catches up replicas that came back empty, copies
+dropped ones back into the set, promotes a healthy one when the primary came back empty,
+and reconciles forgets a replica missed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +21,7 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from actors.queue.logger.errors import LogFull, LogUnavailable
+from actors.queue.logger.in_sync import Config, members, newest, with_, without
 from actors.queue.logger.records import LogKey, _split_key, encode_forget
 from runtime import clock
 from runtime.events import Event, decode_batch, encode_batch
@@ -33,6 +37,10 @@ log = logging.getLogger(__name__)
 PUT_ONCE_BYTES = 100 * 1024
 # An append's batch travels instead as parts Ray sends inline (`runtime.inline`): no object
 # store at all, whose raylet work cost about 0.05 core-s per 10k events at HML k=1.
+
+
+# a replica outside the in-sync set: not written to, its answer not waited for
+SKIPPED = object()
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -72,14 +80,30 @@ class LoggerGroup:
     reconcile_grace_s: float = 30.0
     reconcile_page: int = 5000
     max_missed_forgets: int = 100_000
+    # the replicas a write needs (None: every one), the copies an acknowledged write must
+    # be on (None: every replica), and how long an in-sync replica may stay silent in a
+    # write the others answered before it is dropped from the set when enough remain
+    # (None: never dropped; the write waits `deadline_s` and fails)
+    in_sync: tuple[int, ...] | None = None
+    need: int | None = None
+    drop_after_s: float | None = None
     # per replica: forgets it missed while the others took them; keys absent from the
     # primary -> when first seen; where the scan of its keys goes on
     _missed: dict[int, dict[LogKey, None]] = field(default_factory=dict, init=False, repr=False)
     _suspects: dict[int, dict[bytes, float]] = field(default_factory=dict, init=False, repr=False)
     _scan_at: dict[int, bytes] = field(default_factory=dict, init=False, repr=False)
+    # replicas known to be catching up (never chosen to lead)
+    _behind: set[int] = field(default_factory=set, init=False, repr=False)
 
     @classmethod
-    def of(cls, group: ReplicaGroup, *, deadline_s: float = 5.0) -> LoggerGroup:
+    def of(
+        cls,
+        group: ReplicaGroup,
+        *,
+        deadline_s: float = 5.0,
+        need: int | None = None,
+        drop_after_s: float | None = None,
+    ) -> LoggerGroup:
         return cls(
             name=group.role,
             namespace=group.namespace,
@@ -88,7 +112,22 @@ class LoggerGroup:
             primary=group.primary or 0,
             deadline_s=deadline_s,
             handles=group.replicas,
+            need=need,
+            drop_after_s=drop_after_s,
         )
+
+    def config(self) -> Config:
+        return Config(self.epoch, self.primary, self.in_sync)
+
+    def members(self) -> tuple[int, ...]:
+        """The replicas every write needs now."""
+        return members(self.config(), self.size)
+
+    def _needed(self) -> int:
+        return self.size if self.need is None else self.need
+
+    def _adopt(self, config: Config) -> None:
+        self.epoch, self.primary, self.in_sync = config
 
     def replica_name(self, index: int) -> str:
         return f"{self.name}-{index}"
@@ -147,15 +186,19 @@ class LoggerGroup:
         deadline_s: float | None,
         forgotten: Sequence[LogKey] = (),
     ) -> list[Any]:
-        """One fenced write on every replica; `args[0]` is the epoch. Refused as fenced,
-        a following client adopts the newer epoch and sends it once more (idempotent).
-        `forgotten`: the keys of a forget, noted for a replica that missed it."""
+        """One fenced write on every in-sync replica; `args[0]` is the epoch. Refused as
+        fenced, a following client adopts the newer configuration and sends it once more
+        (idempotent). In-sync replicas that do not answer are dropped from the set when
+        enough remain (`drop_after_s`): the write then stands on the others.
+        `forgotten`: the keys of a forget, noted for a replica that missed it.
+        Returns one answer per replica, `SKIPPED` for those outside the set."""
         results = await self._gather(method, args, deadline_s)
         fenced = any(isinstance(r, FencedError) for r in results)
         follow = fenced and self.follow_epochs and bool(args) and args[0] == self.epoch
         if follow and await self.refresh() > args[0]:
             args = (self.epoch, *args[1:])
             results = await self._gather(method, args, deadline_s)
+        results = await self._drop_silent(results)
         if method == "forget":
             self._note_missed_forgets(results, forgotten)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -170,24 +213,123 @@ class LoggerGroup:
             raise errors[0]
         return results
 
+    def _droppable(self, silent: Sequence[int]) -> bool:
+        return (
+            self.drop_after_s is not None
+            and without(self.config(), silent, self.size, self._needed(), sorted(self._behind))
+            is not None
+        )
+
     async def _gather(
         self, method: str, args: tuple[Any, ...], deadline_s: float | None
     ) -> list[Any]:
-        if self.size > 1 and any(
+        """Each replica's answer (an exception for one that failed), `SKIPPED` outside the
+        set. When others all answered and the silent ones could be dropped, the silent
+        ones are not waited for past `drop_after_s` (LogUnavailable for them)."""
+        targets = self.members()
+        if len(targets) > 1 and any(
             isinstance(a, bytes) and len(a) > PUT_ONCE_BYTES for a in args
         ):  # one copy in the object store for every replica, not one per call
             args = tuple(
                 ray.put(a) if isinstance(a, bytes) and len(a) > PUT_ONCE_BYTES else a for a in args
             )
-        return await asyncio.gather(
-            *(self._call(i, method, *args, deadline_s=deadline_s) for i in range(self.size)),
+        results: list[Any] = [SKIPPED] * self.size
+        if self.drop_after_s is None or len(targets) <= self._needed():
+            answers = await asyncio.gather(
+                *(self._call(i, method, *args, deadline_s=deadline_s) for i in targets),
+                return_exceptions=True,
+            )
+            for i, answer in zip(targets, answers, strict=True):
+                results[i] = answer
+            return results
+        calls = {
+            i: asyncio.ensure_future(self._call(i, method, *args, deadline_s=deadline_s))
+            for i in targets
+        }
+        _, pending = await asyncio.wait(calls.values(), timeout=self.drop_after_s)
+        silent = [i for i, c in calls.items() if c in pending]
+        answered_ok = all(c.exception() is None for c in calls.values() if c not in pending)
+        if silent and answered_ok and self._droppable(silent):
+            for i in silent:
+                calls[i].cancel()
+                results[i] = LogUnavailable(
+                    self.replica_name(i), f"no answer within {self.drop_after_s}s"
+                )
+        elif pending:
+            await asyncio.wait(pending)
+        for i, c in calls.items():
+            if results[i] is SKIPPED:
+                results[i] = c.exception() or c.result()
+        return results
+
+    async def _drop_silent(self, results: list[Any]) -> list[Any]:
+        """Drop the in-sync replicas that answered LogUnavailable from the set when every
+        other one took the write and enough remain; their answers become `SKIPPED`."""
+        silent = [i for i, r in enumerate(results) if isinstance(r, LogUnavailable)]
+        others_ok = all(
+            r is SKIPPED or not isinstance(r, BaseException)
+            for i, r in enumerate(results)
+            if i not in silent
+        )
+        if not silent or not others_ok or not self._droppable(silent):
+            return results
+        if not await self._drop(silent):
+            return results
+        return [SKIPPED if i in silent else r for i, r in enumerate(results)]
+
+    async def _drop(self, lost: Sequence[int]) -> bool:
+        """Announce the next epoch without replicas `lost`; True once every remaining
+        member accepted it (writes of the old epoch are refused from then on)."""
+        config = without(self.config(), lost, self.size, self._needed(), sorted(self._behind))
+        if config is None:
+            return False
+        if not await self._announce(config):
+            return False
+        log.warning(
+            "%s: replicas %s dropped from the in-sync set under epoch %d (primary %d): "
+            "they did not answer; writes go on on %s",
+            self.name,
+            [self.replica_name(i) for i in lost],
+            config.epoch,
+            config.primary,
+            list(members(config, self.size)),
+        )
+        return True
+
+    async def _announce(self, config: Config) -> bool:
+        """`config` on every member of its set; adopted when all accepted it. Otherwise
+        (another holder decided the epoch, or a member did not answer) the newest whole
+        configuration is adopted instead and False returned."""
+        assert config.in_sync is not None
+        answers = await asyncio.gather(
+            *(
+                self._call(
+                    i,
+                    "set_epoch",
+                    config.epoch,
+                    config.primary,
+                    list(config.in_sync),
+                    deadline_s=None,
+                )
+                for i in config.in_sync
+            ),
             return_exceptions=True,
         )
+        if all(a == config.epoch for a in answers):
+            self._adopt(config)
+            return True
+        log.warning("%s: epoch %d %s not accepted: %r", self.name, config.epoch, config, answers)
+        try:
+            await self.refresh()
+        except LogUnavailable as err:
+            log.warning("%s: %s", self.name, err)
+        return False
 
     def _note_missed_forgets(self, results: Sequence[Any], keys: Sequence[LogKey]) -> None:
         """A replica that missed a forget the others took keeps entries already published;
         `heal` sends it again. Bounded: past the bound the key scan of `heal` finds them."""
-        if all(isinstance(r, BaseException) for r in results):
+        asked = [r for r in results if r is not SKIPPED]
+        if all(isinstance(r, BaseException) for r in asked):
             return  # nothing dropped anywhere: the caller retries the whole forget
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
@@ -290,19 +432,26 @@ class LoggerGroup:
 
     async def status(self) -> list[dict[str, Any]]:
         """Every replica's status, or {"replica", "error"} for one that did not answer."""
-        out: list[dict[str, Any]] = []
-        for i in range(self.size):
+
+        async def one(i: int) -> dict[str, Any]:
             try:
-                out.append(await self._call(i, "status", deadline_s=None))
+                answer: dict[str, Any] = await self._call(i, "status", deadline_s=None)
             except Exception as exc:  # noqa: BLE001 - reported, not raised
-                out.append({"name": self.replica_name(i), "error": str(exc)})
-        return out
+                return {"name": self.replica_name(i), "error": str(exc)}
+            if answer.get("catching_up"):
+                self._behind.add(i)
+            else:
+                self._behind.discard(i)
+            return answer
+
+        return list(await asyncio.gather(*(one(i) for i in range(self.size))))
 
     async def drained(self) -> bool:
-        """True when EVERY replica answers and holds nothing transient or failed: a replica
-        that missed a forget still holds entries the primary dropped (until `heal`
-        reconciles it), and would replay them if promoted."""
-        for i in range(self.size):
+        """True when every in-sync replica answers and holds nothing transient or failed: a
+        replica that missed a forget still holds entries the primary dropped (until `heal`
+        reconciles it), and would replay them if promoted. One outside the set is emptied
+        before it counts again."""
+        for i in self.members():
             try:
                 c = await self._call(i, "counts", deadline_s=None)
             except (LogUnavailable, FencedError):
@@ -314,24 +463,52 @@ class LoggerGroup:
     # -- control -----------------------------------------------------------------------
 
     async def refresh(self) -> int:
-        """Adopt the newest epoch (and its primary) the replicas accepted; returns it."""
-        answers = await asyncio.gather(
-            *(self._call(i, "status", deadline_s=None) for i in range(self.size)),
-            return_exceptions=True,
-        )
-        known = [a for a in answers if isinstance(a, dict) and a.get("primary") is not None]
-        if not known:
+        """Adopt the newest whole configuration (epoch, primary, in-sync set) the replicas
+        accepted (`in_sync.newest`); returns its epoch. Answers are read as they come: a
+        replica that does not answer delays it only while no whole configuration shows."""
+
+        async def one(i: int) -> tuple[int, dict[str, Any] | None]:
+            try:
+                return i, await self._call(i, "status", deadline_s=None)
+            except Exception:  # noqa: BLE001 - a replica down: the others decide
+                return i, None
+
+        calls = [asyncio.ensure_future(one(i)) for i in range(self.size)]
+        statuses: list[dict[str, Any]] = [{"error": "no answer yet"}] * self.size
+        found: Config | None = None
+        try:
+            for done in asyncio.as_completed(calls):
+                index, answer = await done
+                if answer is None:
+                    continue
+                statuses[index] = answer
+                found = newest(statuses, self.size)
+                answered = [s["epoch"] for s in statuses if "epoch" in s]
+                if found is not None and found.epoch >= max(answered):
+                    break
+        finally:
+            for c in calls:
+                c.cancel()
+        if found is None:
             raise LogUnavailable(self.name, "no replica knows its primary")
-        best = max(known, key=lambda a: a["epoch"])
-        self.epoch, self.primary = best["epoch"], best["primary"]
+        if found.epoch >= self.epoch:
+            self._adopt(found)
         return self.epoch
 
     async def catch_up(
-        self, index: int, *, source: int | None = None, chunk: int = 2000, timeout_s: float = 600.0
+        self,
+        index: int,
+        *,
+        source: int | None = None,
+        chunk: int = 2000,
+        timeout_s: float = 600.0,
+        rejoin: bool = False,
     ) -> int:
         """Copy every entry of `source` (default: the primary) into replica `index`, which is
         emptied first and counts for reads again once done. Writes keep flowing to it
-        meanwhile. Returns the number of entries copied."""
+        meanwhile. With `rejoin` (a replica dropped from the in-sync set) it is taken back
+        into the set once emptied, so every write from then on reaches it, and the copy
+        brings what came before. Returns the number of entries copied."""
         src = self.primary if source is None else source
         if src == index:
             raise ValueError(f"replica {index} cannot catch up from itself")
@@ -339,7 +516,11 @@ class LoggerGroup:
             pending.pop(index, None)
         call_deadline = max(self.deadline_s, 30.0)
         deadline = time.monotonic() + timeout_s
-        await self._call(index, "begin_catch_up", self.epoch, deadline_s=call_deadline)
+        copy = uuid.uuid4().hex
+        self._behind.add(index)
+        await self._call(index, "begin_catch_up", self.epoch, copy, deadline_s=call_deadline)
+        if rejoin and not await self._announce(with_(self.config(), index, self.size)):
+            return 0
         cursor: bytes | None = None
         copied = 0
         while True:
@@ -353,13 +534,15 @@ class LoggerGroup:
                 copied += len(entries)
             if cursor is None:
                 break
-        await self._call(index, "finish_catch_up", self.epoch, deadline_s=call_deadline)
+        await self._call(index, "finish_catch_up", self.epoch, copy, deadline_s=call_deadline)
+        self._behind.discard(index)
         log.info("%s caught up from %s: %d entries", self.replica_name(index), src, copied)
         return copied
 
     async def heal(self) -> dict[int, int]:
         """Catch up every replica that came back empty (Ray restarted it on a fresh disk,
-        or its directory was lost) from the primary; returns {index: entries copied}.
+        or its directory was lost) from the primary, and every replica dropped from the
+        in-sync set that answers again (taken back in); returns {index: entries copied}.
 
         Cheap when all is well (one status call per replica), so a periodic loop (the
         bridge's replayer) can run it: a lost replica is replaced by Ray and caught up
@@ -372,27 +555,35 @@ class LoggerGroup:
         if primary.get("error") or primary.get("catching_up"):
             return {}  # nothing trustworthy to copy from (no healthy replica: logged)
         healed: dict[int, int] = {}
+        inside = self.members()
         for i, st in enumerate(statuses):
-            if i != self.primary and st.get("catching_up"):
+            if i != self.primary and i in inside and st.get("catching_up"):
                 healed[i] = await self.catch_up(i)
         for i, st in enumerate(statuses):
+            if i not in inside and not st.get("error"):
+                try:
+                    healed[i] = await self.catch_up(i, rejoin=True)
+                except (LogUnavailable, FencedError) as err:  # the next heal tries again
+                    log.warning("%s: taking %d back: %s", self.name, i, err)
+        for i, st in enumerate(statuses):
             ok = not st.get("error") and not st.get("catching_up")
-            if ok and i != self.primary and i not in healed:
+            if ok and i != self.primary and i in inside and i not in healed:
                 await self._reconcile(i, primary, st)
         return healed
 
     async def _follow_primary(self, statuses: Sequence[Mapping[str, Any]]) -> bool:
-        """Adopt the newest epoch the replicas report; if its primary came back empty
-        (catching up), promote a healthy replica. Returns whether the primary changed."""
+        """Adopt the newest whole configuration the replicas report; if its primary came
+        back empty (catching up), promote a healthy replica; if it does not answer and
+        may be dropped, drop it. Returns whether the primary changed."""
         before = (self.epoch, self.primary)
-        known = [s for s in statuses if not s.get("error") and s.get("primary") is not None]
-        if known and self.follow_epochs:
-            best = max(known, key=lambda s: s["epoch"])
-            if best["epoch"] > self.epoch:
-                self.epoch, self.primary = best["epoch"], best["primary"]
+        found = newest(statuses, self.size)
+        if found is not None and found.epoch > self.epoch and self.follow_epochs:
+            self._adopt(found)
         current = statuses[self.primary] if self.primary < len(statuses) else {}
         if current.get("catching_up") and not current.get("error"):
             await self.promote_healthy(statuses)
+        elif current.get("error") and self._droppable([self.primary]):
+            await self._drop([self.primary])
         return (self.epoch, self.primary) != before
 
     async def promote_healthy(self, statuses: Sequence[Mapping[str, Any]]) -> int | None:
@@ -400,16 +591,23 @@ class LoggerGroup:
         under a new epoch (every holder picks the same one, so two promoting at once agree);
         returns it, or None (logged) when no replica can lead: reads then keep failing and
         writes keep needing every replica, so nothing is acknowledged on fewer copies."""
+        inside = self.members()
         healthy = [
-            i for i, s in enumerate(statuses) if not s.get("error") and not s.get("catching_up")
+            i
+            for i, s in enumerate(statuses)
+            if i in inside and not s.get("error") and not s.get("catching_up")
         ]
         if not healthy:
             log.error("%s: no healthy replica to promote: %s", self.name, statuses)
             return None
         index = healthy[0]
         epoch = 1 + max([self.epoch, *(s.get("epoch", 0) for s in statuses if not s.get("error"))])
+        in_sync = None if self.in_sync is None else list(self.in_sync)
         results = await asyncio.gather(
-            *(self._call(i, "set_epoch", epoch, index, deadline_s=None) for i in range(self.size)),
+            *(
+                self._call(i, "set_epoch", epoch, index, in_sync, deadline_s=None)
+                for i in range(self.size)
+            ),
             return_exceptions=True,
         )
         if results[index] != epoch:  # it went down, or another holder promoted further

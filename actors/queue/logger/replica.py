@@ -135,6 +135,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
             self.catching_up = flag == b"1"
         self._fence_dirty = False
         self._replicas = replicas
+        self._copy = ""  # the catch-up under way (`begin_catch_up`)
         self._started = True
 
     def _writer_gave_up(self, reason: str) -> None:
@@ -155,9 +156,12 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
     def _save_fence(self, fence: Fence) -> None:
         self._fence_dirty = True  # written by the next hand-off, ahead of the write
 
-    async def set_epoch(self, epoch: int, primary_index: int) -> int:
-        """Accept a promotion, durably, after every write admitted before it."""
-        self.fence.advance(epoch, primary_index)
+    async def set_epoch(
+        self, epoch: int, primary_index: int, in_sync: Sequence[int] | None = None
+    ) -> int:
+        """Accept a promotion (or a new in-sync set), durably, after every write admitted
+        before it."""
+        self.fence.advance(epoch, primary_index, in_sync)
         self._fence_dirty = True
         await self._op(None)
         return self.fence.epoch
@@ -284,13 +288,18 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
     async def import_(self, epoch: int, entries: list[tuple[str, bytes, bytes]]) -> int:
         return await self._op("import_", entries, epoch=epoch)
 
-    async def begin_catch_up(self, epoch: int) -> None:
-        """Empty the store and refuse reads until `finish_catch_up`."""
+    async def begin_catch_up(self, epoch: int, copy: str = "") -> None:
+        """Empty the store and refuse reads until `finish_catch_up` of the same `copy`.
+        A copy begun later (another holder healing at once) empties the store again, so
+        the earlier copy's finish is refused rather than passing a half copy as whole."""
         self.catching_up = True
+        self._copy = copy
         keep = {CATCHING_UP_KEY: b"1", FENCE_KEY: self.fence.to_bytes()}
         await self._op("reset", keep, epoch=epoch)
 
-    async def finish_catch_up(self, epoch: int) -> None:
+    async def finish_catch_up(self, epoch: int, copy: str = "") -> None:
+        if copy != self._copy:
+            raise LogUnavailable(self.name, "another catch-up began since this one")
         await self._op("put_meta", {CATCHING_UP_KEY: b"0"}, epoch=epoch)
         self.catching_up = False
 
@@ -360,6 +369,7 @@ class LoggerReplica(SupervisedActor, ReplicaMixin):
             "path": str(self.path),
             "epoch": self.fence.epoch,
             "primary": self.fence.primary,
+            "in_sync": None if self.fence.in_sync is None else list(self.fence.in_sync),
             "catching_up": self.catching_up,
             "counts": await self._op("counts"),
             "parked": await self._op("parked_count"),
