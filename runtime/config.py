@@ -718,6 +718,11 @@ def dumps_toml(cfg: Config, *, redacted: bool = False) -> str:
     return _toml_table(redact(data) if redacted else data, [])
 
 
+def toml_text(data: Mapping[str, Any]) -> str:
+    """Plain data as TOML text (a top-level list of tables as a list of inline tables)."""
+    return _toml_table(data, [])
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -727,6 +732,9 @@ def _toml_value(value: Any) -> str:
         return msgspec.json.encode(value).decode()
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):  # an inline table: a `[[jobs]]` entry inside a list
+        pairs = (f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{ " + ", ".join(pairs) + " }"
     raise TypeError(f"cannot render {value!r} as TOML")
 
 

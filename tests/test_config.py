@@ -138,6 +138,30 @@ def test_shown_config_loads_back_to_the_same(tmp_path: Path) -> None:
     assert again == cfg
 
 
+def test_shown_config_with_jobs_loads_back_to_the_same(tmp_path: Path) -> None:
+    text = """
+[[jobs]]
+name = "late_city"
+kind = "count"
+stream = "meetup"
+by = ["group.group_city"]
+window = { length = "1 minute", watermark = "10 minutes" }
+time_field = "mtime"
+"""
+    cfg = load(write(tmp_path, text), environ=EMPTY)
+    again = load(write(tmp_path, dumps_toml(cfg)), environ=EMPTY)
+    assert again == cfg
+    assert again.jobs[0]["window"]["watermark"] == "10 minutes"
+
+
+def test_extra_logger_replicas_need_as_much_k() -> None:
+    assert validate({"logging": {"extra_replicas": 1}}).logging.extra_replicas == 1
+    with pytest.raises(ConfigError, match="logging.extra_replicas"):
+        validate({"logging": {"extra_replicas": 2}})
+    with pytest.raises(ConfigError, match="logging.extra_replicas"):
+        validate({"roles": {"logger": {"k": 0}}, "logging": {"extra_replicas": 1}})
+
+
 def test_stream_logic_is_checked_at_load() -> None:
     with pytest.raises(ConfigError, match=r"streams\.clicks\.logic\.filter: .*line 1, column"):
         validate({"streams": {"clicks": {"logic": {"filter": "kind LIKE 'b%'"}}}})

@@ -52,7 +52,9 @@ CASES: list[LabFault] = [
     ),
 ]
 ROWS: list[dict[str, Any]] = []
-RSVPS = RsvpGenerator(seed=SEED)  # one for the suite: event times only move forward
+# one for the suite (event times only move forward), at the clock's pace: a fault that
+# holds an event back d seconds makes it d seconds late, within the lab's watermark
+RSVPS = RsvpGenerator(seed=SEED, gap_ms=1000.0 / RATE)
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,8 @@ def chaos(
             found = lc.endpoints({"collector": 3, "gateway": 2})
             urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
             gws = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
-            rsvps = RsvpGenerator(seed=seed)  # one for every fault: event times move forward
+            # one for every fault (event times move forward), at the clock's pace
+            rsvps = RsvpGenerator(seed=seed, gap_ms=1000.0 / rate)
             for i, f in enumerate(plan(kinds, lab.hosts(), seed)):
                 run = run_fault(
                     lc,

@@ -276,7 +276,12 @@ class RsvpGenerator:
         groups: int = 2000,
         members: int = 50000,
         start_ms: int | None = None,
+        gap_ms: float = _MEAN_GAP_MS,
     ) -> None:
+        """`gap_ms`: about the mean event-time gap between RSVPs (1 ms more); a load sent
+        at r per second with `gap_ms` = 1000 / r keeps event time near the clock's pace, so
+        an event a fault holds back d seconds arrives about d seconds late, not the
+        d * r * 200 ms of event time the default gap would make of it."""
         if groups < 1 or members < 1:
             raise ValueError(f"groups and members must be >= 1, got {groups}, {members}")
         self.seed = seed
@@ -290,6 +295,7 @@ class RsvpGenerator:
         self._member_cache: dict[int, tuple[int, str, str]] = {}
         self._rng = random.Random(seed)
         self._mtime = DEFAULT_START_MS if start_ms is None else start_ms
+        self._gap_ms = gap_ms
         self._rsvp_id = world.randrange(1_500_000_000, 1_700_000_000)
         self._event_id = world.randrange(220_000_000, 240_000_000)
         self.produced = 0
@@ -389,7 +395,7 @@ class RsvpGenerator:
     def next(self) -> dict[str, Any]:
         """The next RSVP, with the sample's keys, key order, nesting and value types."""
         rng = self._rng
-        self._mtime += 1 + int(rng.expovariate(1.0 / _MEAN_GAP_MS))
+        self._mtime += 1 + int(rng.expovariate(1.0 / self._gap_ms))
         self._rsvp_id += rng.randint(1, 40)
         group = rng.choices(self._groups, cum_weights=self._group_cw)[0]
         event = self._event(group)

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from cluster.demo.meetup import meetup_jobs
 from cluster.lab.hosts import Lab, LabError
 from cluster.lab.services import RayNodes, lab_nats, ray_cli, ray_env
+from runtime.config import toml_text
 from runtime.nats import NatsServer
 
 __all__ = ["LabCluster", "REPO"]
@@ -98,17 +102,23 @@ class LabCluster:
 
     # ---- the pipeline as a Ray job --------------------------------------------------------------
 
-    def config(self, extra: str = "") -> Path:
+    def config(self, extra: str = "", *, watermark: str = "10 minutes") -> Path:
         """The job's tierflow.toml: every role on its node's address, NATS on every host,
-        streams R3 (of up to three hosts)."""
+        streams R3 (of up to three hosts), and with three hosts or more a logger replica
+        beyond k+1, so one host cut off leaves each group writable. The Meetup queries
+        keyed by event time get a `watermark` longer than any fault holds an event back:
+        their answers then equal an exact recount unless something was lost."""
         path = self.work / "tierflow.toml"
+        spare = "[logging]\nextra_replicas = 1\n" if len(self.nats) >= 3 else ""
+        windowed = [msgspec.to_builtins(j) for j in meetup_jobs(watermark=watermark) if j.window]
         path.write_text(
             f'state_dir = "{self.work / "state"}"\n'
-            f'[nats]\nurl = "{self.nats_url}"\nstream_replicas = {min(3, len(self.nats))}\n'
+            + toml_text({"jobs": windowed})
+            + f'[nats]\nurl = "{self.nats_url}"\nstream_replicas = {min(3, len(self.nats))}\n'
             f'[ray]\nnamespace = "{self.namespace}"\n'
             '[roles.collector]\nhost = "node"\nreplicas = 3\n'
             '[roles.gateway]\nhost = "node"\nreplicas = 2\n'
-            '[spark]\nmaster = "local[1]"\n' + extra
+            '[spark]\nmaster = "local[1]"\n' + spare + extra
         )
         return path
 
