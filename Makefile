@@ -6,15 +6,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
-# make test's pytest workers (pytest-xdist; one module stays on one worker, so module and
-# session fixtures are shared as before), costliest module first (tests/ordering.py).
+# make test's pytest workers (pytest-xdist; one module stays on one worker, so a module's
+# fixtures are set up once and session fixtures once per worker), costliest module first
+# (tests/ordering.py).
 # TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 # Every JVM the tests start (Spark drivers in pytest, in Ray actors, in `tierflow up`'s
 # runtime; Spark's standalone daemons) compiles with C1 only: tests run small batches, where
 # C2's compiler threads cost more CPU than their code saves, and the two workers share two
-# cores (measured: 30% less CPU, 13% less wall time for the Spark job tests; the code a JVM
-# runs is the same). Not for bench, which measures the JVM as deployed.
+# cores (measured in docs/benchmarks.md: 30% less CPU, 13% less wall time for the Spark job
+# tests; the code a JVM runs is the same). Not for bench, which measures the JVM as deployed.
 TEST_JVM := JAVA_TOOL_OPTIONS="$$JAVA_TOOL_OPTIONS -XX:TieredStopAtLevel=1"
 
 CHROMIUM ?= /usr/bin/chromium
@@ -49,12 +50,11 @@ chromium:
 demo: $(STAMP) java
 	$(VENV)/bin/tierflow demo
 
-# The project's modules are byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as on
-# this machine) every Ray worker, Spark Python worker and CLI run compiles them from source
-# again. (Spark's class archive, `java`, is built before the tests, not beside them: the
-# costliest modules run first and are Spark's, and a fresh clone's run with the build
-# beside them took longer, the archive 137 s instead of 93 and the driver tests' JVMs
-# starting without it.)
+# The project's modules are byte-compiled first: with PYTHONDONTWRITEBYTECODE set in the
+# environment, every Ray worker, Spark Python worker and CLI run would compile them from
+# source again. (Spark's class archive, `java`, is built before the tests, not beside them:
+# the costliest modules run first and are Spark's, so built beside them the archive competes
+# with those modules for the cores and their JVMs start without it; docs/benchmarks.md.)
 test: $(STAMP) java chromium lint
 	@$(PY) -m compileall -q runtime actors jobs cluster tests > /dev/null
 	$(TEST_JVM) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)

@@ -349,7 +349,7 @@ class AnalysisDriver(SupervisedActor):
         self._lock = threading.Lock()
         self._w = _Wanted()
         # with a peer (jobs/standby.py) the checkpoint store is opened by whichever driver
-        # takes it over; alone, here as before
+        # takes it over; a driver alone opens it here
         self.peer = peer
         self.role = "active" if peer is None else "standby"
         self.took_over: dict[str, Any] | None = None

@@ -62,7 +62,7 @@ DEFAULT_MIN_PARTITIONS = 2
 MIN_SPLIT = 5_000
 # Messages per pull, and so rows per Arrow batch handed to Spark: a micro-batch of 5,000
 # as one batch spent 271-279 ms in the top-N's addBatch against 327-339 ms as 2,000 + 2,000
-# + 1,000 (same session, alternated, issue 13). A pull holds this many events in the
+# + 1,000 (alternated A/B runs, docs/benchmarks.md). A pull holds this many events in the
 # worker's memory at once (with the one being converted)
 DEFAULT_FETCH_BATCH = 5_000
 # Bytes per pull request (the server's ``max_bytes``): with fetchBatch 5,000 and events of up

@@ -166,7 +166,7 @@ class TopN:
         self._carry_if_hollow()
         blob = bytes(self._s.serialize())
         if not (self._carried_weight or self._carried_offset):
-            return blob  # the plain DataSketches format, as before
+            return blob  # the plain DataSketches format: nothing carried
         head = struct.pack("<QQ", self._carried_weight, self._carried_offset)
         return self._CARRY + head + blob
 

@@ -151,5 +151,5 @@ STDOUT_CLEAN = "-Xlog:cds*=off:stdout -Xlog:cds*=warning:stderr"
 
 def dump_options(path: Path) -> str:
     """Dump the loaded classes at exit; the JVM's per-class "skipping" lines are silenced
-    (signed jars and generated classes cannot be archived; they load as before)."""
+    (signed jars and generated classes cannot be archived; the JVM loads them the usual way)."""
     return f"-XX:ArchiveClassesAtExit={path} -Xlog:cds=off -Xlog:cds+dynamic=off"

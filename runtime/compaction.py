@@ -7,7 +7,7 @@ last `keep` events of every key and lets older ones go. The subject is derived b
 stream's logic (`CompactingLogic`, in the collector, or in the bridge for events logged
 before their logic ran): a pure function of the event's JSON, so an event replayed from the
 message logger gets the same subject again, and `Nats-Msg-Id` dedup (per stream, whatever
-the subject) keeps exactly-once into the stream as it was.
+the subject) keeps exactly-once into the stream, as on any stream.
 
 Key tokens (`key_token`), stable and subject-safe for any scalar JSON value:
 

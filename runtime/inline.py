@@ -5,7 +5,7 @@ bigger one into the object store, whose raylet work (create, seal, fetch by the 
 free) costs CPU on every call. The limit is per argument, so a batch sent as parts of at
 most `INLINE_PART_BYTES`, each an argument of its own, travels in the call itself and the
 callee joins them. A call inlines at most 10 MiB (`task_rpc_inlined_bytes_limit`); a blob
-past `INLINE_CALL_BYTES` stays one part (put in the object store as before).
+past `INLINE_CALL_BYTES` stays one part (Ray puts it in the object store).
 """
 
 from __future__ import annotations

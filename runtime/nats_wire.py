@@ -5,7 +5,7 @@ dict, a `Msg`, a trip through its subscription's queue and a callback wake-up: m
 reader's CPU at thousands of messages a second. `FastLaneParser` offers every whole
 ``MSG``/``HMSG`` frame to its `take(sid, subject, reply, headers, payload)` first, in wire
 order, straight from the buffer; what `take` declines (returns False for), and every
-other operation, goes on through nats-py exactly as before. Used by the gateway's stream
+other operation, goes on through nats-py's own handling. Used by the gateway's stream
 readers (actors/access/wire.py) and the Spark source's workers (jobs/jetstream_read.py).
 
 Relies on two internals of the pinned nats-py (2.16): the protocol parser `nc._ps`, whose

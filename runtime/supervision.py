@@ -275,7 +275,7 @@ class Seen(enum.Enum):
     """What one heartbeat answer says about a child."""
 
     FIRST = "first"  # first answer since the supervisor started watching
-    SAME = "same"  # the same incarnation as before
+    SAME = "same"  # the same incarnation as the previous answer
     NEW_INCARNATION = "new_incarnation"  # the process was restarted since the last answer
 
 

@@ -3,7 +3,7 @@
 Servers (collector, gateway, admin, the embedded nats-server) present `tls.cert`/`tls.key`;
 clients trust `tls.ca`. Empty paths mean the files `tierflow certs` writes under
 `<state_dir>/certs`. With `tls.enabled = false` both functions return None, which every
-caller reads as "plain", so the default stays as it was.
+caller reads as "plain", so by default every connection is plain.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Hole 15: with `tls.verify_clients` on, the analysis tier's NATS connections (the Spark
-source and the result sink) present the client certificate, not only trust the CA.
+"""With `tls.verify_clients` on, the analysis tier's NATS connections (the Spark source and
+the result sink) present the client certificate, not only trust the CA.
 
 A real embedded nats-server with client verification on (as `tierflow up` starts it). The
 whole pipeline under mutual TLS is `tests/test_config_matrix.py`'s `tokens-and-mutual-tls`.

@@ -1,4 +1,4 @@
-"""Chaos for the archive (issue 15): the analysis driver, which runs the archive job, is
+"""Chaos for the archive: the analysis driver, which runs the archive job, is
 SIGKILLed (with its Spark JVM) while the archive writes, under a steady load; afterwards the
 archive holds every acknowledged event exactly once, read back with Spark and compared by
 id and payload hash.

@@ -1,5 +1,6 @@
-"""Batch views (issue 15, Lambda): a job's state dropped, recomputed over the archive and the
-live tail, and served merged with its speed layer, equals an uninterrupted run of the same job.
+"""Batch views (the Lambda architecture's batch layer): a job's state dropped, recomputed
+over the archive and the live tail, and served merged with its speed layer, equals an
+uninterrupted run of the same job.
 
 Real parts: nats-server, a local Ray, the AnalysisDriver actor with Spark local[2], the
 archive's Parquet on the local filesystem. A stranger's stream (``orders`` on

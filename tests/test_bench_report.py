@@ -1,5 +1,5 @@
 """The bench report shows the Spark benches' warm-up apart from what they measure, and reads
-issue 13's goals from the measured rows, never from a warm-up."""
+the pipeline goals from the measured rows, never from a warm-up."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Parked log entries (issue 12, holes 3 and 8): never due, counted by `tierflow logger
-inspect`, listed and settled by `tierflow logger settle` on the stopped stores."""
+"""Parked log entries (an event whose absence from the stream cannot be proven, a poison
+event's full body): never due, counted by `tierflow logger inspect`, listed and settled by
+`tierflow logger settle` on the stopped stores."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BrokerBridge retries, poison events and dead letters (issue 12, holes 3, 8 bridge side, 9).
+"""BrokerBridge retries past the duplicate window, poison events and dead letters.
 
 Real parts: a nats-server this module starts and stops, a local Ray with a real logger
 group (LevelDB), and a BrokerBridge built in this process (its data plane runs on its own
@@ -126,8 +126,8 @@ async def failed_entry(group: LoggerGroup, ev: Event) -> dict[str, Any] | None:
 async def test_ack_lost_before_outage_longer_than_dedup_window_stores_once(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nats_server: NatsServer, nc: Any
 ) -> None:
-    """Hole 3: the event is stored but its ack is lost, then NATS is down longer than the
-    stream's duplicate window. The resend after the outage must not store it again."""
+    """The event is stored but its ack is lost, then NATS is down longer than the stream's
+    duplicate window. The resend after the outage must not store it again."""
     bridge, group, _ = rig
     ev = event(b'{"n": 1}')
     await group.append([ev])
@@ -216,8 +216,8 @@ async def test_handoff_answer_is_counts_and_the_work_is_the_same(
 async def test_poison_event_mid_batch_is_dead_lettered_others_land_once(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
 ) -> None:
-    """Hole 8: an event whose payload fits max_payload but not with its headers, in the
-    middle of a batch: dead-lettered with the reason (its full body kept parked in the
+    """An event whose payload fits max_payload but not with its headers, in the middle of a
+    batch: dead-lettered with the reason (its full body kept parked in the
     log); every other event of the batch lands exactly once, in the same call."""
     bridge, group, _ = rig
     good = [event(b'{"n": %d}' % i) for i in range(40)]
@@ -245,7 +245,7 @@ async def test_poison_event_mid_batch_is_dead_lettered_others_land_once(
 async def test_failing_dead_letters_move_to_failed_store_and_do_not_starve_orphans(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
 ) -> None:
-    """Hole 9: while dead-letter publishes fail, the invalid events go to the failed store
+    """While dead-letter publishes fail, the invalid events go to the failed store
     (retried with backoff) instead of staying transient at the head of `pending()`, so the
     valid orphans behind them are published."""
     bridge, group, cfg = rig
@@ -292,7 +292,7 @@ class _DownGroup:
 async def test_one_unreachable_logger_group_does_not_stop_the_others(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
 ) -> None:
-    """Hole 9: a replay pass carries on past a group that cannot be read."""
+    """A replay pass carries on past a group that cannot be read."""
     bridge, group, _ = rig
     orphan = event(b'{"n": 7}', age_s=5)
     await group.append([orphan])
@@ -308,8 +308,8 @@ async def test_one_unreachable_logger_group_does_not_stop_the_others(
 async def test_dead_letter_recorded_before_ack_loss_past_window_is_not_recorded_twice(
     rig: tuple[BrokerBridge, LoggerGroup, Any], nc: Any
 ) -> None:
-    """Hole 3 for dead letters: the dead-letter record of an invalid event landed but the
-    log kept the event (ack lost); resent after the deadletter stream's duplicate window,
+    """The dead-letter record of an invalid event landed but the log kept the event (ack
+    lost); resent after the deadletter stream's duplicate window,
     it must be found, not recorded twice."""
     bridge, group, _ = rig
     bad = event(b'{"x": "late"}', processed=False)

@@ -276,7 +276,7 @@ def test_spark_defaults_drive_a_real_standalone_master_and_worker(tmp_path: Path
     text = text.replace("spark://HEAD_IP:7077", f"spark://127.0.0.1:{master_port}")
     text = text.replace("/home/ubuntu/tierflow-venv/bin/python", sys.executable)
     text = text.replace("file:///mnt/shared/tierflow/spark-checkpoints", tmp_path.as_uri())
-    # test-only: the driver on loopback, and one executor JVM (this machine has 2 cores)
+    # test-only: the driver on loopback, and one executor core (the suite fits on 2 cores)
     text += "\nspark.driver.host 127.0.0.1\nspark.driver.bindAddress 127.0.0.1\n"
     text += "spark.cores.max 1\n"
     (conf_dir / "spark-defaults.conf").write_text(text)

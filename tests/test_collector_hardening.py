@@ -1,6 +1,6 @@
-"""The collection tier's answers under faults, its size limit and its system streams
-(issue 12, holes 2, 6, 7, 8, 10): a real collector tier on Ray, real LevelDB replicas
-(k=1), real nats-server.
+"""The collection tier's answers under faults (partial writes, a fenced logger, retried ack
+tokens), its size limit and its system streams: a real collector tier on Ray, real LevelDB
+replicas (k=1), real nats-server.
 
 Every answer that names ids lets the producer resend them; every refusal names a reason
 and leaves the streams as they were.
@@ -73,7 +73,7 @@ async def landed_once(server: NatsServer, stream: str, ids: list[str]) -> None:
     assert verdict.ok, str(verdict)
 
 
-# --------------------------------------------------------------------------- hole 7
+# --------------------------------------------------------------------------- retried ack tokens
 
 
 async def test_retried_ack_token_request_gets_a_token_that_answers(tier: CollectionTier) -> None:
@@ -93,7 +93,7 @@ async def test_retried_ack_token_request_gets_a_token_that_answers(tier: Collect
                 assert status["events"] == 2
 
 
-# --------------------------------------------------------------------------- hole 10
+# --------------------------------------------------------------------------- system streams
 
 
 async def test_producers_cannot_write_system_streams(
@@ -135,7 +135,7 @@ async def test_producers_cannot_write_system_streams(
     assert {s: await ids_in(nats_server, s) for s in before} == before
 
 
-# --------------------------------------------------------------------------- hole 8
+# --------------------------------------------------------------------------- the NATS payload limit
 
 
 async def test_event_at_the_nats_limit_lands_and_one_byte_over_is_413(
@@ -171,7 +171,7 @@ async def test_event_at_the_nats_limit_lands_and_one_byte_over_is_413(
     assert (await ids_in(nats_server, "meetup")).get(over_id, 0) == 0
 
 
-# --------------------------------------------------------------------------- hole 2
+# --------------------------------------------------------------------------- partial writes
 
 
 async def _fault_backup(tier: CollectionTier, on: bool) -> None:
@@ -216,7 +216,7 @@ async def test_partial_write_503_carries_ids_and_the_resend_is_stored_once(
     await landed_once(nats_server, "meetup", ids)
 
 
-# --------------------------------------------------------------------------- hole 6 (last:
+# --------------------------------------------------------------------------- fenced logger (last:
 # it moves the logger group's epoch)
 
 

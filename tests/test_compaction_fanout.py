@@ -1,4 +1,4 @@
-"""A feed's ring on a compacted stream replays what the stream retains (issue 16).
+"""A feed's ring on a compacted stream replays what the stream retains.
 
 JetStream keeps the last `keep` messages of every subject of a compacted stream, so a
 `from: "all"` read from JetStream gets the latest value per key. A gateway whose feed for

@@ -1,4 +1,4 @@
-"""Per-key compaction end to end (issue 16): real data with natural keys through the
+"""Per-key compaction end to end: real data with natural keys through the
 collector (HTTP, logger k=1, bridge, JetStream) into compacted streams, read back from
 JetStream and through the gateway (`/latest?key=`, `/keys`, a WebSocket `from: "all"`).
 

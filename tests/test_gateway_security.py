@@ -1,4 +1,4 @@
-"""Issue 12, data access tier: the dashboard's files, webhooks and cursors under attack.
+"""The data access tier under attack: the dashboard's files, webhooks and cursors.
 
 Real parts: nats-server, one Gateway actor on a local Ray with consumer tokens on, curl and
 aiohttp as clients, aiohttp servers on loopback as webhook receivers (127.0.0.1 is on the
@@ -155,7 +155,7 @@ async def raw_get(url: str) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-# --------------------------------------------------------------------------- hole 11
+# --------------------------------------------------------------------------- dashboard files
 
 
 async def test_dashboard_static_serves_no_file_outside_its_directory(
@@ -179,7 +179,7 @@ async def test_dashboard_static_serves_no_file_outside_its_directory(
     assert status == 200 and b"subscribe" in body
 
 
-# --------------------------------------------------------------------------- hole 12
+# --------------------------------------------------------------------------- webhook targets
 
 
 @pytest.mark.unit
@@ -378,7 +378,7 @@ async def test_webhooks_are_seen_and_deleted_only_by_their_owner(gw: str) -> Non
                     assert r.status == 204
 
 
-# --------------------------------------------------------------------------- hole 14
+# --------------------------------------------------------------------------- cursors and acks
 
 
 async def _ws_sub(
@@ -468,7 +468,7 @@ async def test_a_missing_cursor_is_an_error_naming_the_oldest_sequence(js: Any, 
         async with s.get(url) as r:
             body = await r.json()
             assert r.status == 410 and body["first_seq"] == first, body
-        # a client without a cursor that asks for "new" or "all" is served as before
+        # a client without a cursor that asks for "new" or "all" is still served
         ws, frames = await _ws_sub(s, gw, {**sub, "from": "all"}, 1)
         async with ws:
             assert frames[0]["op"] == "subscribed" and frames[0]["from_seq"] == first

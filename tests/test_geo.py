@@ -1,4 +1,4 @@
-"""Geo replication (issue 16): sites joined by leaf nodes, `[streams.X.replicate]` copies,
+"""Geo replication: sites joined by leaf nodes, `[streams.X.replicate]` copies,
 dedup across sites, replication lag, and the short form of the `site-loss` scenario.
 
 Real nats-servers (two sites of three nodes each); no Ray or Spark.

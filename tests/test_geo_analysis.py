@@ -1,4 +1,4 @@
-"""Analysis across copies of a replicated stream (issue 16): when site A is lost, the
+"""Analysis across copies of a replicated stream: when site A is lost, the
 analysis driver restarted on site B's copy with the same checkpoint root never applies A's
 positions (sequences of A's copy) to B. Jobs that merge are recomputed over B's copy and go
 on from there; the others start over on it; the archive refuses.

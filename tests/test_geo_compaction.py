@@ -1,4 +1,4 @@
-"""Compacted streams replicated between sites (issues 16 and 15): a site's `latest?key=`
+"""Compacted streams replicated between sites: a site's `latest?key=`
 and `/keys` see the keys written on every site, not only its own.
 
 Two real sites (one nats-server each, joined by authenticated leaf links); the gateway's

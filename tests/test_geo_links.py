@@ -1,4 +1,4 @@
-"""The leaf links between sites (issue 16): authenticated (a user and password made per
+"""The leaf links between sites: authenticated (a user and password made per
 `NatsSites`, kept 0600 with the sites' state) and, with `[tls]` on, TLS with the runtime's
 CA both ways. Clients of each site keep the single server's users (role users here).
 

@@ -1,4 +1,4 @@
-"""Geo replication through the tierflow pipeline (issue 16): the `site-loss` scenario's
+"""Geo replication through the tierflow pipeline: the `site-loss` scenario's
 short form, and `tierflow status` / `/metrics` of a real running runtime on real sites.
 
 Two sites of 3 nats-servers each, a tierflow runtime on each (collector, logger group

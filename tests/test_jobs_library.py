@@ -412,8 +412,8 @@ def test_custom_job_and_dead_letters(sp: Any, nats_url: str, tmp_path: Path) -> 
 def test_a_reset_checkpoint_fails_the_job_clearly_and_kv_keeps_its_answer(
     sp: Any, nats_url: str, tmp_path: Path
 ) -> None:
-    """Hole 16: the same job started over a new (reset) checkpoint would restart batch ids at
-    0, so its results would be dropped as the old run's duplicates while its first small
+    """The same job started over a new (reset) checkpoint would restart batch ids at 0, so
+    its results would be dropped as the old run's duplicates while its first small
     batch rolled KV back; it fails with the reason instead, and KV keeps the full answer."""
     import shutil
 

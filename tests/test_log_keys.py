@@ -1,4 +1,4 @@
-"""The message log is keyed by (stream, id) (issue 12, hole 1): the same event id sent to
+"""The message log is keyed by (stream, id): the same event id sent to
 two streams is two events, logged twice and completed one by one. LogStore on real
 LevelDB, without Ray; the end-to-end check through a real collector is in
 tests/test_log_keys_e2e.py."""

@@ -1,4 +1,4 @@
-"""The same event id posted to two streams, end to end (issue 12, hole 1): real collector
+"""The same event id posted to two streams, end to end: real collector
 (HTTP), real logger group (k=1, LevelDB), real bridge, real nats-server.
 
 Collectors here hand nothing to the bridge in the background (`max_handoff_events=0`) and

@@ -259,7 +259,7 @@ def test_a_sink_keeps_one_connection_across_batches_until_closed_or_idle(
 
 
 def test_a_replayed_old_batch_never_overwrites_a_newer_kv_value(nats_url: str) -> None:
-    """Hole 16: KV keeps the value of the newest batch; an older batch that arrives late
+    """KV keeps the value of the newest batch; an older batch that arrives late
     (a replay after a crash, a slow twin) publishes its results but leaves KV alone."""
     sink = ResultSink(nats_url, "results", "order_kv", "order", run_id="run-a")
     sink.publish_results([{"key": "a", "count": 5}, {"key": "b", "count": 1}], 7)
@@ -279,7 +279,7 @@ def test_a_sink_puts_its_own_keys_without_reading_them_and_reads_any_other(
 ) -> None:
     """A key nobody has put, or one whose value this sink put for an earlier batch, is put
     in one conditional write (no read); a value anyone else put (another sink, a restart of
-    the driver) fails that write, and the key is read and judged as before: a newer batch's
+    the driver) fails that write, and the key is read and judged: a newer batch's
     value stays, an older one's is replaced, and this sink's own replay leaves KV alone."""
     sink = ResultSink(nats_url, "results", "own_kv", "own", run_id="run-a")
     assert sink.publish_results([{"key": "a", "n": 1}, {"key": "b", "n": 1}], 0).kv_puts == 2
@@ -305,7 +305,7 @@ def test_a_sink_puts_its_own_keys_without_reading_them_and_reads_any_other(
 
 
 def test_a_reset_checkpoint_is_a_clear_error_and_kv_stays(nats_url: str) -> None:
-    """Hole 16: a query whose checkpoint was reset (a new run, batch ids back at 0) would
+    """A query whose checkpoint was reset (a new run, batch ids back at 0) would
     see its new results dropped as duplicates of the old run's ids while KV went back in
     time; the sink refuses the batch, names the cause, and KV keeps the old run's values."""
     first = ResultSink(nats_url, "results", "reset_kv", "reset", run_id="run-old")

@@ -1,4 +1,4 @@
-"""`POST /v1/sql` end to end (issue 15): a real Gateway actor hands checked queries to a real
+"""`POST /v1/sql` end to end: a real Gateway actor hands checked queries to a real
 AnalysisDriver actor (Spark local[2]) that also runs the stream's archive job; consumer
 tokens decide which streams a query may name; the dashboard's SQL box in real Chromium.
 

@@ -47,7 +47,7 @@ def _served() -> dict[str, Path]:
     """The files `/static/` may serve: plain files directly in the dashboard directory, of
     a known type, by their bare name. Requests are looked up in this map, never joined to
     a path: `{name}` arrives percent-decoded, so `%2Fetc%2Fx.html` is an absolute path and
-    `DASHBOARD_DIR / name` would be that path (hole 11 of issue 12)."""
+    `DASHBOARD_DIR / name` would be that path, outside the dashboard directory."""
     return {
         p.name: p
         for p in DASHBOARD_DIR.iterdir()

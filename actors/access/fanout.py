@@ -11,7 +11,7 @@ with the feed, and when a batch arrives the feed serves every parked subscriber 
 in one pass, through its `deliver_now` (a write that cannot wait: the protocol's socket
 takes it now or it refuses). Only a subscriber that cannot be served that way (a paused
 socket, a rate limit, a full ack window, no `deliver_now`) has its own pump woken, which
-delivers at the client's pace exactly as before; so a slow socket never holds the pass up.
+delivers at the client's own pace; so a slow socket never holds the pass up.
 
 Bounded per client: a subscriber may be at most `LagPolicy.max_lag` stream messages behind
 the feed, counting what the feed has held for at least one lag check (`lag_every_s`), so a

@@ -6,7 +6,7 @@ subscription's queue and a callback task wake-up: most of a gateway's CPU at 5k 
 `tap(nc).register(sid, take)` offers every ``MSG``/``HMSG`` frame for subscription `sid`
 to `take(subject, reply, headers, payload)` first, in wire order, straight from the
 parser; what `take` declines (returns False for), and every frame of any other
-subscription, goes on through nats-py exactly as before.
+subscription, goes on through nats-py's own parsing unchanged.
 
 The fast lane itself is `runtime.nats_wire.FastLaneParser`, shared with the Spark source
 (jobs/jetstream_read.py); it relies on internals of the pinned nats-py (see there).

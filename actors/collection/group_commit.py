@@ -117,8 +117,8 @@ class GroupCommitter(Generic[R]):
     was answered is flushed after it. Nothing downstream relies on more: the log keys
     entries by (stream, id) and appends are idempotent; the bridge's calls already run
     concurrently and exactly-once rests on each event's Nats-Msg-Id; the replayer picks
-    entries by age (`received_ms`), not by log order. The collector keeps 1: two in flight
-    made flushes smaller and slower on the 2-core bench machine (issue 13, measured).
+    entries by age (`received_ms`), not by log order. The collector keeps 1: with two in
+    flight, flushes came out smaller and slower on two cores (docs/benchmarks.md).
 
     Example::
 

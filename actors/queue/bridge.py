@@ -15,9 +15,9 @@ under the same ids. JetStream's duplicate window turns those resends into exactl
 so a bridge never needs to know whether an earlier attempt landed, as long as the resend
 falls inside the window.
 
-The blind-retry horizon (hole 3): an event is resent blind only while it is younger than
-half its stream's duplicate window (`blind_retry_horizon`, measured from `received_ms`,
-which precedes any publish of it). Older, an earlier copy may be stored with its id
+The blind-retry horizon: an event is resent blind only while it is younger than half its
+stream's duplicate window (`blind_retry_horizon`, measured from `received_ms`, which
+precedes any publish of it). Older, an earlier copy may be stored with its id
 already forgotten by the window, so the bridge first proves the id absent: it reads the
 `Nats-Msg-Id` of every message the stream stored since `received_ms - clock_skew_s`
 (`runtime.publisher.find_stored`, bounded by `verify_max_messages` and
@@ -27,8 +27,8 @@ checked again at its next retry, never resent blind. Not provable because the ra
 too big: parked (never retried automatically; `tierflow logger inspect` counts it,
 `tierflow logger settle` retries or forgets it).
 
-Poison (hole 8) and dead letters (hole 9): an event JetStream refuses for good (too big
-for the server's max_payload, headers included; a 4xx API error) goes to
+Poison events and dead letters: an event JetStream refuses for good (too big for the
+server's max_payload, headers included; a 4xx API error) goes to
 `deadletter.<stream>` with the reason in `Tf-Error`, and the rest of its batch is not
 affected. A body too big for a dead-letter message is cut to fit (`Tf-Truncated` = its
 real size) and the full event stays parked in the log, so nothing accepted is lost. A

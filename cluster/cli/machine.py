@@ -51,7 +51,7 @@ def check(
         try:
             built = build_class_archive()
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            # not fatal: Spark starts as before, only slower
+            # not fatal: Spark starts without the archive, only slower
             err_console.print(f"[yellow]no class archive: {err}[/yellow]")
         else:
             state = f"built in {built.seconds:.0f} s" if built.fresh else "present"

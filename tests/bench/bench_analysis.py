@@ -16,7 +16,7 @@ The same top-N job also runs with its own default scheduling over the same backl
 spec's trigger, every 0.5 s, and no ``maxEventsPerTrigger``: a micro-batch takes every event
 that has arrived, here the whole backlog in one batch), from each source; it runs until it
 has counted every event and its time ends with the batch that did. That row, not the fixed
-batches of 5,000, is the measure of "events/s for one topn job" in issue 13's goals: it is
+batches of 5,000, is the measure of the "events/s for one topn job" goal: it is
 what a job does when it starts behind. Its wall clock includes the query's start, which
 for the jetstream source means Spark starting new Python processes for the source (its
 offsets, the plan of its reads) before the first batch; they import pyspark from the

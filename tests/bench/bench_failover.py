@@ -19,8 +19,8 @@ Spark session first).
 The floor, measured in the same run: Ray restarting a bare actor (`max_restarts=-1`) to
 its first answered call.
 
-A profile pass (`TIERFLOW_BENCH_FAILOVER_PROFILE=1`: no goal of issue 13 is a failover
-figure, and its three extra kills were about 40 s of `make bench`'s 20-minute budget), after
+A profile pass (`TIERFLOW_BENCH_FAILOVER_PROFILE=1`: no performance goal is a failover
+figure, and its three extra kills cost about 40 s of `make bench`'s 20-minute budget), after
 the measured kills so py-spy's own CPU is not in their figures: the collector and the logger
 primary are killed once more (and a bare actor, for the floor) with py-spy recording the
 raylet and every worker it starts (`--subprocesses --idle`, timestamped), so the restarted

@@ -1,4 +1,4 @@
-"""Geo replication (issue 16): replication lag at a steady 1,000 events/s, and the
+"""Geo replication: replication lag at a steady 1,000 events/s, and the
 `site-loss` scenario at 20,000 events (kill to the first acknowledgement on the surviving
 site; acknowledged events lost or duplicated).
 

@@ -1,4 +1,4 @@
-"""History benchmark (issue 15): the archive job's throughput and lag, and SQL over the archive.
+"""History benchmark: the archive job's throughput and lag, and SQL over the archive.
 
 Prints numbers, asserts no speed (`make bench`); asserts what it can about correctness
 (every event archived exactly once, the SQL answer equal to the count it must be). One

@@ -528,12 +528,12 @@ def test_ingest_per_logging_mode(bench_ray: Any, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(
     os.environ.get("TIERFLOW_BENCH_INGEST_AB", "0") == "0",
-    reason="issue 13's goal figure alone, for A/B runs: set TIERFLOW_BENCH_INGEST_AB=1",
+    reason="the ingest goal figure alone, for A/B runs: set TIERFLOW_BENCH_INGEST_AB=1",
 )
 @pytest.mark.timeout(900)
 def test_ingest_hml_k1_against_the_atomic_ceiling(bench_ray: Any, tmp_path: Path) -> None:
     """Queued/s of HML k=1 against nats-py's atomic batches of 1000 measured just before and
-    just after it, on one server: the goal figure of issue 13 without the other rows, so old
+    just after it, on one server: the ingest goal figure without the other rows, so old
     and new code can be alternated on a noisy machine. Prints one `AB {json}` line, with each
     process's CPU per 10k events and the tier's Ray calls, and writes no report (`make
     bench` skips it)."""

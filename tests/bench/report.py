@@ -310,7 +310,7 @@ def analysis_section(d: dict[str, Any]) -> list[str]:
         out += [
             "",
             "The job's own scheduling: its trigger (0.5 s) and no `maxEventsPerTrigger`, so "
-            "one micro-batch takes the whole backlog (issue 13's one topn job); as in every "
+            "one micro-batch takes the whole backlog (the one-topn-job goal); as in every "
             "row, the time includes the query's start.",
             f"Read only: the same micro-batches into Spark's `noop` sink. Batch read of the "
             f"whole stream (`count`, {b['partitions']} partitions): {b['events_per_s']:,.0f} "
@@ -473,7 +473,8 @@ def _rate_row(reports: Mapping[str, dict[str, Any]], rate: int) -> dict[str, Any
 
 
 def goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
-    """Issue 13's goals against this run: (figure, measured, goal, met)."""
+    """The pipeline's goals (ingest, analysis, end to end, demo, raw path, fan-out) against
+    this run: (figure, measured, goal, met)."""
     rows: list[list[str]] = []
 
     def add(figure: str, value: float | None, shown: str, goal: str, met: bool | None) -> None:
@@ -557,7 +558,8 @@ def goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
 
 
 def history_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
-    """Issue 15's goals against this run: (figure, measured, goal, met)."""
+    """The history tier's goals (archive, SQL, batch views) against this run: (figure,
+    measured, goal, met)."""
     h = reports.get("history")
     if not h:
         return []
@@ -608,7 +610,7 @@ def recompute_goal_rows(h: Mapping[str, Any]) -> list[list[str]]:
 
 
 def geo_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
-    """Issue 16's goals (geo replication, tests/bench/bench_geo.py) against this run."""
+    """Geo replication's goals (tests/bench/bench_geo.py) against this run."""
     g = reports.get("geo")
     if not g:
         return []
@@ -645,17 +647,17 @@ def geo_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
 
 def goals_section(reports: Mapping[str, dict[str, Any]]) -> list[str]:
     lines = [
-        "### Goals (issue 13) in this run",
+        "### Pipeline goals (ingest, analysis, end to end, fan-out) in this run",
         "",
         *table(["figure", "measured", "goal", "met"], goal_rows(reports)),
     ]
     history = history_goal_rows(reports)
     if history:
-        lines += ["", "### Goals (issue 15) in this run", ""]
+        lines += ["", "### History goals (archive, SQL, batch views) in this run", ""]
         lines += table(["figure", "measured", "goal", "met"], history)
     geo = geo_goal_rows(reports)
     if geo:
-        lines += ["", "### Goals (issue 16, geo replication) in this run", ""]
+        lines += ["", "### Geo replication goals in this run", ""]
         lines += table(["figure", "measured", "goal", "met"], geo)
     return lines
 
