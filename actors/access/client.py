@@ -108,6 +108,7 @@ class ClientStats:
     dropped: int = 0
     aged_out: int = 0
     last_lag: dict[str, Any] | None = None
+    last_error: str = ""  # why the last connection ended, when it was not asked to
 
 
 def ws_url(url: str) -> str:
@@ -255,6 +256,7 @@ class TierflowClient:
                     async for delivery in deliveries:
                         yield delivery
             except _Retry as exc:
+                self.stats.last_error = f"{url}: {exc}"
                 log.info(
                     "gateway %s: %s; resuming %s after seq %d", url, exc, sub.sub_id, sub.last_seq
                 )

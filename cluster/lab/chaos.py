@@ -50,6 +50,7 @@ class LabRun:
     delivery: DeliveryCheck | None = None  # the gateway client's, when it had gateways
     diagnosis: dict[str, Any] = field(default_factory=dict)  # the gateways', when it failed
     analysis: list[str] | None = None  # queries off the exact recount; None: not checked
+    whole_after_s: float | None = None  # the wait for whole logger groups before the fault
 
     @property
     def ok(self) -> bool:
@@ -71,6 +72,7 @@ class LabRun:
             "errors": self.errors,
             "refused_503": self.refused,
             "elapsed_s": round(self.elapsed_s, 1),
+            "loggers_whole_after_s": self.whole_after_s,
             "client": None if self.delivery is None else _delivered(self.delivery),
             "analysis": None if self.analysis is None else (", ".join(self.analysis) or "exact"),
             **({"diagnosis": self.diagnosis} if self.diagnosis else {}),
@@ -181,6 +183,52 @@ def logger_primary(lc: LabCluster, group: str = "logger-0") -> int:
     return int(lc.ask_ray(code))
 
 
+def loggers_whole(lc: LabCluster, timeout: float = 180.0) -> dict[str, Any]:
+    """Wait until every logger group is whole (each replica answers, in the set, caught
+    up, on one epoch): a fault then starts from a healthy cluster, and the wait says how
+    long the last one's repair took. Returns {"whole", "waited_s", "groups"}."""
+    code = f"""
+    import time
+    t0 = time.time()
+    deadline = t0 + {timeout}
+
+    def status(name):
+        try:
+            return ray.get(ray.get_actor(name).status.remote(), timeout=5)
+        except ValueError:
+            return None
+        except Exception as err:
+            return {{"error": repr(err)[:200]}}
+
+    while True:
+        groups = {{}}
+        for g in range(16):
+            replicas = []
+            for i in range(8):
+                st = status(f"logger-{{g}}-{{i}}")
+                if st is None:
+                    break
+                replicas.append(st)
+            if not replicas:
+                break
+            groups[f"logger-{{g}}"] = [
+                {{k: st.get(k) for k in ("epoch", "primary", "in_sync", "catching_up", "error")}}
+                for st in replicas
+            ]
+        whole = bool(groups) and all(
+            not st.get("error") and not st.get("catching_up")
+            and st.get("in_sync") in (None, list(range(len(reps))))
+            and st.get("epoch") == reps[0].get("epoch")
+            for reps in groups.values() for st in reps
+        )
+        if whole or time.time() > deadline:
+            break
+        time.sleep(1)
+    out = {{"whole": whole, "waited_s": round(time.time() - t0, 1), "groups": groups}}
+    """
+    return dict(lc.ask_ray(code, timeout=timeout + 120))
+
+
 def run_fault(
     lc: LabCluster,
     fault: LabFault,
@@ -216,6 +264,7 @@ def run_fault(
     ]
     sub = Subscriber()
     batch = 50
+    whole: dict[str, Any] = {}  # the logger groups before the fault (`loggers_whole`)
 
     async def run() -> tuple[
         Any, Marks, tuple[str, ...], Any, DeliveryCheck | None, list[str] | None
@@ -224,6 +273,7 @@ def run_fault(
             now = time.monotonic()
             acks.extend([now] * min(batch, events - idx * batch))
 
+        whole.update(await asyncio.to_thread(loggers_whole, lc))
         if gateways:  # a client on the laptop reading through the hosts' gateways
             await sub.start(gateways, stream, f"WHERE run = '{prefix}' AND k = 'a'")
         # who holds each role, asked before the load (Ray's answers take seconds, which
@@ -287,6 +337,9 @@ def run_fault(
     diagnosis: dict[str, Any] = {}
     if delivery is not None and not delivery.ok:  # what the gateways' feeds say
         diagnosis = _gateway_feeds(lc, len(gateways or ()))
+        diagnosis["client"] = {"error": sub.error, "last": sub.client.stats.last_error}
+    if not whole.get("whole"):
+        diagnosis["loggers_before"] = whole.get("groups")
     return LabRun(
         fault=fault,
         hosts=hosts,
@@ -301,4 +354,5 @@ def run_fault(
         delivery=delivery,
         diagnosis=diagnosis,
         analysis=analysis,
+        whole_after_s=whole.get("waited_s"),
     )
