@@ -54,10 +54,8 @@ def lab_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _endpoints(lc: LabCluster) -> tuple[list[str], list[str]]:
     """The collectors' and the gateways' addresses, as Ray has them: each a host's own."""
-    found = lc.endpoints({"collector": 3, "gateway": 2})
-    urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
-    gateways = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
-    assert all("127.0.0.1" not in u for u in urls + gateways), found
+    urls, gateways = lc.addresses()
+    assert all("127.0.0.1" not in u for u in urls + gateways), (urls, gateways)
     return urls, gateways
 
 

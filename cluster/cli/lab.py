@@ -105,12 +105,10 @@ def chaos(
         lc.start_engines()
         lc.submit(lc.config())
         try:
-            found = lc.endpoints({"collector": 3, "gateway": 2})
-            urls = sorted({e["url"] for n, e in found.items() if n.startswith("collector")})
-            gws = sorted({e["url"] for n, e in found.items() if n.startswith("gateway")})
             # one for every fault (event times move forward), at the clock's pace
             rsvps = RsvpGenerator(seed=seed, gap_ms=1000.0 / rate)
             for i, f in enumerate(plan(kinds, lab.hosts(), seed)):
+                urls, gws = lc.addresses()  # asked again: an actor restarted elsewhere moved
                 run = run_fault(
                     lc,
                     f,

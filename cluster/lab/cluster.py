@@ -177,6 +177,17 @@ class LabCluster:
             raise LabError(f"the pipeline's {wanted} did not answer in {timeout}s")
         return dict(found)
 
+    def addresses(self, collectors: int = 3, gateways: int = 2) -> tuple[list[str], list[str]]:
+        """Every collector's and every gateway's URL as the actors report them now (an
+        actor Ray restarted on another node moved), the way a producer or a client is
+        given them (`tierflow status`)."""
+        found = self.endpoints({"collector": collectors, "gateway": gateways})
+
+        def urls(role: str) -> list[str]:
+            return sorted({e["url"] for n, e in found.items() if n.startswith(role)})
+
+        return urls("collector"), urls("gateway")
+
     def hosts_of(self, names: list[str]) -> dict[str, str]:
         """The address of the node each named actor runs on."""
         assert self.ray is not None

@@ -71,6 +71,15 @@ def lab_nats(lab: Lab, base_dir: Path, *, sync_interval: str = "always") -> list
     ]
 
 
+# The head declares a node dead after this many missed health checks, 3 s apart (Ray's
+# default is 5: a cut of 25-30 s). A node declared dead ends itself when the cut heals,
+# with every actor on it, and on a cut of the head's host that is every worker. tierflow's
+# own failover acts within seconds (the logger's in-sync set, producers and clients moving
+# to another address, NATS's election), so Ray's heavy one waits out a cut of a minute;
+# cluster/ray-cluster.yaml starts the head the same way.
+RAY_PARTITION_TOLERANCE = {"RAY_health_check_failure_threshold": "20"}
+
+
 def ray_env() -> dict[str, str]:
     """The environment of Ray's CLI, Ray's nodes and drivers on the laptop: this venv first
     on PATH; no `TIERFLOW_*` config override (another host has its own environment, and a
@@ -83,6 +92,7 @@ def ray_env() -> dict[str, str]:
     }
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_AUTH_MODE"] = "token"
+    env.update(RAY_PARTITION_TOLERANCE)
     env.pop("RAY_ADDRESS", None)
     return env
 
