@@ -21,8 +21,8 @@ import pytest
 
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.chaos import run_fault
-from cluster.lab.cluster import LabCluster
-from cluster.lab.hosts import Lab, lab_unavailable
+from cluster.lab.cluster import LabCluster, pipeline_lab
+from cluster.lab.hosts import lab_unavailable
 from cluster.lab.nemesis import (
     BRIDGE_PARTITION,
     FLAKY_LINK,
@@ -66,11 +66,7 @@ def lab_cluster(
     why = lab_unavailable()
     if why is not None:
         pytest.skip(why)
-    work = tmp_path_factory.mktemp("labchaos")
-    with Lab.up(3, work / "records") as lab:
-        lc = LabCluster(lab, work)
-        lc.start_engines()
-        lc.submit(lc.config())
+    with pipeline_lab(tmp_path_factory.mktemp("labchaos")) as lc:
         try:
             try:
                 lc.addresses()
@@ -81,8 +77,6 @@ def lab_cluster(
         finally:
             REPORT.parent.mkdir(exist_ok=True)
             REPORT.write_text(json.dumps(ROWS, indent=2))
-            lc.stop_job()
-            lc.close()
 
 
 @pytest.mark.parametrize("fault", CASES, ids=[f"{f.kind}-{f.hosts[0]}" for f in CASES])

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from cluster.chaos.runner import Subscriber
-from cluster.lab.cluster import LabCluster
-from cluster.lab.hosts import Lab, lab_unavailable
+from cluster.lab.cluster import LabCluster, pipeline_lab
+from cluster.lab.hosts import lab_unavailable
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
 from runtime.nats import connect
@@ -40,16 +40,8 @@ def lab_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     why = lab_unavailable()
     if why is not None:
         pytest.skip(why)
-    work = tmp_path_factory.mktemp("lab")
-    with Lab.up(3, work / "records") as lab:
-        lc = LabCluster(lab, work)
-        lc.start_engines()
-        lc.submit(lc.config())
-        try:
-            yield lc
-        finally:
-            lc.stop_job()
-            lc.close()
+    with pipeline_lab(tmp_path_factory.mktemp("lab")) as lc:
+        yield lc
 
 
 def _endpoints(lc: LabCluster) -> tuple[list[str], list[str]]:

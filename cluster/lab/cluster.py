@@ -12,7 +12,8 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,18 @@ class LabCluster:
             raise LabError("restarting the Ray head is not supported by the lab")
         self.nats_on(host).restart(timeout=60)
         self.ray.ensure_worker(host)
+
+
+@contextmanager
+def pipeline_lab(work: Path, hosts: int = 3) -> Iterator[LabCluster]:
+    """A lab of `hosts` hosts with its engines and the pipeline submitted as a Ray job;
+    the job stopped, the engines and the lab taken down on the way out."""
+    with Lab.up(hosts, work / "records") as lab:
+        lc = LabCluster(lab, work)
+        lc.start_engines()
+        lc.submit(lc.config())
+        try:
+            yield lc
+        finally:
+            lc.stop_job()
+            lc.close()
