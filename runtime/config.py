@@ -236,8 +236,9 @@ class LoggingConfig(_Strict):
     # replicas beyond k+1 in each logger group (at most k): with one, an in-sync replica
     # silent for `drop_after_s` in a write the others took is dropped from the set and
     # writes go on, instead of stopping until the replica is back or replaced
-    # (actors/queue/logger/in_sync.py). Costs one more copy of every write.
-    extra_replicas: NonNeg = 0
+    # (actors/queue/logger/in_sync.py). Costs one more copy of every write. "auto": one
+    # when k >= 1 and the Ray cluster has k+2 nodes or more when the group starts, else 0.
+    extra_replicas: NonNeg | Literal["auto"] = "auto"
     drop_after_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
 
 
@@ -627,7 +628,8 @@ def _check_cross_keys(cfg: Config) -> None:
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
-    if cfg.logging.extra_replicas > cfg.roles.logger.k:
+    extra = cfg.logging.extra_replicas
+    if extra != "auto" and extra > cfg.roles.logger.k:
         raise ConfigError(
             f"logging.extra_replicas: {cfg.logging.extra_replicas} needs roles.logger.k >= "
             f"{cfg.logging.extra_replicas} (k={cfg.roles.logger.k}): with more, two in-sync "

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from actors.queue.logger.in_sync import Config, members, newest, with_, without
+from actors.queue.logger.in_sync import Config, extra_replicas, members, newest, with_, without
 from runtime.replication import Fence, FencedError
 
 pytestmark = pytest.mark.unit
@@ -93,3 +93,12 @@ def test_a_write_of_a_newer_epoch_forgets_the_set_until_announced() -> None:
 
 def test_a_fence_saved_without_a_set_still_loads() -> None:
     assert Fence.from_bytes(b'{"epoch":2,"primary":1}') == Fence(2, 1)
+
+
+def test_auto_keeps_a_replica_more_only_where_a_host_can_be_lost() -> None:
+    assert extra_replicas("auto", 1, 3) == 1  # three hosts, k=1: a cut host leaves two
+    assert extra_replicas("auto", 1, 2) == 0  # two hosts: a third replica shares one
+    assert extra_replicas("auto", 1, 1) == 0  # one machine
+    assert extra_replicas("auto", 0, 5) == 0  # k=0: no two sets of one would share
+    assert extra_replicas("auto", 2, 4) == 1
+    assert extra_replicas(0, 1, 3) == 0  # as configured

@@ -11,9 +11,10 @@ from typing import Any
 import ray
 
 from actors.queue.logger import LoggerGroup, catch_up_all
-from actors.queue.logger.in_sync import newest
+from actors.queue.logger.in_sync import extra_replicas, newest
 from cluster.deploy.spec import RoleSpec, Start, replica_name
 from runtime.config import Config
+from runtime.placement import alive_nodes
 from runtime.replication import ReplicaGroup
 from runtime.supervision import ChildSpec, load_start
 
@@ -52,25 +53,29 @@ def logger_child(
     )
 
 
-def logger_group_child(cfg: Config, i: int) -> ChildSpec:
-    """Group `logger-<i>` as the config sizes it."""
+def logger_group_child(cfg: Config, i: int, extra: int = 0) -> ChildSpec:
+    """Group `logger-<i>` as the config sizes it, with `extra` replicas beyond k+1."""
     return logger_child(
         replica_name(ROLE, i),
         cfg.roles.logger.k,
         cfg.state_path,
         max_events=cfg.logging.max_pending_events,
         max_bytes=cfg.logging.max_pending_bytes,
-        extra=cfg.logging.extra_replicas,
+        extra=extra,
     )
 
 
 def logger_role(cfg: Config, groups: Sequence[int] | None = None) -> RoleSpec:
     """`roles.logger.replicas` groups (or the groups numbered `groups`) of
-    `roles.logger.k` + 1 replicas each."""
+    `roles.logger.k` + 1 replicas each, and `logging.extra_replicas` more ("auto": as many
+    as the alive nodes allow, `in_sync.extra_replicas`)."""
     numbers = range(cfg.roles.logger.replicas) if groups is None else groups
+    k = cfg.roles.logger.k
+    nodes = len(alive_nodes()) if ray.is_initialized() else 1  # a plan drawn without Ray
+    extra = extra_replicas(cfg.logging.extra_replicas, k, nodes)
     return RoleSpec(
         role=ROLE,
-        children=tuple(logger_group_child(cfg, i) for i in numbers),
+        children=tuple(logger_group_child(cfg, i, extra) for i in numbers),
         start=Start.REPLICA_GROUPS,
         k=cfg.roles.logger.k,
         group_options={"drop_after_s": cfg.logging.drop_after_s},

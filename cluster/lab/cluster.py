@@ -105,12 +105,11 @@ class LabCluster:
 
     def config(self, extra: str = "", *, watermark: str = "10 minutes") -> Path:
         """The job's tierflow.toml: every role on its node's address, NATS on every host,
-        streams R3 (of up to three hosts), and with three hosts or more a logger replica
-        beyond k+1, so one host cut off leaves each group writable. The Meetup queries
-        keyed by event time get a `watermark` longer than any fault holds an event back:
-        their answers then equal an exact recount unless something was lost."""
+        streams R3 (of up to three hosts); the logger's extra replica is the default's
+        ("auto": one on three hosts, so one host cut off leaves each group writable). The
+        Meetup queries keyed by event time get a `watermark` longer than any fault holds an
+        event back: their answers then equal an exact recount unless something was lost."""
         path = self.work / "tierflow.toml"
-        spare = "[logging]\nextra_replicas = 1\n" if len(self.nats) >= 3 else ""
         windowed = [msgspec.to_builtins(j) for j in meetup_jobs(watermark=watermark) if j.window]
         path.write_text(
             f'state_dir = "{self.work / "state"}"\n'
@@ -119,7 +118,7 @@ class LabCluster:
             f'[ray]\nnamespace = "{self.namespace}"\n'
             '[roles.collector]\nhost = "node"\nreplicas = 3\n'
             '[roles.gateway]\nhost = "node"\nreplicas = 2\n'
-            '[spark]\nmaster = "local[1]"\n' + spare + extra
+            '[spark]\nmaster = "local[1]"\n' + extra
         )
         return path
 

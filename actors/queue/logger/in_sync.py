@@ -28,6 +28,16 @@ class Config(NamedTuple):
     in_sync: tuple[int, ...] | None  # None: every replica
 
 
+def extra_replicas(setting: int | str, k: int, nodes: int) -> int:
+    """How many replicas beyond k+1 a group gets: `setting` as given, or for "auto" one
+    when k >= 1 and the cluster has a node for each of k+2 replicas (several hosts: a
+    host's loss or cut leaves writes going), else none (one machine: a replica more would
+    only cost a copy of every write)."""
+    if setting != "auto":
+        return int(setting)
+    return 1 if k >= 1 and nodes >= k + 2 else 0
+
+
 def members(config: Config, size: int) -> tuple[int, ...]:
     return tuple(range(size)) if config.in_sync is None else config.in_sync
 
