@@ -1,8 +1,8 @@
-"""Logger replicas that drift from the primary (issue 12, holes 4 and 5), on a real local
-Ray with real LevelDB: a forget one replica missed is reconciled, the drained check looks
-at every replica, a primary back on an empty disk is replaced by a promoted replica (new
-epoch) and rebuilt, and a replica that cannot come back makes writes answer an error with
-a reason instead of hanging."""
+"""Logger replicas that drift from the primary, on a real local Ray with real LevelDB: a
+forget one replica missed is reconciled, the drained check looks at every replica, a
+primary back on an empty disk is replaced by a promoted replica (new epoch) and rebuilt,
+and a replica that cannot come back makes writes answer an error with a reason instead of
+hanging."""
 
 from __future__ import annotations
 

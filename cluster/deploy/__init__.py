@@ -50,8 +50,9 @@ The design, in three layers:
    and the bridges at construction, so resizing loggers or bridges rolls the collectors).
    Both go through `add_replica`, `remove_replica` and `deploy`.
 
-Actor behaviour, actor and supervisor names and ports are what they were before this
-layer existed; the role modules keep their ``start_*`` / ``stop_*`` / ``scale_*`` helpers
-(tests and tools use them): each start hands a `RoleSpec` to `deploy`, each resize and stop
-goes through the `deployer` functions above.
+This layer changes no actor behaviour, actor or supervisor name, or port: it only declares
+the roles as data and starts, resizes and stops them through one path. The role modules
+keep their ``start_*`` / ``stop_*`` / ``scale_*`` helpers (tests and tools use them): each
+start hands a `RoleSpec` to `deploy`, each resize and stop goes through the `deployer`
+functions above.
 """
