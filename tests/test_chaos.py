@@ -23,7 +23,7 @@ from actors.queue.logger.records import _key
 from cluster.chaos import report, scenarios
 from cluster.chaos.injectors import FaultRecord
 from cluster.chaos.report import DeliveryCheck, ScenarioReport, delivery_check
-from cluster.chaos.runner import load_streams
+from cluster.chaos.runner import analysis_mismatches, load_streams, mismatch_detail
 from cluster.chaos.schedule import (
     ACK_LOSS,
     ACTIONS,
@@ -376,3 +376,21 @@ async def test_the_verifier_reports_a_real_loss_and_an_altered_payload(
     assert not rep.duplicated
     assert not rep.ok
     assert "FAIL" in report.render_text([rep])
+
+
+@pytest.mark.unit
+def test_a_recount_mismatch_names_the_first_window_and_both_answers() -> None:
+    from cluster.demo.meetup import reference
+    from cluster.demo.rsvps import RsvpGenerator
+
+    rsvps = RsvpGenerator(seed=5).take(300)
+    got = reference(rsvps)
+    assert analysis_mismatches(got, rsvps) == []
+    first = sorted(got["meetup_topn_window"])[0]
+    top = got["meetup_topn_window"][first]["top"]
+    top[0] = {**top[0], "count": top[0]["count"] - 1}  # one event's topic short
+    assert analysis_mismatches(got, rsvps) == ["meetup_topn_window"]
+    detail = mismatch_detail(got, rsvps, "meetup_topn_window")
+    assert detail.startswith("meetup_topn_window: 1 of ")
+    assert f"first {first}: got {top[0]['item']} {top[0]['count']}" in detail
+    assert f"exact {top[0]['item']} {top[0]['count'] + 1}" in detail

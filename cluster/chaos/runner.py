@@ -342,6 +342,29 @@ def analysis_mismatches(got: dict[str, Any], rsvps: list[dict[str, Any]]) -> lis
     return bad
 
 
+def mismatch_detail(got: dict[str, Any], rsvps: list[dict[str, Any]], name: str) -> str:
+    """How query `name`'s results differ from the exact recount: how many keys, and the
+    first differing key's answer against the exact one (a failure message to act on)."""
+    want, have = reference(rsvps)[name], got.get(name) or {}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    differ = sorted(k for k in want if k in have and have[k] != want[k])
+    out = f"{name}: {len(differ)} of {len(want)} keys differ, {len(missing)} missing, "
+    out += f"{len(extra)} extra"
+    if differ:
+        k = differ[0]
+        out += f"; first {k}: got {_brief(have[k])}, exact {_brief(want[k])}"
+    elif missing:
+        out += f"; first missing {missing[0]}"
+    return out
+
+
+def _brief(row: Any) -> str:
+    if isinstance(row, dict) and isinstance(row.get("top"), list):
+        return ", ".join(f"{r.get('item')} {r.get('count')}" for r in row["top"][:3])
+    return str(row)[:200]
+
+
 async def _verify_analysis(d: Deployment, bodies: list[dict[str, Any]]) -> list[str]:
     idle = await asyncio.to_thread(ray.get, d.driver.await_idle.remote(300), timeout=330)
     if not idle.get("idle"):

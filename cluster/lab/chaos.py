@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.chaos.report import DeliveryCheck
-from cluster.chaos.runner import Subscriber, analysis_mismatches, read_results
+from cluster.chaos.runner import (
+    Subscriber,
+    analysis_mismatches,
+    mismatch_detail,
+    read_results,
+)
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.cluster import LabCluster
 from cluster.lab.nemesis import (
@@ -151,7 +156,8 @@ async def recount(lc: LabCluster, stream: str) -> list[str]:
         await await_until(exact, timeout=180, interval=5.0, what="exact answers")
         return []
     except AssertionError:
-        return analysis_mismatches(await read_results(lc.nats_url), rsvps)
+        got = await read_results(lc.nats_url)
+        return [mismatch_detail(got, rsvps, q) for q in analysis_mismatches(got, rsvps)]
 
 
 def _json(body: str) -> dict[str, Any]:
