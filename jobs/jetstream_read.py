@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATUS_HEADER = "Status"
+# before a new consumer reads on past a replica that had not caught up with the leader
+LAGGING_REPLICA_WAIT_S = 0.5
 # nats-server's status ending a pull whose next message would pass the request's max_bytes
 # (consumer.go, nextWaiting): what came before it is the pull's whole answer
 MAX_BYTES_STATUS = b"409 Message Size Exceeds MaxBytes"
@@ -339,6 +341,10 @@ class _RangeFetcher:
         self.pulls_ended_at_zero = 0
         self._next_seq = part.start
         self._finished = False
+        # finished with nothing pending before the range's end: confirmed with the stream's
+        # leader before it counts as the end (`_confirm_end`)
+        self._short = False
+        self.lagging_replicas = 0
         self._error: str | None = None
         self._done = asyncio.Event()
         self.skipped = 0
@@ -386,6 +392,7 @@ class _RangeFetcher:
         self.consumers_started += 1
         if not info.num_pending:
             self._finished = True
+            self._short = self._next_seq < self._part.end
             self._done.set()
             return
 
@@ -449,6 +456,7 @@ class _RangeFetcher:
             if status in (b"404", b"408"):  # no more messages now / request expired
                 if not self._chunk:
                     self._finished = True
+                    self._short = self._next_seq < self._part.end
                 self._done.set()
             elif headers[9:].startswith(MAX_BYTES_STATUS):  # the pull is full by bytes
                 # nothing delivered: the next event alone is bigger than the pull's cap
@@ -505,6 +513,7 @@ class _RangeFetcher:
         self._next_seq = seq + 1
         if pending == 0 or seq + 1 >= self._part.end:
             self._finished = True
+            self._short = seq + 1 < self._part.end
 
     async def next_chunk(self) -> Chunk | None:
         """The next deliveries of the range (in sequence order; the last chunk may run past
@@ -523,6 +532,9 @@ class _RangeFetcher:
             await self._pull()
             await self._answer()
         chunk, self._chunk = self._chunk, Chunk()
+        if self._finished and self._short and await self._confirm_end():
+            # a new consumer reads on from the next sequence (its first pull is out)
+            return chunk if chunk else await self.next_chunk()
         if self._finished:
             return chunk or None
         if self._fresh_consumer_next:
@@ -530,6 +542,56 @@ class _RangeFetcher:
         else:
             await self._pull()
         return chunk
+
+    async def _confirm_end(self) -> bool:
+        """A consumer with nothing pending before the range's end is asked of the stream's
+        leader: an R1 consumer sits on any replica of the stream, and one on a replica still
+        catching up (a server back from a partition) has nothing pending where the stream
+        goes on, so its end would skip what the leader holds. When the leader has a wanted
+        message left in the range, a new consumer reads on from the next sequence after a
+        moment (True), a bounded number of times; otherwise the range is done (False)."""
+        self._short = False
+        left = await self._leader_next()
+        if left is None or left >= self._part.end:
+            return False
+        if self._restarts_left <= 0:
+            raise SourceError(
+                f"jetstream source: reading stream {self._opts.stream!r}: its consumers end "
+                f"at sequence {self._next_seq - 1}, the stream's leader holds {left} in the "
+                f"range up to {self._part.end - 1}"
+            )
+        self._restarts_left -= 1
+        self.lagging_replicas += 1
+        log.warning(
+            "jetstream source: stream %r: the consumer had nothing after sequence %d, the "
+            "stream's leader has %d; reading on from a new consumer",
+            self._opts.stream,
+            self._next_seq - 1,
+            left,
+        )
+        await asyncio.sleep(LAGGING_REPLICA_WAIT_S)
+        self._finished = False
+        await self._start_consumer()
+        return True
+
+    async def _leader_next(self) -> int | None:
+        """The first sequence at or after the next wanted one holding a message of the
+        read's subjects, as the stream's leader answers (a message get is the leader's)."""
+        from nats.js.errors import NotFoundError
+
+        assert self._nc is not None
+        js = self._nc.jetstream(timeout=self._opts.timeout)
+        found = []
+        for subject in self._opts.subjects or [">"]:
+            try:
+                msg = await js.get_msg(
+                    self._opts.stream, seq=self._next_seq, subject=subject, next=True
+                )
+            except NotFoundError:
+                continue
+            if msg.seq is not None:
+                found.append(int(msg.seq))
+        return min(found) if found else None
 
     async def _answer(self) -> None:
         """Wait for the current pull's answer (replacing a consumer that gives none), and

@@ -480,6 +480,44 @@ def read_counting(
     return rows, fetcher
 
 
+def test_a_consumer_on_a_replica_behind_the_leader_does_not_end_the_range_short(
+    nats_url: str, gappy: list[tuple[int, str, str | None, bytes]]
+) -> None:
+    """An R1 consumer may sit on a replica still catching up with the stream's leader (a
+    server back from a partition): it answers nothing pending where the stream goes on.
+    The reader asks the leader and reads on from a new consumer: nothing is skipped."""
+    from jobs.jetstream_read import _RangeFetcher
+
+    held = 1000  # how far the first consumer's replica holds the stream
+
+    class Lagging(_RangeFetcher):
+        def _advance(self) -> None:
+            super()._advance()
+            if self.consumers_started == 1 and not self._finished and self._next_seq > held:
+                self._finished = self._short = True  # its answer: nothing pending here
+
+    opts = SourceOptions.parse({"url": nats_url, "stream": "gappy", "fetchBatch": "500"})
+    rows, fetcher = read_counting(opts, 1, N + 1, Lagging)
+    assert [r["seq"] for r in rows] == [m[0] for m in gappy]
+    assert (fetcher.lagging_replicas, fetcher.consumers_started) == (1, 2)
+
+
+def test_a_range_ending_in_deleted_or_other_subjects_ends_without_a_new_consumer(
+    nats_url: str, gappy: list[tuple[int, str, str | None, bytes]]
+) -> None:
+    """Nothing pending before the range's end is the end when the leader agrees: the last
+    sequence deleted, or a filter whose subject has no more events in the range."""
+    opts = SourceOptions.parse({"url": nats_url, "stream": "gappy"})
+    rows, fetcher = read_counting(opts, 1, N + 1)  # N itself is deleted
+    assert [r["seq"] for r in rows] == [m[0] for m in gappy]
+    assert (fetcher.lagging_replicas, fetcher.consumers_started) == (0, 1)
+    only_a = SourceOptions.parse({"url": nats_url, "stream": "gappy", "subject": "raw.g.a"})
+    last_a = max(m[0] for m in gappy if m[1] == "raw.g.a")
+    rows, fetcher = read_counting(only_a, 1, last_a + 3)
+    assert [r["seq"] for r in rows] == [m[0] for m in gappy if m[1] == "raw.g.a"]
+    assert (fetcher.lagging_replicas, fetcher.consumers_started) == (0, 1)
+
+
 def test_pulls_capped_by_bytes_end_early_and_go_on_without_a_new_consumer(
     big: tuple[str, list[tuple[int, str, bytes]]], caplog: pytest.LogCaptureFixture
 ) -> None:
