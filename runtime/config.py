@@ -717,7 +717,7 @@ def load(
 def dumps_toml(cfg: Config, *, redacted: bool = False) -> str:
     """Render the effective config as TOML (for `tierflow config show`, `redacted`)."""
     data = cfg.to_dict()
-    return _toml_table(redact(data) if redacted else data, [])
+    return toml_text(redact(data) if redacted else data)
 
 
 def toml_text(data: Mapping[str, Any]) -> str:

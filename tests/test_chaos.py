@@ -390,7 +390,7 @@ def test_a_recount_mismatch_names_the_first_window_and_both_answers() -> None:
     top = got["meetup_topn_window"][first]["top"]
     top[0] = {**top[0], "count": top[0]["count"] - 1}  # one event's topic short
     assert analysis_mismatches(got, rsvps) == ["meetup_topn_window"]
-    detail = mismatch_detail(got, rsvps, "meetup_topn_window")
+    detail = mismatch_detail(got, reference(rsvps), "meetup_topn_window")
     assert detail.startswith("meetup_topn_window: 1 of ")
     assert f"first {first}: got {top[0]['item']} {top[0]['count']}" in detail
     assert f"exact {top[0]['item']} {top[0]['count'] + 1}" in detail

@@ -328,8 +328,12 @@ async def read_results(url: str) -> dict[str, dict[Any, Any]]:
 
 def analysis_mismatches(got: dict[str, Any], rsvps: list[dict[str, Any]]) -> list[str]:
     """Queries whose results differ from the exact recomputation (HLL within its bound)."""
+    return answers_off(got, reference(rsvps))
 
-    want = reference(rsvps)
+
+def answers_off(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Queries whose results differ from `want`, `reference`'s exact answers (HLL within
+    its bound): for a caller that compares one recount more than once."""
     bad = [
         name
         for name in ("meetup_topn", "meetup_topn_window", "meetup_city_minute", "meetup_responses")
@@ -342,10 +346,11 @@ def analysis_mismatches(got: dict[str, Any], rsvps: list[dict[str, Any]]) -> lis
     return bad
 
 
-def mismatch_detail(got: dict[str, Any], rsvps: list[dict[str, Any]], name: str) -> str:
-    """How query `name`'s results differ from the exact recount: how many keys, and the
-    first differing key's answer against the exact one (a failure message to act on)."""
-    want, have = reference(rsvps)[name], got.get(name) or {}
+def mismatch_detail(got: dict[str, Any], want: dict[str, Any], name: str) -> str:
+    """How query `name`'s results differ from `want` (`reference`'s exact answers): how
+    many keys, and the first differing key's answer against the exact one (a failure
+    message to act on)."""
+    want, have = want[name], got.get(name) or {}
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
     differ = sorted(k for k in want if k in have and have[k] != want[k])

@@ -12,12 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.chaos.report import DeliveryCheck
-from cluster.chaos.runner import (
-    Subscriber,
-    analysis_mismatches,
-    mismatch_detail,
-    read_results,
-)
+from cluster.chaos.runner import Subscriber, answers_off, mismatch_detail, read_results
+from cluster.demo.meetup import reference
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.cluster import LabCluster
 from cluster.lab.nemesis import (
@@ -144,10 +140,10 @@ async def recount(lc: LabCluster, stream: str) -> list[str]:
     finally:
         await nc.close()
     once = {i: body for i, body in stored}  # the stream holds each id once (the verdict)
-    rsvps = [_json(b) for b in once.values()]
+    want = reference([_json(b) for b in once.values()])  # once: it is read again below
 
     async def exact() -> bool:
-        return not analysis_mismatches(await read_results(lc.nats_url), rsvps)
+        return not answers_off(await read_results(lc.nats_url), want)
 
     # idle means every query read the stream's end; a query the driver restarted after the
     # fault may still be writing its last windows: answers count once they stop changing
@@ -157,7 +153,7 @@ async def recount(lc: LabCluster, stream: str) -> list[str]:
         return []
     except AssertionError:
         got = await read_results(lc.nats_url)
-        return [mismatch_detail(got, rsvps, q) for q in analysis_mismatches(got, rsvps)]
+        return [mismatch_detail(got, want, q) for q in answers_off(got, want)]
 
 
 def _json(body: str) -> dict[str, Any]:

@@ -213,12 +213,15 @@ class LoggerGroup:
             raise errors[0]
         return results
 
+    def _without(self, lost: Sequence[int]) -> Config | None:
+        """The next configuration without replicas `lost`; None when dropping is off or
+        too few (or no caught-up leader) would remain."""
+        if self.drop_after_s is None:
+            return None
+        return without(self.config(), lost, self.size, self._needed(), sorted(self._behind))
+
     def _droppable(self, silent: Sequence[int]) -> bool:
-        return (
-            self.drop_after_s is not None
-            and without(self.config(), silent, self.size, self._needed(), sorted(self._behind))
-            is not None
-        )
+        return self._without(silent) is not None
 
     async def _gather(
         self, method: str, args: tuple[Any, ...], deadline_s: float | None
@@ -280,10 +283,8 @@ class LoggerGroup:
     async def _drop(self, lost: Sequence[int]) -> bool:
         """Announce the next epoch without replicas `lost`; True once every remaining
         member accepted it (writes of the old epoch are refused from then on)."""
-        config = without(self.config(), lost, self.size, self._needed(), sorted(self._behind))
-        if config is None:
-            return False
-        if not await self._announce(config):
+        config = self._without(lost)
+        if config is None or not await self._announce(config):
             return False
         log.warning(
             "%s: replicas %s dropped from the in-sync set under epoch %d (primary %d): "
