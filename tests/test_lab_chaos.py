@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from cluster.demo.rsvps import RsvpGenerator
-from cluster.lab.chaos import run_fault
+from cluster.lab.chaos import StreamBook, run_fault
 from cluster.lab.cluster import LabCluster, pipeline_lab
 from cluster.lab.hosts import lab_unavailable
 from cluster.lab.nemesis import (
@@ -79,9 +79,15 @@ def lab_cluster(
             REPORT.write_text(json.dumps(ROWS, indent=2))
 
 
+@pytest.fixture(scope="module")
+def book(lab_cluster: LabCluster) -> StreamBook:
+    """The stream's ids and recount, carried across the faults (each reads only its own)."""
+    return StreamBook(STREAM)
+
+
 @pytest.mark.parametrize("fault", CASES, ids=[f"{f.kind}-{f.hosts[0]}" for f in CASES])
 def test_a_lab_fault_loses_and_duplicates_nothing_acknowledged(
-    lab_cluster: LabCluster, fault: LabFault
+    lab_cluster: LabCluster, book: StreamBook, fault: LabFault
 ) -> None:
     lc = lab_cluster
     urls, gateways = lc.addresses()  # asked again: an actor restarted elsewhere moved
@@ -96,6 +102,7 @@ def test_a_lab_fault_loses_and_duplicates_nothing_acknowledged(
         prefix=prefix,
         gateways=gateways,
         rsvps=RSVPS,
+        book=book,
     )
     ROWS.append(run.row())
     print(f"\nlab chaos: {run.row()}")

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from cluster.demo.meetup import QUERIES, meetup_jobs, reference, topic_counts
+from cluster.demo.meetup import QUERIES, Recount, meetup_jobs, reference, topic_counts
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.jetstream import register
 from jobs.running import start_job
@@ -107,6 +107,16 @@ def test_reference_puts_each_rsvp_in_thirty_sliding_windows() -> None:
     ref = reference(rsvps)
     assert all(w["top"] and len(w["top"]) <= 10 for w in ref["meetup_topn_window"].values())
     assert sum(r["rsvps"] for r in ref["meetup_city_minute"].values()) == 200
+
+
+@pytest.mark.unit
+def test_a_running_recount_answers_at_every_point_as_a_recount_from_scratch() -> None:
+    recount = Recount()
+    for i, r in enumerate(RSVPS[:400]):
+        recount.add(r)
+        if i in (0, 199, 399):  # answering leaves the counts as they were
+            assert recount.answers() == reference(RSVPS[: i + 1])
+            assert recount.answers() == reference(RSVPS[: i + 1])
 
 
 def test_meetup_queries_equal_the_plain_python_answer(

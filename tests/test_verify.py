@@ -7,8 +7,9 @@ from collections import Counter
 import msgspec
 import pytest
 
-from cluster.verify import judge, stream_ids
+from cluster.verify import StreamTally, judge, stream_ids
 from runtime.nats import connect
+from runtime.waiting import await_until
 from tests.support import NatsFactory
 
 
@@ -158,4 +159,40 @@ async def test_reads_payload_digests_and_sees_an_altered_payload(
         assert judge(list(acked), await stream_ids(nc, "p")).ok  # ids alone miss it
         v = judge_stream("p", acked, await stream_records(nc, "p"))
         assert not v.ok and v.altered == ["e42"] and not v.lost and v.stored == 50, str(v)
+        await nc.close()
+
+
+async def test_a_tally_reads_on_from_its_last_read_and_sees_each_new_id_once(
+    nats_factory: NatsFactory,
+) -> None:
+    with nats_factory() as server:
+        nc = await connect(server.url)
+        js = nc.jetstream()
+        await js.add_stream(name="t", subjects=["t.>"], duplicate_window=0.5)
+        first: list[tuple[str, bytes]] = []
+        tally = StreamTally("t", on_new=lambda eid, data: first.append((eid, data)))
+        assert await tally.read(nc) == Counter()  # an empty stream
+        for i in range(3000):
+            await js.publish("t.a", b"%d" % i, headers={"Nats-Msg-Id": f"a{i}"})
+        assert sum((await tally.read(nc)).values()) == 3000 and tally.next_seq == 3001
+
+        # a repeat of an id outside the duplicate window (a real second copy), and new ids
+        async def stored_again() -> bool:
+            ack = await js.publish("t.b", b"again", headers={"Nats-Msg-Id": "a7"})
+            return not ack.duplicate
+
+        await await_until(stored_again, timeout=10, what="a7 stored a second time")
+        for i in range(5):
+            await js.publish("t.b", b"b%d" % i, headers={"Nats-Msg-Id": f"b{i}"})
+        ids = await tally.read(nc)
+        assert ids["a7"] == 2 and sum(ids.values()) == 3006, ids.most_common(2)
+        assert judge([f"a{i}" for i in range(3000)], ids).duplicated == {"a7": 2}
+        # the first copy of each id was seen once, in stream order; the repeat was not
+        assert [eid for eid, _ in first] == [f"a{i}" for i in range(3000)] + [
+            f"b{i}" for i in range(5)
+        ]
+        assert first[7] == ("a7", b"7")
+        # nothing new: nothing read again
+        before = dict(ids)
+        assert await tally.read(nc) == before and tally.next_seq == 3007
         await nc.close()

@@ -149,49 +149,65 @@ def reference(rsvps: Iterable[dict[str, Any]], n: int = TOP_N) -> dict[str, Any]
     Top lists are exact (error 0) and ordered as `TopN.top` orders them; ``meetup_members``
     holds the exact distinct count under ``"distinct"`` (the job's HLL estimates it).
     """
-    topics: Counter[str] = Counter()
-    windows: dict[int, Counter[str]] = defaultdict(Counter)
-    cities: Counter[tuple[str, int]] = Counter()
-    members: set[str] = set()
-    answers: Counter[str] = Counter()
-    events = 0
+    recount = Recount()
     for r in rsvps:
-        events += 1
+        recount.add(r)
+    return recount.answers(n)
+
+
+class Recount:
+    """`reference` kept as running counts, so a check over a stream that keeps growing adds
+    each RSVP once instead of rereading the whole stream for every answer."""
+
+    def __init__(self) -> None:
+        self.topics: Counter[str] = Counter()
+        self.windows: dict[int, Counter[str]] = defaultdict(Counter)
+        self.cities: Counter[tuple[str, int]] = Counter()
+        self.members: set[str] = set()
+        self.responses: Counter[str] = Counter()
+        self.events = 0
+
+    def add(self, r: dict[str, Any]) -> None:
+        self.events += 1
         names = [t["topic_name"] for t in r["group"]["group_topics"]]
-        topics.update(names)
+        self.topics.update(names)
         t = int(r["mtime"])
         last = t - t % SLIDE_MS
         for start in range(last, t - WINDOW_MS, -SLIDE_MS):
-            windows[start].update(names)
-        cities[(r["group"]["group_city"], t - t % MINUTE_MS)] += 1
-        members.add(str(r["member"]["member_id"]))
-        answers[r["response"]] += 1
-    yes, no = answers["yes"], answers["no"]
-    return {
-        "meetup_topn": {"all": {"key": "all", "top": _top(topics, n), "events": events}},
-        "meetup_topn_window": {
-            iso_ms(s): {
-                "key": iso_ms(s),
-                "window_start": iso_ms(s),
-                "window_end": iso_ms(s + WINDOW_MS),
-                "top": _top(c, n),
-            }
-            for s, c in windows.items()
-        },
-        "meetup_city_minute": {
-            f"{city}|{iso_ms(m)}": {
-                "key": f"{city}|{iso_ms(m)}",
-                "city": city,
-                "minute": iso_ms(m),
-                "rsvps": c,
-            }
-            for (city, m), c in cities.items()
-        },
-        "meetup_members": {"all": {"key": "all", "distinct": len(members)}},
-        "meetup_responses": {
-            "all": {"key": "all", "yes": yes, "no": no, "ratio": yes / no if no else None}
-        },
-    }
+            self.windows[start].update(names)
+        self.cities[(r["group"]["group_city"], t - t % MINUTE_MS)] += 1
+        self.members.add(str(r["member"]["member_id"]))
+        self.responses[r["response"]] += 1
+
+    def answers(self, n: int = TOP_N) -> dict[str, Any]:
+        yes, no = self.responses["yes"], self.responses["no"]
+        return {
+            "meetup_topn": {
+                "all": {"key": "all", "top": _top(self.topics, n), "events": self.events}
+            },
+            "meetup_topn_window": {
+                iso_ms(s): {
+                    "key": iso_ms(s),
+                    "window_start": iso_ms(s),
+                    "window_end": iso_ms(s + WINDOW_MS),
+                    "top": _top(c, n),
+                }
+                for s, c in self.windows.items()
+            },
+            "meetup_city_minute": {
+                f"{city}|{iso_ms(m)}": {
+                    "key": f"{city}|{iso_ms(m)}",
+                    "city": city,
+                    "minute": iso_ms(m),
+                    "rsvps": c,
+                }
+                for (city, m), c in self.cities.items()
+            },
+            "meetup_members": {"all": {"key": "all", "distinct": len(self.members)}},
+            "meetup_responses": {
+                "all": {"key": "all", "yes": yes, "no": no, "ratio": yes / no if no else None}
+            },
+        }
 
 
 def topic_counts(rsvps: Iterable[dict[str, Any]]) -> Counter[str]:

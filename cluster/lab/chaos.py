@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.chaos.report import DeliveryCheck
 from cluster.chaos.runner import Subscriber, answers_off, mismatch_detail, read_results
-from cluster.demo.meetup import reference
+from cluster.demo.meetup import Recount
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.cluster import LabCluster
 from cluster.lab.nemesis import (
@@ -28,12 +29,35 @@ from cluster.lab.nemesis import (
     resolve,
 )
 from cluster.loadgen import drive
-from cluster.verify import Verdict, judge, stream_ids, stream_records
+from cluster.verify import StreamTally, Verdict, judge
 from runtime.nats import connect
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.waiting import await_until
 
-__all__ = ["LabRun", "holders", "logger_primary", "run_fault"]
+__all__ = ["LabRun", "StreamBook", "holders", "logger_primary", "run_fault"]
+
+
+class StreamBook:
+    """What the lab's stream holds, carried from run to run: the ids (how often each is
+    stored) and, for RSVPs, the exact recount of the analysis's answers. Each run reads only
+    what the stream gained since, so a suite of many runs on one stream costs one read of
+    it, not one per run."""
+
+    def __init__(self, stream: str, rsvps: bool = True) -> None:
+        self.recount = Recount() if rsvps else None
+        self.tally = StreamTally(stream, on_new=self._add if rsvps else None)
+
+    def _add(self, eid: str, data: bytes) -> None:
+        assert self.recount is not None
+        self.recount.add(_json(data))
+
+    async def read(self, nats_url: str, timeout: float = 300.0) -> dict[str, int]:
+        """Every id the stream holds so far and how often (a snapshot)."""
+        nc = await connect(nats_url)
+        try:
+            return dict(await self.tally.read(nc, timeout=timeout))
+        finally:
+            await nc.close()
 
 
 @dataclass
@@ -124,9 +148,9 @@ def holders(lc: LabCluster, stream: str) -> dict[str, str]:
     return out
 
 
-async def recount(lc: LabCluster, stream: str) -> list[str]:
-    """The analysis's answers against an exact recount of every event `stream` holds, once
-    the driver has committed all of it; the queries that differ (none: exact)."""
+async def recount(lc: LabCluster, book: StreamBook) -> list[str]:
+    """The analysis's answers against an exact recount of every event the stream holds,
+    once the driver has committed all of it; the queries that differ (none: exact)."""
     code = f"""
     d = ray.get_actor({ANALYSIS_DRIVER!r})
     out = ray.get(d.await_idle.remote(300), timeout=330)
@@ -134,13 +158,9 @@ async def recount(lc: LabCluster, stream: str) -> list[str]:
     idle = await asyncio.to_thread(lc.ask_ray, code, 400.0)
     if not idle.get("idle"):
         return [f"driver not idle: {idle}"]
-    nc = await connect(lc.nats_url)
-    try:
-        stored = await stream_records(nc, stream, timeout=300, digest=bytes.decode)
-    finally:
-        await nc.close()
-    once = {i: body for i, body in stored}  # the stream holds each id once (the verdict)
-    want = reference([_json(b) for b in once.values()])  # once: it is read again below
+    await book.read(lc.nats_url)
+    assert book.recount is not None
+    want = book.recount.answers()
 
     async def exact() -> bool:
         return not answers_off(await read_results(lc.nats_url), want)
@@ -156,7 +176,7 @@ async def recount(lc: LabCluster, stream: str) -> list[str]:
         return [mismatch_detail(got, want, q) for q in answers_off(got, want)]
 
 
-def _json(body: str) -> dict[str, Any]:
+def _json(body: str | bytes) -> dict[str, Any]:
     value = json.loads(body)
     return value if isinstance(value, dict) else {}
 
@@ -254,6 +274,7 @@ def run_fault(
     prefix: str,
     gateways: list[str] | None = None,
     rsvps: RsvpGenerator | None = None,
+    book: StreamBook | None = None,
 ) -> LabRun:
     """`events` known-id events at `rate` to `urls`, `fault` at its fraction of the window
     (a role resolved to its host as the load starts; a crash or pause never hits the Ray head, which
@@ -263,7 +284,9 @@ def run_fault(
     and must get each stored one exactly once, across the fault. With `rsvps` (one
     generator for every run on the pipeline, so event times only move forward), the events
     are Meetup RSVPs and the analysis's answers must equal an exact recount of every RSVP
-    the stream holds."""
+    the stream holds. `book` carries what the stream holds from run to run (one per stream
+    for the suite; without it, this run reads the stream from its start)."""
+    book = book or StreamBook(stream, rsvps is not None)
     window = events / rate
     acks: list[float] = []
     body = [
@@ -324,15 +347,14 @@ def run_fault(
                 delivery = await sub.caught_up(want, 180)
             finally:
                 await sub.stop()
-        analysis = await recount(lc, stream) if rsvps is not None else None
+        analysis = await recount(lc, book) if rsvps is not None else None
         return report, marks, hosts, got, delivery, analysis
 
     async def stored() -> Any:
-        nc = await connect(lc.nats_url)
-        try:
-            return await stream_ids(nc, stream, timeout=300)
-        finally:
-            await nc.close()
+        """This run's ids as the stream holds them (the book reads on from the last run)."""
+        mine = f"{prefix}-"
+        ids = await book.read(lc.nats_url)
+        return Counter({i: n for i, n in ids.items() if i.startswith(mine)})
 
     async def stored_all(acknowledged: Any) -> Any:
         """The stream's ids once it holds every acknowledged one, or after 300 s as they
