@@ -15,8 +15,8 @@ count      ``{"key", <by names>..., "count"}`` per key (and window): exact. The 
            by-values and the window start with ``|``.
 sample     ``{"key","sample":[...n],"seen"}``: a uniform reservoir (`Reservoir`, seeded, so a
            replayed batch draws the same sample) of a field, or of whole events.
-custom     a user's function ``DataFrame -> DataFrame`` (``function = "module:fn"``; a bare
-           module name means ``jobs.<module>``): it gets the valid events (``seq``,
+custom     a user's function ``DataFrame -> DataFrame`` (``function = "package.module:fn"``,
+           runtime/hooks.py): it gets the valid events (``seq``,
            ``subject``, ``ts``, ``msg_id``, ``data``) and returns rows with a ``key`` column.
 =========  ================================================================================
 
@@ -34,8 +34,6 @@ view's before they are published (counts add, top-N counts add per item, sketche
 from __future__ import annotations
 
 import datetime as dt
-import importlib
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +48,7 @@ from jobs.sketch_state import sketch_state, window_sketch_state
 from jobs.sketches import Reservoir
 from jobs.specs import JobSpec, check_spec, duration_ms, output_names
 from jobs.topn import BatchRows, as_top, pane_ms, topn_batches, topn_counts
+from runtime.hooks import load_hook
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -239,37 +238,14 @@ def _count(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
     return Plan(df, "update", finalize)
 
 
-def load_function(ref: str) -> Callable[[DataFrame], DataFrame]:
-    """The user's job function: ``module:fn``; a module without a dot is ``jobs.<module>``;
-    without ``:fn`` the module's `job` function, or its only public function."""
-    module, _, attr = ref.partition(":")
-    if "." not in module:
-        module = f"jobs.{module}"
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as err:
-        raise JobError(f"custom job {ref!r}: cannot import {module!r}: {err}") from None
-    if attr:
-        fn = getattr(mod, attr, None)
-    else:
-        fn = getattr(mod, "job", None)
-        if fn is None:
-            own = [
-                f
-                for n, f in inspect.getmembers(mod, inspect.isfunction)
-                if f.__module__ == mod.__name__ and not n.startswith("_")
-            ]
-            fn = own[0] if len(own) == 1 else None
-    if not callable(fn):
-        raise JobError(
-            f"custom job {ref!r}: name the function as 'module:function' (module {module!r} "
-            "has no `job` and not exactly one public function)"
-        )
-    return fn
+def load_function(ref: str, key: str = "function") -> Callable[[DataFrame], DataFrame]:
+    """The user's job function, named ``module:function`` (runtime/hooks.py: one form and
+    one error for every reference to code)."""
+    return load_hook(ref, key)
 
 
 def _custom(spec: JobSpec, events: DataFrame, view: BatchView | None) -> Plan:
-    fn = load_function(spec.function)
+    fn = load_function(spec.function, f"job {spec.name!r}: function")
     df = fn(events.select("seq", "subject", "ts", "msg_id", "data"))
     if "key" not in df.columns:
         raise JobError(f"custom job {spec.name!r}: {spec.function} must return a `key` column")

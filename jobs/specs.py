@@ -18,6 +18,7 @@ import msgspec
 
 from jobs.errors import JobError
 from jobs.paths import parse_path
+from runtime.hooks import is_hook
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=100)]
 Kind = Literal["topn", "distinct", "count", "sample", "custom"]
@@ -81,7 +82,9 @@ def check_spec(spec: JobSpec) -> JobSpec:
     if spec.kind == "count" and not (spec.by or spec.window):
         raise JobError(f"{where}: count needs `by` (JSON paths of the key) or a `window`")
     if spec.kind == "custom" and not spec.function:
-        raise JobError(f"{where}: custom needs `function`, e.g. 'myjob:run' (module in jobs/)")
+        raise JobError(f"{where}: custom needs `function`, e.g. 'mypkg.jobs:run'")
+    if spec.function and not is_hook(spec.function):
+        raise JobError(f"{where}: function: expected 'module:function', got {spec.function!r}")
     if spec.kind != "custom" and spec.function:
         raise JobError(f"{where}: `function` is only for kind custom")
     if spec.by_as and len(spec.by_as) != len(spec.by):

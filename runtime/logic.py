@@ -10,7 +10,6 @@ applies it (RBML/SBML) and the BrokerBridge applies it after logging (HML).
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import socket
@@ -22,6 +21,7 @@ import msgspec
 
 from runtime.errors import ConfigError
 from runtime.events import Event, json_kind
+from runtime.hooks import is_hook, load_hook
 from runtime.query import Data, Getter, compile_where, getter
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "StreamLogic",
     "compile_logic",
     "dead_letters",
-    "load_hook",
 ]
 
 # --------------------------------------------------------------------------- config and result
@@ -132,33 +131,6 @@ def _compile_schema(table: dict[str, Any], key: str) -> Callable[[Data], str | N
 
 
 # --------------------------------------------------------------------------- hooks and enrichment
-
-_HOOK_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-def _is_hook(spec: str) -> bool:
-    return bool(_HOOK_RE.match(spec.strip()))
-
-
-def load_hook(spec: str, key: str) -> Callable[..., Any]:
-    """Import a user's `"package.module:function"` once; ConfigError naming `key` if not."""
-    spec = spec.strip()
-    if not _is_hook(spec):
-        raise ConfigError(f"{key}: expected 'module:function', got {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:
-        raise ConfigError(f"{key}: cannot import {module_name!r}: {err}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(f"{key}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ConfigError(f"{key}: {spec!r} is not callable")
-    return obj
-
 
 Hook = Callable[[Data, Event], Data | None]
 ENRICH_BUILTINS = ("received_at", "collector")
@@ -382,7 +354,7 @@ def compile_logic(
             enrich.append((spec, _received_at))
         elif spec == "collector":
             enrich.append((spec, _collector_hook(collector)))
-        elif _is_hook(spec):
+        elif is_hook(spec):
             enrich.append((spec, _wrap_user_enrich(load_hook(spec, f"{key}.enrich[{i}]"))))
         else:
             raise ConfigError(
@@ -391,7 +363,7 @@ def compile_logic(
             )
     keep: Callable[[Data], Any] | None = None
     if cfg.filter.strip():
-        if _is_hook(cfg.filter):
+        if is_hook(cfg.filter):
             keep = load_hook(cfg.filter, f"{key}.filter")
         else:
             keep = compile_where(cfg.filter, f"{key}.filter")

@@ -18,11 +18,12 @@ Example:
 from __future__ import annotations
 
 import enum
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from runtime.hooks import resolve
 
 __all__ = [
     "Backoff",
@@ -124,15 +125,11 @@ def index_specs(specs: Sequence[ChildSpec]) -> dict[str, ChildSpec]:
 
 
 def load_start(start: Callable[..., Any] | str) -> Any:
-    """Resolve a spec's `start`: a ``"module:Attr.sub"`` string is imported (importing is the
-    only side effect in this module), anything else is returned as is."""
+    """Resolve a spec's `start`: a ``"module:Attr.sub"`` string is imported (runtime/hooks.py;
+    importing is the only side effect in this module), anything else is returned as is."""
     if not isinstance(start, str):
         return start
-    module, _, attr = start.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return resolve(start, "start")
 
 
 # --------------------------------------------------------------------------- intensity

@@ -31,6 +31,7 @@ from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketch_state import pane_windows
 from jobs.specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
 from jobs.windows import late_count
+from runtime.errors import ConfigError
 from runtime.nats import NatsEndpoint
 from tests.oracles import sliding_reference
 from tests.support import NatsFactory, with_nats
@@ -170,15 +171,23 @@ def test_durations_in_ms() -> None:
 
 
 @pytest.mark.unit
-def test_custom_functions_are_found_by_module_and_name() -> None:
+def test_custom_functions_are_named_module_colon_function_and_nothing_is_guessed() -> None:
     from cluster.demo.meetup import responses
 
     assert load_function("cluster.demo.meetup:responses") is responses
-    assert load_function("windows:late_count") is late_count  # a bare module is jobs.<module>
-    with pytest.raises(JobError, match="not exactly one public function"):
-        load_function("windows")
-    with pytest.raises(JobError, match="cannot import"):
-        load_function("no_such_job_module")
+    assert load_function("jobs.windows:late_count") is late_count
+    for ref, why in (
+        ("windows:late_count", "cannot import 'windows'"),  # no `jobs.` prefix added
+        ("jobs.windows", "expected 'module:function'"),  # no "the only public function"
+        ("no_such_job_module:f", "cannot import"),
+        ("jobs.windows:no_such_fn", "has no attribute"),
+        ("jobs.windows:LATE_OPERATOR", "not callable"),
+    ):
+        with pytest.raises(ConfigError, match=why) as err:
+            load_function(ref, "job 'j': function")
+        assert str(err.value).startswith("job 'j': function: "), err.value
+    with pytest.raises(JobError, match="function: expected 'module:function'"):
+        decode_spec({"name": "j", "kind": "custom", "stream": "s", "function": "windows"})
 
 
 # --------------------------------------------------------------------------- Spark + NATS

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runtime.errors import ConfigError
 from runtime.supervision import (
     Backoff,
     ChildSpec,
@@ -81,7 +82,7 @@ def test_index_specs_keeps_order_and_rejects_duplicates() -> None:
 def test_load_start_imports_dotted_attributes_and_passes_callables_through() -> None:
     assert load_start("runtime.supervision:Restart.PERMANENT") is Restart.PERMANENT
     assert load_start(math.floor) is math.floor
-    with pytest.raises(AttributeError):
+    with pytest.raises(ConfigError, match="start: 'runtime.supervision' has no attribute 'Nope'"):
         load_start("runtime.supervision:Nope")
 
 
