@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import functools
-import inspect
 import json
 import logging
 import os
@@ -100,34 +99,16 @@ from jobs.recompute import serve_view
 from jobs.retention import Purge
 from jobs.retention_holds import trim as trim_stream
 from jobs.running import staggered, start_job
-from jobs.sink import BatchReport, close_sinks, set_fence
+from jobs.sink import BatchReport, close_sinks
 from jobs.spark_session import SQL_POOL
 from jobs.specs import JobSpec, deadletter_query_name, decode_spec, encode_spec
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
 from jobs.sql_admission import SqlAdmission, sql_slots
-from jobs.standby import (
-    EXIT_FENCED,
-    LEASE_TTL_S,
-    WARM_UP_BATCHES,
-    YIELD_MAX_S,
-    Take,
-    end_old_jvm,
-    holder_info,
-    holder_running,
-    host_id,
-    lease_key,
-    record_jvm,
-    should_yield,
-    step_down,
-    takeover,
-    takeover_action,
-    try_take,
-)
+from jobs.warm_pair import WarmPair, own_wait, warm_up
 from runtime.clock import now_ms
 from runtime.config import Config, validate
-from runtime.lease import LeaseKeeper
 from runtime.nats import NatsEndpoint
-from runtime.ray_supervisor import SupervisedActor, actor_state
+from runtime.ray_supervisor import SupervisedActor
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.services import spark_session
 from runtime.sql_check import SqlRefused, check_select
@@ -161,7 +142,6 @@ class JobsError(RuntimeError):
 
 
 F = TypeVar("F")
-FORWARD_TIMEOUT_S = 30.0  # added to a forwarded call's own wait
 
 
 def on_active(method: F) -> F:
@@ -237,20 +217,6 @@ def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: 
         f"{archive}/stream={stream} (or set a new [streams.{stream}.archive] path); the old "
         "archive stays readable on its own, and the new one holds the events again (same ids)"
     )
-
-
-def _own_wait(method: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    """How long a call may wait by its own arguments (``wait_s``, ``timeout``,
-    ``timeout_s``, passed or defaulted), so a forwarded call is not cut short."""
-    try:
-        bound = inspect.signature(method).bind(None, *args, **kwargs)
-    except TypeError:
-        return 0.0
-    bound.apply_defaults()
-    for key in ("wait_s", "timeout", "timeout_s"):
-        if isinstance(bound.arguments.get(key), int | float):
-            return float(bound.arguments[key])
-    return 0.0
 
 
 # --------------------------------------------------------------------------- the actor
@@ -350,9 +316,6 @@ class AnalysisDriver(SupervisedActor):
         self._w = _Wanted()
         # with a peer (jobs/standby.py) the checkpoint store is opened by whichever driver
         # takes it over; a driver alone opens it here
-        self.peer = peer
-        self.role = "active" if peer is None else "standby"
-        self.took_over: dict[str, Any] | None = None
         self.phases: dict[str, float] = {}  # seconds from __init__ to each start-up phase
         super().__init__(state_dir, name=name, open_store=peer is None)
         self.nats = NatsEndpoint.from_config(self.cfg, "analysis", url=nats_url)
@@ -371,8 +334,29 @@ class AnalysisDriver(SupervisedActor):
         self.error: str | None = None
         self._closing = threading.Event()
         self._wake = threading.Event()
+        self._pair = WarmPair(
+            name=self.name,
+            peer=peer,
+            namespace=self.cfg.ray.namespace,
+            nats=self.nats,
+            incarnation=self.incarnation,
+            store_path=self.store_path,
+            closing=self._closing,
+            adopt=self.adopt_store,
+            jvm_pid=self._jvm_pid,
+            error=JobsError,
+        )
         self._thread = threading.Thread(target=self._run, name="analysis-driver", daemon=True)
         self._thread.start()
+
+    @property
+    def role(self) -> str:
+        """``active`` (runs the queries) or ``standby`` (jobs/warm_pair.py)."""
+        return self._pair.role
+
+    @property
+    def peer(self) -> str | None:
+        return self._pair.peer
 
     # ---- checkpoint ---------------------------------------------------------------------
 
@@ -428,7 +412,7 @@ class AnalysisDriver(SupervisedActor):
     def _run(self) -> None:
         began = time.monotonic()
         if self.role == "standby":
-            self._yield_to_peer()
+            self._pair.yield_to_peer()
             if self._closing.is_set():  # shut down while it waited: no JVM to start
                 self.state = "stopped"
                 return
@@ -441,13 +425,11 @@ class AnalysisDriver(SupervisedActor):
             self.state, self.error = "failed", f"Spark did not start: {err!r}"
             return
         if self.role == "standby":
-            self._stand_by()
-            if self.role != "active" and not self._take_over():
+            self._pair.stand_by(self._warm_up, self._set_state)
+            if self.role != "active" and not self._pair.take_over():
                 self._stop_all()
                 return
-        gateway = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
-        if self.peer is not None and getattr(gateway, "proc", None) is not None:
-            record_jvm(self.store_path, gateway.proc.pid)  # type: ignore[union-attr]
+        self._pair.record_jvm(self._jvm_pid())
         self.state = "running"
         while not self._closing.is_set():
             try:
@@ -457,228 +439,35 @@ class AnalysisDriver(SupervisedActor):
             self._wake.wait(RECONCILE_S)
             self._wake.clear()
         self._stop_all()
-        self._release_lease()
+        self._pair.release_lease()
 
-    def _warm_up(self, abort: Callable[[], bool]) -> None:
-        """Run the top-N plan for a few micro-batches over an in-memory Python source in
-        this JVM, so that a takeover's first batch finds Spark's streaming code compiled and
-        a Python worker started (jobs/standby.py); `abort` ends it early."""
-        from jobs.class_training import register_source, run_jobs, training_jobs
+    def _set_state(self, state: str) -> None:
+        self.state = state
 
-        started = time.monotonic()
-        work = self.state_dir / f"warm-up-{self.incarnation}"
-        try:
-            register_source(self.spark)
-            done = run_jobs(
-                self.spark, training_jobs()[:1], work, batches=WARM_UP_BATCHES, abort=abort
-            )
-            if done and not abort():
-                self._warm_source()
-            if done:
-                self.phases["warmed_s"] = round(time.monotonic() - started, 1)
-        except Exception:  # a standby that did not warm up still takes over
-            log.exception("analysis driver %s: warm-up", self.name)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
-    def _warm_source(self) -> None:
-        """Read one event through the jetstream source, so that Spark starts the Python
-        processes it keeps for the source (daemons for its lookup, its read planning and
-        its reads: each a new interpreter importing pyspark) here, not in a takeover's first
-        query (the first query of a fresh JVM started ~2.5 s later than the next ones)."""
-        with self._lock:
-            jobs = [*self._configured.values(), *self._w.jobs.values()]
-        # any stream serves: the processes are the source's, whichever stream it reads
-        streams = sorted({spec.stream for spec in jobs}) or sorted(self.cfg.streams)
-        if not streams or self.spark is None:
-            return
-        reader = self.spark.read.format("jetstream").options(**self.nats.to_options())
-        try:
-            reader.option("stream", streams[0]).load().limit(1).collect()
-        except Exception as err:  # e.g. no such stream yet: its lookup still warmed up
-            log.info("analysis driver %s: source warm-up read: %s", self.name, err)
-
-    def _stand_by(self) -> None:
-        """Take the store and the pair's lease now if both are free (the pair's first
-        start, or a peer that is gone): a driver that runs the queries at once does not
-        warm up. Else warm up and wait for them (`_take_over`)."""
-        freed: list[CheckpointStore] = []
-
-        def lock_freed() -> bool:
-            """The store and the lease are this driver's now (the queries cannot wait for
-            a warm-up), or this driver is shutting down."""
-            if not freed and (got := try_take(self.store_path, self._lease_held_elsewhere)):
-                freed.append(got)
-            return bool(freed) or self._closing.is_set()
-
-        started = time.monotonic()
-        if not lock_freed():
-            self.state = "warming up"
-            self._warm_up(lock_freed)
-        if freed:
-            self._become_active(freed[0], started, time.monotonic())
-            return
-        self.state = "standby"
-
-    def _take_over(self) -> bool:
-        """Wait, Spark up, until this driver holds the checkpoint store and the pair's
-        lease; then make sure the previous holder's JVM is gone before any query starts
-        (jobs/standby.py)."""
-        started = time.monotonic()
-        store = takeover(self.store_path, self._closing, self._lease_held_elsewhere)
-        if store is None:
-            self._release_lease()  # shut down while standing by: its connection only
-            return False
-        self._become_active(store, started, time.monotonic())
-        return True
-
-    def _become_active(self, store: CheckpointStore, started: float, locked: float) -> None:
-        """Hold `store` from now on; the previous holder's JVM is ended first. The lease
-        taken with it guards every result sink of this process from here on."""
-        assert self._lease is not None and self._lease.epoch
-        set_fence(self._lease)
-        jvm = end_old_jvm(self.store_path)
-        self.adopt_store(store)
-        self.role = "active"
-        self.took_over = {
-            "at": time.time(),
-            "waited_s": round(locked - started, 3),
-            "old_jvm": jvm,
-            "fence_s": round(time.monotonic() - locked, 3),
-            "epoch": self._lease.epoch,
-        }
-        log.warning("analysis driver %s: took the queries over: %s", self.name, self.took_over)
-
-    # the pair's lease (jobs/standby.py): made by the first try, renewed once held
-    _lease: LeaseKeeper | None = None
-    _lease_seen: dict[str, Any] | None = None
-
-    def _keeper(self) -> LeaseKeeper:
-        if self._lease is None:
-            actor = ray.get_runtime_context().get_actor_name() or self.name
-            self._lease = LeaseKeeper(
-                lambda: self.nats.connect(name=f"analysis-lease-{self.name}"),
-                lease_key(self.name),
-                f"{actor}/{self.incarnation}",
-                ttl_s=LEASE_TTL_S,
-                info=holder_info(os.getpid()),
-            ).start()
-        return self._lease
-
-    def _lease_held_elsewhere(self) -> bool:
-        """Try to take the pair's lease (`takeover_action`); True while another driver
-        holds it or the bucket does not answer. Once taken, it is renewed from now on."""
-        try:
-            keeper = self._keeper()
-            seen = keeper.read()
-            here = host_id()
-            running = holder_running(seen.info, here) if seen is not None else None
-            action = takeover_action(seen, keeper.holder, here, running)
-            self._lease_seen = {
-                "at": time.time(),
-                "holder": seen.holder if seen else None,
-                "epoch": seen.epoch if seen else None,
-                "action": action.value,
-            }
-            if action is Take.WAIT:
-                return True
-            if action is Take.ACQUIRE or seen is None:
-                got = keeper.acquire()
-            else:  # its holder's process is gone: take it at the revision just read
-                got = keeper.take(seen.revision)
-        except Exception as err:  # NATS away: nobody can be shown to be gone, so wait
-            error = repr(err)[:300]
-            again = (self._lease_seen or {}).get("error") == error
-            log.log(
-                logging.DEBUG if again else logging.WARNING,
-                "analysis driver %s: the pair's lease: %s",
-                self.name,
-                error,
-            )
-            self._lease_seen = {"at": time.time(), "error": error}
-            return True
-        if got:
-            keeper.keep(self._fenced)
-            log.warning(
-                "analysis driver %s: holds the pair's lease %s, epoch %d (%s)",
-                self.name,
-                keeper.key,
-                keeper.epoch,
-                action.value,
-            )
-        return not got
-
-    def _fenced(self, why: str) -> None:
-        """The lease is lost for good: another driver may run the queries now. Every sink
-        refuses already (it is not fresh); end this process and its JVM at once, so no
-        query of this one runs on, and Ray restarts it as the standby."""
-        log.error("analysis driver %s: %s: stepping down (exit %d)", self.name, why, EXIT_FENCED)
+    def _jvm_pid(self) -> int | None:
         gateway = getattr(getattr(self.spark, "sparkContext", None), "_gateway", None)
         proc = getattr(gateway, "proc", None)
-        step_down(proc.pid if proc is not None else None)
+        return proc.pid if proc is not None else None
 
-    def _release_lease(self) -> None:
-        """The queries are stopped: give the lease up, so the standby need not wait."""
-        keeper, self._lease = self._lease, None
-        if keeper is not None:
-            set_fence(None)
-            keeper.close()
+    def _warm_up(self, abort: Callable[[], bool]) -> None:
+        """A standby's warm-up in this JVM (jobs/warm_pair.py `warm_up`); `abort` ends it."""
+        assert self.spark is not None
+        started = time.monotonic()
+        work = self.state_dir / f"warm-up-{self.incarnation}"
+        if warm_up(self.spark, work, abort, self._streams, self.nats, self.name):
+            self.phases["warmed_s"] = round(time.monotonic() - started, 1)
 
-    def _peer(self) -> Any:
-        return ray.get_actor(self.peer, namespace=self.cfg.ray.namespace)
-
-    def _yield_to_peer(self) -> None:
-        """Start Spark (a JVM and session, about 15 s of CPU) only when the peer is not
-        starting its own queries: after a takeover, the first batches of the new active
-        driver (`should_yield`, jobs/standby.py)."""
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        deadline = time.monotonic() + YIELD_MAX_S
-        while not self._closing.is_set() and time.monotonic() < deadline:
-            if not should_yield(self._peer_info(), restarted=restarted):
-                return
-            self._closing.wait(1.0)
-
-    def _peer_info(self) -> dict[str, Any] | None:
-        """The peer's `role_info`, or None when it is not up to answer. Asked only when Ray
-        has it alive: a call to an actor Ray is restarting waits for the restart."""
-        try:
-            peer = self._peer()
-            if self._peer_down(peer) is not None:
-                return None
-            return dict(ray.get(peer.role_info.remote(), timeout=2.0))
-        except Exception:  # gone, restarting or not answering
-            return None
-
-    @staticmethod
-    def _peer_down(peer: Any) -> str | None:
-        """Ray's state of `peer` when Ray has it not alive (restarting, dead): a call to it
-        would wait, silently, for its restart. None when alive or unknown."""
-        state = actor_state(peer)
-        return None if state in (None, "ALIVE") else state
+    def _streams(self) -> list[str]:
+        """The streams the jobs read (else every configured one), for the warm-up's read."""
+        with self._lock:
+            jobs = [*self._configured.values(), *self._w.jobs.values()]
+        return sorted({spec.stream for spec in jobs}) or sorted(self.cfg.streams)
 
     def _forward(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.peer is None:
             raise JobsError(f"analysis driver {self.name!r} is {self.state}")
-        wait = _own_wait(getattr(type(self), method), args, kwargs)
-        try:
-            peer = self._peer()
-            # a call to a peer Ray is restarting would wait, silently, for the restart
-            # (seconds): while it is down, this standby is about to take over
-            down = self._peer_down(peer)
-            if down is not None:
-                raise JobsError(
-                    f"analysis driver {self.name!r} is a standby and its peer {self.peer!r} "
-                    f"is {down.lower()}: no driver is active yet"
-                )
-            # not retried: a peer that dies under the call is restarted as a standby, and
-            # Ray would hold the retry until then; the caller hears at once instead
-            ref = peer.from_standby.options(max_task_retries=0).remote(method, args, kwargs)
-            return ray.get(ref, timeout=float(wait) + FORWARD_TIMEOUT_S)
-        except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
-            raise JobsError(
-                f"analysis driver {self.name!r} is a standby and its active peer "
-                f"{self.peer!r} did not answer: {err}"
-            ) from None
+        wait = own_wait(getattr(type(self), method), args, kwargs)
+        return self._pair.forward(method, args, kwargs, wait)
 
     def from_standby(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """A call a standby handed over; never handed on, so two standbys cannot loop."""
@@ -703,12 +492,8 @@ class AnalysisDriver(SupervisedActor):
             "peer": self.peer,
             "namespace": self.cfg.ray.namespace,
             "phases": self.phases,
-            "took_over": self.took_over,
-            "lease": {
-                **(self._lease_seen or {}),
-                "mine": self._lease.epoch if self._lease is not None else 0,
-                "fresh": self._lease is not None and self._lease.fresh(),
-            },
+            "took_over": self._pair.took_over,
+            "lease": self._pair.lease_info(),
         }
 
     def _start_spark(self) -> SparkSession:
@@ -1147,7 +932,7 @@ class AnalysisDriver(SupervisedActor):
             **self.heartbeat(),
             "role": self.role,
             "peer": self.peer,
-            "took_over": self.took_over,
+            "took_over": self._pair.took_over,
             "state": self.state,
             "error": self.error,
             "master": self.master,
@@ -1215,17 +1000,7 @@ class AnalysisDriver(SupervisedActor):
         standby hands it to the active driver's SQL threads (`forwarded` says so there:
         never handed on again)."""
         if self.role != "active":
-            if forwarded or self.peer is None:
-                return {"status": 503, "error": "no analysis driver is active yet"}
-            try:
-                peer = self._peer()
-                down = self._peer_down(peer)  # a call would wait, silently, for its restart
-                if down is not None:
-                    return {"status": 503, "error": f"the active analysis driver is {down}"}
-                ref = peer.sql.remote(sql, limit, timeout_s, allowed, forwarded=True)
-                return dict(ray.get(ref, timeout=timeout_s + FORWARD_TIMEOUT_S))
-            except Exception as err:  # gone or not answering
-                return {"status": 503, "error": f"the active analysis driver: {err!r}"[:500]}
+            return self._pair.forward_sql(sql, limit, timeout_s, allowed, forwarded)
         spark = self.spark
         if spark is None or self.state != "running":
             return {"status": 503, "error": f"the analysis driver's Spark is {self.state}"}

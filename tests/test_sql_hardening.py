@@ -160,18 +160,21 @@ def test_a_standby_hands_sql_to_the_active_drivers_sql_threads(
     peer Ray is restarting gets no call (it would wait for the restart)."""
     from types import SimpleNamespace
 
-    from jobs import driver as driver_module
-    from jobs.driver import SQL_GROUP, AnalysisDriver
+    from jobs import warm_pair
+    from jobs.driver import SQL_GROUP, AnalysisDriver, JobsError
+    from tests.test_standby import a_standby_pair
 
     sent: list[tuple[Any, ...]] = []
     peer = SimpleNamespace(
         sql=SimpleNamespace(remote=lambda *a, **kw: sent.append((*a, kw)) or "ref")
     )
     standby = AnalysisDriver.__new__(AnalysisDriver)
-    standby.role, standby.peer = "standby", "tierflow-analysis"
-    monkeypatch.setattr(standby, "_peer", lambda: peer, raising=False)
-    monkeypatch.setattr(driver_module, "actor_state", lambda handle: state)
-    monkeypatch.setattr(driver_module.ray, "get", lambda ref, timeout: {"status": 200})
+    standby.name = "tierflow-analysis-standby"
+    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", JobsError)
+    assert standby.role == "standby"
+    monkeypatch.setattr(standby._pair, "peer_handle", lambda: peer)
+    monkeypatch.setattr(warm_pair, "actor_state", lambda handle: state)
+    monkeypatch.setattr(warm_pair.ray, "get", lambda ref, timeout: {"status": 200})
     answer = standby.sql("SELECT 1", 10, 5.0, ["orders"])
     if state == "ALIVE":
         assert answer == {"status": 200}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,26 @@ from runtime.checkpoint import CheckpointStore
 from runtime.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def a_standby_pair(name: str, peer: str, error: Any) -> Any:
+    """A standby's `WarmPair` (jobs/warm_pair.py) with nothing behind it: no NATS, no store,
+    no JVM; its peer's handle is the test's to give."""
+    from jobs.warm_pair import WarmPair
+    from runtime.nats import NatsEndpoint
+
+    return WarmPair(
+        name=name,
+        peer=peer,
+        namespace="tierflow",
+        nats=NatsEndpoint("nats://127.0.0.1:1"),
+        incarnation="test",
+        store_path=Path("/nonexistent"),
+        closing=threading.Event(),
+        adopt=lambda store: None,
+        jvm_pid=lambda: None,
+        error=error,
+    )
 
 
 class Taking(threading.Thread):
@@ -143,7 +164,7 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     and a call to a peer that dies under it is not retried on the restarted peer."""
     from types import SimpleNamespace
 
-    from jobs import driver as driver_module
+    from jobs import warm_pair
     from jobs.driver import AnalysisDriver, JobsError
 
     sent: list[str] = []
@@ -154,10 +175,11 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
         from_standby=SimpleNamespace(options=lambda **o: options.append(o) or call),
     )
     standby = AnalysisDriver.__new__(AnalysisDriver)
-    standby.name, standby.peer = "tierflow-analysis-standby", "tierflow-analysis"
-    monkeypatch.setattr(standby, "_peer", lambda: peer, raising=False)
-    monkeypatch.setattr(driver_module, "actor_state", lambda handle: state)
-    monkeypatch.setattr(driver_module.ray, "get", lambda ref, timeout: {"answered": ref})
+    standby.name = "tierflow-analysis-standby"
+    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", JobsError)
+    monkeypatch.setattr(standby._pair, "peer_handle", lambda: peer)
+    monkeypatch.setattr(warm_pair, "actor_state", lambda handle: state)
+    monkeypatch.setattr(warm_pair.ray, "get", lambda ref, timeout: {"answered": ref})
     if state == "ALIVE":
         assert standby._forward("local_status", (), {}) == {"answered": "ref"}
         assert sent == ["local_status"]
