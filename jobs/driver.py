@@ -86,10 +86,10 @@ from jobs.copies import (
     CopyId,
     acurrent_copy,
     current_copy,
-    decide,
     read_copy,
     record_copy,
 )
+from jobs.copy_tracker import CopyTracker, archive_copy_error
 from jobs.deadletter_scan import DeadLetterScan
 from jobs.errors import JobError
 from jobs.escalation import should_escalate
@@ -133,7 +133,6 @@ RECONCILE_S = 1.0
 PARTS_KEPT = 100  # batches whose foreachBatch parts `progress` shows (Spark keeps 100)
 BACKOFF_MAX_S = 30.0
 RETENTION_S = 10.0  # how often archived streams are trimmed (jobs/retention.py)
-COPY_CHECK_S = 5.0  # how often running queries' copies are compared with the streams'
 EXIT_ESCALATED = 70  # the driver's exit status when it restarts itself (jobs/escalation.py)
 
 
@@ -204,19 +203,6 @@ def query_triggers(jobs: Mapping[str, JobSpec]) -> dict[str, float]:
     """The interval (s) each job's query runs at, `staggered` so that queries sharing an
     interval do not all start their batches at the same instant."""
     return staggered({name: spec.trigger_s for name, spec in jobs.items()})
-
-
-def archive_copy_error(stream: str, recorded: CopyId, current: CopyId, archive: str) -> str:
-    """Why an archive does not resume on another copy, and the fix."""
-    return (
-        f"archive of {stream}: its checkpoint holds sequences of copy {recorded.describe()}, "
-        f"the driver reads copy {current.describe()}; sequences differ between copies, so "
-        "resuming would skip or repeat events. Either run the driver on the archive's copy "
-        "again, or archive this copy from its start: move aside both the archive's "
-        f"checkpoint (archive-{stream} under the checkpoint root) and its directory "
-        f"{archive}/stream={stream} (or set a new [streams.{stream}.archive] path); the old "
-        "archive stays readable on its own, and the new one holds the events again (same ids)"
-    )
 
 
 # --------------------------------------------------------------------------- the actor
@@ -325,15 +311,14 @@ class AnalysisDriver(SupervisedActor):
         self.checkpoint_root = queries_root(self.cfg, state_dir)
         self.purges: dict[str, Purge] = {}
         self._views: dict[str, BatchView | None] = {}
-        self.copy_changes: dict[str, dict[str, Any]] = {}  # query -> the last copy change
         self._next_retention = 0.0
-        self._next_copy_check = 0.0
         self.spark: SparkSession | None = None
         self.late: Any = None
         self.state = "starting"
         self.error: str | None = None
         self._closing = threading.Event()
         self._wake = threading.Event()
+        self._copies = CopyTracker(self.nats)
         self._pair = WarmPair(
             name=self.name,
             peer=peer,
@@ -545,9 +530,9 @@ class AnalysisDriver(SupervisedActor):
         after = self.cfg.spark.restart_after_failures
         if should_escalate(failing, self._last_escalation, time.time(), after=after):
             self._escalate(failing)
-        if time.monotonic() >= self._next_copy_check:
-            self._next_copy_check = time.monotonic() + COPY_CHECK_S
-            self._check_copies()
+        if self._copies.due():  # a stream made again under a running query: restart it
+            for name in self._copies.stale(list(self._w.queries.values())):
+                self._stop_query(name)
         if time.monotonic() >= self._next_retention:
             self._next_retention = time.monotonic() + RETENTION_S
             self._retention()
@@ -617,8 +602,14 @@ class AnalysisDriver(SupervisedActor):
                 f"job {spec.name!r} has a batch view of another spec: recompute it, or "
                 "give the changed job a new name"
             )
-        view = self._on_copy(spec, view)
         q.checkpoint = checkpoint_dir(self.checkpoint_root, spec.name, view)
+        copy = self._copies.begin(q, fallback=view.copy if view is not None else None)
+        if copy.moved:  # positions of another copy: a new generation over this one
+            view = self._new_generation(spec, copy.action, copy.here)
+            q.checkpoint = checkpoint_dir(self.checkpoint_root, spec.name, view)
+            self._copies.moved(
+                copy, q.checkpoint, generation=view.generation, high_water=view.high_water
+            )
         if view is not None and not view.served:  # the driver died between saving and serving
             self._serve(view)
         if view is not None and spec.kind not in MERGEABLE:
@@ -633,34 +624,10 @@ class AnalysisDriver(SupervisedActor):
             trigger_s=trigger_s,
         )
 
-    def _on_copy(self, spec: JobSpec, view: BatchView | None) -> BatchView | None:
-        """The job's current generation on the copy the driver reads now: the same one when
-        its positions are of this copy; else a new one over this copy (recomputed for kinds
-        that merge, started over for the others). Never the old positions on a new copy."""
-        here = current_copy(self.nats, spec.stream)
-        ckpt = checkpoint_dir(self.checkpoint_root, spec.name, view)
-        recorded = read_copy(ckpt) or (view.copy if view is not None else None)
-        action = decide(spec.kind, recorded, here)
-        self._w.queries[spec.name].copy = here
-        if action in (Action.RECORD, Action.RESUME):
-            if action is Action.RECORD and committed(ckpt) is not None:
-                log.warning(
-                    "analysis driver: job %s: its checkpoint names no copy (older than copy "
-                    "tracking): taken to be of %s",
-                    spec.name,
-                    here.describe(),
-                )
-            if read_copy(ckpt) is None:
-                record_copy(ckpt, here)
-            return view
-        assert recorded is not None
-        log.warning(
-            "analysis driver: job %s: its positions are of copy %s, the driver reads copy %s: %s",
-            spec.name,
-            recorded.describe(),
-            here.describe(),
-            "recomputing it over this copy" if action is Action.RECOMPUTE else "starting over",
-        )
+    def _new_generation(self, spec: JobSpec, action: Action, here: CopyId) -> BatchView:
+        """The job's new generation over copy `here` after its positions were found to be
+        of another copy: recomputed for kinds that merge, started over for the others.
+        Older generations' checkpoints are retired; the caller records the copy."""
         if action is Action.RECOMPUTE:
             new = self._rebuild(spec, here)
         else:
@@ -670,16 +637,6 @@ class AnalysisDriver(SupervisedActor):
             self._serve(new)  # no rows: the old copy's results are retired
         keep = checkpoint_dir(self.checkpoint_root, spec.name, new)
         retire_checkpoints(self.checkpoint_root, spec.name, keep)
-        record_copy(keep, here)
-        self.copy_changes[spec.name] = {
-            "from": recorded.describe(),
-            "to": here.describe(),
-            "action": "recomputed" if action is Action.RECOMPUTE else "started over",
-            "generation": new.generation,
-            "high_water": new.high_water,
-            "at_ms": now_ms(),
-        }
-        log.warning("analysis driver: job %s: %s", spec.name, self.copy_changes[spec.name])
         return new
 
     def _rebuild(self, spec: JobSpec, here: CopyId) -> BatchView:
@@ -742,53 +699,31 @@ class AnalysisDriver(SupervisedActor):
         self._views[view.name] = view
 
     def _start_dl(self, stream: str) -> DeadLetterScan:
+        """The stream's dead-letter scan from its recorded position; on another copy it
+        starts over there (its positions, and its dead letters' ids, are sequences)."""
         q = self._w.queries[deadletter_query_name(stream)]
-        ckpt = self.checkpoint_root / deadletter_query_name(stream)
-        here = current_copy(self.nats, stream)
-        q.copy = here
-        recorded = read_copy(ckpt)
-        action = decide("deadletter", recorded, here)
-        if action is Action.FRESH:  # another copy's positions (and dead-letter ids by seq)
-            assert recorded is not None
-            log.warning(
-                "analysis driver: dead letters of %s: positions of copy %s, reading copy %s: "
-                "starting over on this copy",
-                stream,
-                recorded.describe(),
-                here.describe(),
-            )
-            shutil.rmtree(ckpt, ignore_errors=True)
+        copy = self._copies.begin(q)
+        if copy.moved:
+            shutil.rmtree(q.checkpoint, ignore_errors=True)
             self._dl_ns.delete(stream.encode())  # its position and count start over too
-            self.copy_changes[q.name] = {
-                "from": recorded.describe(),
-                "to": here.describe(),
-                "action": "started over",
-                "at_ms": now_ms(),
-            }
-        if action is not Action.RESUME:
-            record_copy(ckpt, here)
+            self._copies.moved(copy, q.checkpoint)
 
         def on_pass(next_seq: int, report: BatchReport) -> None:
             self._count_deadletters(stream, next_seq, report)
             q.count(next_seq, report)
 
-        start = deadletter_position(self._deadletter_record(stream), ckpt)
+        start = deadletter_position(self._deadletter_record(stream), q.checkpoint)
         return DeadLetterScan(self.nats, stream, start, on_pass).start()
 
     def _start_archive(self, stream: str) -> StreamingQuery:
+        """The stream's archive query; refused on another copy (`archive_copy_error`)."""
         archive = self.cfg.streams[stream].archive
         assert self.spark is not None and archive is not None
-        ckpt = self.checkpoint_root / archive_query_name(stream)
-        here = current_copy(self.nats, stream)
-        self._w.queries[archive_query_name(stream)].copy = here
-        recorded = read_copy(ckpt)
-        action = decide("archive", recorded, here)
-        if action is Action.REFUSE:
-            assert recorded is not None
-            old = copy_root(self.cfg.archive_root(stream), recorded)
-            raise CopyError(archive_copy_error(stream, recorded, here, old))
-        if action is Action.RECORD:
-            record_copy(ckpt, here)
+        copy = self._copies.begin(self._w.queries[archive_query_name(stream)])
+        if copy.moved:
+            assert copy.recorded is not None
+            old = copy_root(self.cfg.archive_root(stream), copy.recorded)
+            raise CopyError(archive_copy_error(stream, copy.recorded, copy.here, old))
         settings = ArchiveSettings(
             path=self.cfg.archive_root(stream),
             partitioning=archive.partitioning,
@@ -796,28 +731,8 @@ class AnalysisDriver(SupervisedActor):
             retention_days=archive.retention_days,
         )
         return start_archive(
-            self.spark, stream, self.nats, settings, self.checkpoint_root, copy=here
+            self.spark, stream, self.nats, settings, self.checkpoint_root, copy=copy.here
         )
-
-    def _check_copies(self) -> None:
-        """Stop a running query whose stream is now another copy (deleted and made again
-        under it): its next start decides what to do (jobs/copies.py), as after a restart."""
-        running = {n: q for n, q in list(self._w.queries.items()) if q.query is not None and q.copy}
-        for stream in {q.stream for q in running.values()}:
-            try:
-                here = current_copy(self.nats, stream)
-            except Exception as err:  # NATS away or the stream gone: the queries say so
-                log.debug("analysis driver: copy of %s: %r", stream, err)
-                continue
-            for name, q in running.items():
-                if q.stream == stream and q.copy != here:
-                    log.warning(
-                        "analysis driver: %s reads %s, which is now copy %s: restarting it",
-                        name,
-                        q.copy.describe() if q.copy else "?",
-                        here.describe(),
-                    )
-                    self._stop_query(name)
 
     def _retention(self) -> None:
         """Trim each archived stream to its limits, never past what is archived, what a
@@ -919,8 +834,8 @@ class AnalysisDriver(SupervisedActor):
                 row["generation"] = view.generation
             if q.copy is not None:
                 row["copy"] = q.copy.describe()
-            if name in self.copy_changes:
-                row["copy_change"] = self.copy_changes[name]
+            if name in self._copies.changes:
+                row["copy_change"] = self._copies.changes[name]
             if sq is not None:
                 with contextlib.suppress(Exception):
                     row.update(progress_summary(sq.lastProgress))

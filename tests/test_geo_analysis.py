@@ -35,7 +35,7 @@ from jobs.copies import (
     read_copy,
     record_copy,
 )
-from jobs.driver import archive_copy_error
+from jobs.copy_tracker import archive_copy_error
 from jobs.sink import results_by_query
 from jobs.specs import deadletter_query_name, decode_spec
 from runtime.config import Config, load
