@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from actors.collection.collector import HEADER_RESERVE, wire_overhead
+from actors.collection.ingest import HEADER_RESERVE, wire_overhead
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.nats import NatsServer, connect

@@ -1,8 +1,7 @@
 """HML: the raw events are in the group commit's batch before the stream's logic runs.
 
-Unit tests of `GroupCommitter.enqueue` and `Collector._log_and_process` with the log's
-flush and the logic faked (no Ray, no HTTP): the collector object is built without its
-`__init__`, which would start the data plane.
+Unit tests of `GroupCommitter.enqueue` and `IngestPath.log_and_process` with the log's
+flush and the logic faked (no Ray, no HTTP).
 """
 
 from __future__ import annotations
@@ -13,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from actors.collection.collector import Collector
 from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
+from actors.collection.handoff import BridgeHandoff
+from actors.collection.ingest import COUNTERS, IngestPath
+from runtime.config import validate
 from runtime.events import Event
 
 
@@ -48,26 +49,33 @@ class _Logic:
         return SimpleNamespace(kept=list(items), invalid=[], dropped=[])
 
 
-def _collector(
+def _ingest(
     *, fail: bool = False, max_pending: int = 100
-) -> tuple[Collector, _Log, _Logic, GroupCommitter[Any]]:
-    c = Collector.__new__(Collector)
-    c.mode = "hml"
+) -> tuple[IngestPath, _Log, _Logic, GroupCommitter[Any]]:
+    cfg = validate({"logging": {"mode": "hml"}, "streams": {"s": {"subjects": ["raw.s"]}}})
     log = _Log()
     committer: GroupCommitter[Any] = GroupCommitter(
         log, GroupCommitPolicy(1000, 1 << 20, 1.0), max_pending_events=max_pending
     )
+    counters = dict.fromkeys(COUNTERS, 0)
+    bridge = BridgeHandoff(["bridge-0"], namespace="test", logger_name="log", counters=counters)
+    ingest = IngestPath(
+        cfg,
+        logger=SimpleNamespace(name="log"),  # type: ignore[arg-type]
+        committer=committer,
+        bridge=bridge,
+        counters=counters,
+    )
     logic = _Logic(committer, fail)
-    c._committer = committer
-    c.logic = {"s": logic}  # type: ignore[dict-item]
-    return c, log, logic, committer
+    ingest.logic = {"s": logic}  # type: ignore[dict-item]
+    return ingest, log, logic, committer
 
 
 @pytest.mark.unit
 async def test_hml_events_are_in_the_batch_before_the_logic_runs() -> None:
-    c, log, logic, committer = _collector()
+    ingest, log, logic, committer = _ingest()
     events = _events("a", 5)
-    out = await asyncio.wait_for(c._log_and_process(events), 10)
+    out = await asyncio.wait_for(ingest.log_and_process(events), 10)
     assert logic.seen_pending == [5]  # taken by the committer before the logic ran
     assert log.flushed == [[e.id for e in events]]  # and logged before the answer
     assert out == events and committer.pending_events == 0
@@ -76,10 +84,10 @@ async def test_hml_events_are_in_the_batch_before_the_logic_runs() -> None:
 
 @pytest.mark.unit
 async def test_hml_logic_error_still_logs_the_raw_events_then_raises() -> None:
-    c, log, logic, committer = _collector(fail=True)
+    ingest, log, logic, committer = _ingest(fail=True)
     events = _events("b", 3)
     with pytest.raises(RuntimeError, match="logic broke"):
-        await asyncio.wait_for(c._log_and_process(events), 10)
+        await asyncio.wait_for(ingest.log_and_process(events), 10)
     assert log.flushed == [[e.id for e in events]]  # the raise came after the log write
     assert committer.pending_events == 0
     await committer.aclose()
@@ -87,9 +95,9 @@ async def test_hml_logic_error_still_logs_the_raw_events_then_raises() -> None:
 
 @pytest.mark.unit
 async def test_hml_overload_refuses_before_the_logic_and_takes_nothing() -> None:
-    c, log, logic, committer = _collector(max_pending=4)
+    ingest, log, logic, committer = _ingest(max_pending=4)
     with pytest.raises(Overloaded):
-        await c._log_and_process(_events("c", 5))
+        await ingest.log_and_process(_events("c", 5))
     assert logic.seen_pending == [] and committer.pending_events == 0
     await committer.aclose()
     assert log.flushed == []
