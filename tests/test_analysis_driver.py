@@ -238,7 +238,7 @@ def test_the_demo_panels_do_not_start_their_batches_together() -> None:
 
 @pytest.mark.unit
 def test_progress_timestamps_read_as_epoch_seconds() -> None:
-    from jobs.driver import _epoch_s
+    from jobs.driver_status import epoch_s as _epoch_s
 
     assert _epoch_s("2026-11-24T06:07:11.500Z") == 1795500431.5
     assert _epoch_s(None) == 0.0 and _epoch_s("") == 0.0

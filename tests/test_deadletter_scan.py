@@ -1,7 +1,7 @@
 """The driver's dead-letter scan (jobs/deadletter_scan.py) against a real nats-server: a
 stranger's stream name, malformed events among valid ones read in several passes, a pass
 resent after a crash, events aged out before the scan, a missing stream; and where a scan
-starts after the Spark dead-letter query it replaces (jobs.driver.deadletter_position)."""
+starts after the Spark dead-letter query it replaces (jobs.deadletter_book.deadletter_position)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from jobs.deadletter_book import DeadLetterCount, deadletter_position
 from jobs.deadletter_scan import DeadLetterScan, next_range
-from jobs.driver import _DeadLetterCount, deadletter_position
 from jobs.jetstream_options import SeqRange
 from jobs.sink import SOURCE_SEQ_HEADER, BatchReport
 from runtime.nats_endpoint import NatsEndpoint
@@ -48,10 +48,10 @@ def test_the_scan_starts_where_its_record_or_the_replaced_spark_query_ended(
     for batch, seq in ((6, 120), (7, 150)):  # Spark's offset log: version, metadata, offset
         (ckpt / "offsets" / str(batch)).write_text(f'v1\n{{}}\n{{"seq": {seq}}}\n')
     (ckpt / "commits" / "6").write_text("v1\n{}\n")  # batch 7 ran, its commit never came
-    legacy = _DeadLetterCount(last_batch=6, total=3)  # the Spark query's record: no position
+    legacy = DeadLetterCount(last_batch=6, total=3)  # the Spark query's record: no position
     assert deadletter_position(legacy, ckpt) == 120  # batch 7 is read again
     assert deadletter_position(None, ckpt) == 120
-    assert deadletter_position(_DeadLetterCount(6, 3, next_seq=400), ckpt) == 400
+    assert deadletter_position(DeadLetterCount(6, 3, next_seq=400), ckpt) == 400
 
 
 @pytest.fixture(scope="module")
