@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,44 +62,56 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 QUIET_PORTS_FROM = 20000  # ports below the kernel's ephemeral range, from here up
 PORT_TRIES = 200
 
-
+# "LOW-HIGH" (inclusive): the ports this process and its children choose free ports from,
+# instead of `quiet_ports`. Processes that choose ports side by side on one machine give
+# each its own part, so two never choose the same port in the moment between choosing and
+# binding it (two collectors bind with SO_REUSEPORT: such a pair would both bind and share
+# the port's traffic). Not a config key (runtime/config.py NOT_CONFIG_KEYS).
 PORT_SLICE_ENV = "TIERFLOW_PORT_SLICE"
 
 
-def quiet_ports(range_file: Path = EPHEMERAL_RANGE, slice_spec: str | None = None) -> range:
+def quiet_ports(range_file: Path = EPHEMERAL_RANGE) -> range:
     """Ports below the kernel's ephemeral range: a port chosen there stays free until its
     server binds it, where one the kernel handed out (bind to port 0) may go to any
     outgoing connection first (a collector failed to bind that way in a fresh `make
-    test`). Empty when the range is unknown or starts too low to leave any.
-
-    `slice_spec` ``"i/n"`` (default: ``$TIERFLOW_PORT_SLICE``) keeps the i-th of n equal
-    parts: processes that choose ports side by side (make test's pytest workers) then never
-    choose the same one in the moment between choosing and binding it. Two collectors
-    bind with SO_REUSEPORT, so such a pair would both bind and share the port's traffic."""
+    test`). Empty when the range is unknown or starts too low to leave any."""
     try:
         low = int(range_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return range(0)
-    ports = range(QUIET_PORTS_FROM, max(QUIET_PORTS_FROM, low))
-    spec = os.environ.get(PORT_SLICE_ENV, "") if slice_spec is None else slice_spec
+    return range(QUIET_PORTS_FROM, max(QUIET_PORTS_FROM, low))
+
+
+def parse_port_range(spec: str) -> range | None:
+    """``"LOW-HIGH"`` (inclusive, 1 <= LOW <= HIGH <= 65535) as a range; None otherwise."""
     try:
-        i, n = (int(x) for x in spec.split("/"))
+        low, high = (int(x) for x in spec.split("-"))
     except ValueError:
-        return ports
-    if not 0 <= i < n or len(ports) < n:
-        return ports
-    step = len(ports) // n
-    return range(ports.start + i * step, ports.start + (i + 1) * step)
+        return None
+    return range(low, high + 1) if 1 <= low <= high <= 65535 else None
+
+
+def configured_ports(environ: Mapping[str, str] | None = None) -> range | None:
+    """The ports `$TIERFLOW_PORT_SLICE` gives this process to choose from (None: unset or
+    not a range)."""
+    env = os.environ if environ is None else environ
+    return parse_port_range(env.get(PORT_SLICE_ENV, ""))
+
+
+def port_range() -> range:
+    """Where free ports are chosen: the configured range, else `quiet_ports`."""
+    configured = configured_ports()
+    return quiet_ports() if configured is None else configured
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free a moment ago, below the ephemeral range when the kernel
-    leaves room (`quiet_ports`), else the kernel's choice; all sockets are held open until
-    every port is chosen."""
+    """`n` distinct ports free a moment ago, from `port_range` (the configured range, else
+    below the ephemeral range) when it leaves room, else the kernel's choice; all sockets
+    are held open until every port is chosen."""
     import random
 
     socks: list[socket.socket] = []
-    quiet = quiet_ports()
+    quiet = port_range()
     try:
         for _ in range(min(PORT_TRIES, len(quiet))):
             if len(socks) == n:
@@ -117,6 +131,68 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# --------------------------------------------------------------------------- taken ports
+
+# a port chosen free may be taken by another process before the server binds it: every
+# start that chose its ports chooses the taken one again, at most this many starts in all
+PORT_ATTEMPTS = 5
+# nats-server's fatal bind error names the address, whichever listener it was (client,
+# monitor, cluster, leafnode, gateway): `listen tcp 127.0.0.1:4222: bind: address already in use`
+_TAKEN_RE = re.compile(r"listen tcp \S*?:(\d+): bind: " + re.escape(PORT_TAKEN))
+
+PortChooser = Callable[[int, str], list[int]]
+
+
+def taken_ports(output: str) -> list[int]:
+    """The ports a nats-server's output says it could not bind (another process holds
+    them), in order, each once."""
+    return list(dict.fromkeys(int(p) for p in _TAKEN_RE.findall(output)))
+
+
+def choose_ports(
+    n: int, host: str, avoid: Collection[int] = (), chooser: PortChooser | None = None
+) -> list[int]:
+    """`n` ports free a moment ago (`chooser`, default `free_ports`), none of `avoid` (ports
+    a group of servers already uses but has not bound yet)."""
+    if n == 0:
+        return []
+    choose = chooser or free_ports
+    ports = [p for p in choose(n + len(avoid), host) if p not in avoid]
+    if len(ports) < n:
+        raise NatsServerError(f"no {n} free port(s) on {host} besides {sorted(avoid)}")
+    return ports[:n]
+
+
+def move_ports(
+    servers: Sequence[NatsServer],
+    taken: Sequence[int],
+    host: str,
+    chooser: PortChooser | None = None,
+) -> dict[int, int]:
+    """Give each `taken` port's listener a new port, and point every server of the group
+    (routes, leaf remotes) at the new one, so none dials a port another process holds;
+    returns old -> new. The servers must be stopped: the group starts again on them."""
+    used = set().union(*(s.addressed_ports() for s in servers))
+    fresh = choose_ports(len(taken), host, used | set(taken), chooser)
+    moved = dict(zip(taken, fresh, strict=True))
+    for s in servers:
+        for old, new in moved.items():
+            s._move_port(old, new)
+    return moved
+
+
+def port_taken_error(
+    what: str, taken: Sequence[int], starts: int, err: BaseException, why: str = ""
+) -> NatsServerError:
+    """The error of a start that gave up on a port another process holds: which port,
+    after how many starts, why no other was tried, and the server's output."""
+    ports = ", ".join(str(p) for p in taken)
+    because = f" ({why})" if why else ""
+    return NatsServerError(
+        f"{what}: port {ports} is taken ({PORT_TAKEN}) after {starts} start(s){because}\n{err}"
+    )
 
 
 def nats_server_binary() -> str:
@@ -202,11 +278,14 @@ class NatsServer:
     # the argv the server runs under, e.g. `ip netns exec <ns>`: a host of its own
     # (cluster/lab); that prefix execs the server, so the pid is the server's
     exec_prefix: list[str] = field(default_factory=list)
+    # chooses the ports left 0 here, (n, host) -> ports; default `free_ports`
+    port_chooser: PortChooser | None = field(default=None, repr=False, compare=False)
     _proc: subprocess.Popen[bytes] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     _log_offset: int = field(default=0, init=False, repr=False, compare=False)
-    # the ports this server chose itself (0 when made): chosen again if one was taken
+    # the ports this server chose itself (0 when made) and has not yet started on:
+    # chosen again if another process took one before the bind
     _chosen: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -251,19 +330,42 @@ class NatsServer:
             self.monitor_port == 0,
             bool(self.cluster_name) and not self.cluster_port,
         ]
-        new = iter(free_ports(sum(wanted), self.host))
+        given = {self.port, self.monitor_port, self.cluster_port} - {0}
+        new = iter(choose_ports(sum(wanted), self.host, given, self.port_chooser))
         for name, want in zip(("port", "monitor_port", "cluster_port"), wanted, strict=True):
             if want:
                 setattr(self, name, next(new))
                 self._chosen.add(name)
 
-    def _choose_ports_again(self) -> bool:
-        """Free the ports this server chose itself (another process bound one between the
-        choice and the bind); False when it chose none, so trying again cannot help."""
-        for name in self._chosen:
-            setattr(self, name, 0)
-        chosen, self._chosen = bool(self._chosen), set()
-        return chosen
+    def _choose_ports_again(self, taken: Sequence[int]) -> bool:
+        """Choose the `taken` ports again (another process bound them between the choice
+        and the bind); False when this server did not choose them itself (they were
+        given: trying another port is not its call)."""
+        names = [n for n in sorted(self._chosen) if getattr(self, n) in taken]
+        if not taken or len(names) < len(taken):
+            return False
+        avoid = {self.port, self.monitor_port, self.cluster_port, *taken}
+        for name, port in zip(
+            names, choose_ports(len(names), self.host, avoid, self.port_chooser), strict=True
+        ):
+            setattr(self, name, port)
+        return True
+
+    def addressed_ports(self) -> set[int]:
+        """Every port on `host` this server's config names: its listeners, its routes and
+        the ports of `extra_conf` (e.g. a leafnodes block's listen and remotes)."""
+        text = "\n".join([*self.routes, *self.extra_conf])
+        named = {int(p) for p in re.findall(rf"{re.escape(self.host)}:(\d+)", text)}
+        return named | ({self.port, self.monitor_port, self.cluster_port} - {0})
+
+    def _move_port(self, old: int, new: int) -> None:
+        """`old` becomes `new` wherever this server's config names it on `host`."""
+        for name in ("port", "monitor_port", "cluster_port"):
+            if getattr(self, name) == old:
+                setattr(self, name, new)
+        at = re.compile(rf"(?<![\w.]){re.escape(self.host)}:{old}(?!\d)")
+        self.routes = [at.sub(f"{self.host}:{new}", r) for r in self.routes]
+        self.extra_conf = [at.sub(f"{self.host}:{new}", line) for line in self.extra_conf]
 
     def config_text(self) -> str:
         """The nats.conf this server runs with (ports must already be resolved)."""
@@ -400,12 +502,14 @@ class NatsServer:
             self.stop()
             raise
 
-    def start(self, timeout: float = 20.0, port_attempts: int = 3) -> NatsServer:
+    def start(self, timeout: float = 20.0, port_attempts: int = PORT_ATTEMPTS) -> NatsServer:
         """Write nats.conf, spawn, wait for the ready log line and healthz. Idempotent.
 
         Ports are chosen free and bound a moment later by the server: when another process
-        took one in between, ports this server chose itself are chosen again, up to
-        `port_attempts` starts in all."""
+        took one in between (the server says which and exits), that port is chosen again,
+        up to `port_attempts` starts in all, if this server chose it itself on this first
+        start. A port it was given, or one it already ran on (clients know it), is not
+        replaced: the error names it, with the server's output."""
         if self.running:
             return self
         deadline = time.monotonic() + timeout
@@ -413,12 +517,17 @@ class NatsServer:
             self._spawn()
             try:
                 self._wait_ready(deadline)
-                return self
             except NatsServerError as err:
-                taken = PORT_TAKEN in str(err)
-                if not (taken and attempt < port_attempts and self._choose_ports_again()):
+                taken = taken_ports(str(err))
+                if not taken:
                     raise
-                _log.info("nats-server %s: a port was taken; starting on new ports", self.url)
+                if attempt < port_attempts and self._choose_ports_again(taken):
+                    _log.info("nats-server: port %s taken; starting on new ports", taken)
+                    continue
+                why = "" if attempt == port_attempts else "given, or served on before: kept"
+                raise port_taken_error(f"nats-server {self.url}", taken, attempt, err, why) from err
+            self._chosen.clear()  # clients know these ports now: a restart comes back on them
+            return self
         raise AssertionError("unreachable")
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -466,7 +575,11 @@ class NatsCluster:
     cluster_name: str = "tierflow"
     sync_interval: str = "always"
     host: str = "127.0.0.1"
+    # chooses the nodes' ports, (n, host) -> ports; default `free_ports`
+    port_chooser: PortChooser | None = field(default=None, repr=False, compare=False)
     servers: list[NatsServer] = field(default_factory=list, init=False)
+    # True once the cluster ran: its ports are known to clients and to each other
+    _started: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.base_dir = Path(self.base_dir)
@@ -490,7 +603,7 @@ class NatsCluster:
         raise KeyError(name)
 
     def _build(self) -> None:
-        ports = free_ports(3 * self.nodes, self.host)
+        ports = choose_ports(3 * self.nodes, self.host, chooser=self.port_chooser)
         cluster_ports = ports[2 * self.nodes :]
         for i in range(self.nodes):
             routes = [
@@ -523,11 +636,31 @@ class NatsCluster:
             leaders.add(meta["leader"])
         return leaders.pop() if len(leaders) == 1 else None
 
-    def start(self, timeout: float = 30.0) -> NatsCluster:
-        """Start every node, wait for healthz on each and an agreed JetStream meta leader."""
+    def start(self, timeout: float = 30.0, port_attempts: int = PORT_ATTEMPTS) -> NatsCluster:
+        """Start every node, wait for healthz on each and an agreed JetStream meta leader.
+
+        On the first start, a port another process took between its choice and the bind
+        is chosen again (`move_ports`: the node's listener and every peer's route to it),
+        and the whole cluster starts again, up to `port_attempts` starts in all; later
+        starts keep their ports."""
         if not self.servers:
             self._build()
         deadline = time.monotonic() + timeout
+        for attempt in range(1, port_attempts + 1):
+            try:
+                return self._start_once(deadline, timeout)
+            except NatsServerError as err:  # every node is stopped
+                taken = taken_ports(str(err))
+                if not taken:
+                    raise
+                if self._started or attempt == port_attempts:
+                    why = "" if not self._started else "the cluster ran on it before: kept"
+                    raise port_taken_error("nats cluster", taken, attempt, err, why) from err
+                moved = move_ports(self.servers, taken, self.host, self.port_chooser)
+                _log.info("nats cluster: ports taken; starting again with %s", moved)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, deadline: float, timeout: float) -> NatsCluster:
         try:
             for s in self.servers:
                 s._spawn()
@@ -549,6 +682,7 @@ class NatsCluster:
         except BaseException:
             self.stop()
             raise
+        self._started = True
         return self
 
     def stop(self) -> None:
@@ -572,7 +706,9 @@ __all__ = [
     "free_port",
     "free_ports",
     "js_publish",
+    "move_ports",
     "nats_server_binary",
     "publish",
     "raise_swallowed_cancel",
+    "taken_ports",
 ]

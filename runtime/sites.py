@@ -33,7 +33,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.nats import NatsServer, NatsServerError, _conf_str, free_ports
+from runtime.nats import (
+    PORT_ATTEMPTS,
+    NatsServer,
+    NatsServerError,
+    PortChooser,
+    _conf_str,
+    configured_ports,
+    free_ports,
+    move_ports,
+    port_taken_error,
+    taken_ports,
+)
 from runtime.waiting import poll
 
 if TYPE_CHECKING:
@@ -66,12 +77,15 @@ def stable_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> li
     inside the ephemeral range can be given that very port as its own source port (a TCP
     self-connect), which then holds it: the restart fails with "address already in use"
     (seen in the site-loss scenario). Ports outside the range are never handed out that way.
+    A configured range (`$TIERFLOW_PORT_SLICE`, runtime/nats.py) is used instead.
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     floor = max(1024, low - 16384)
+    if (configured := configured_ports()) is not None:
+        floor, low = configured.start, configured.stop
     rng = random.Random(seed)
     held: list[socket.socket] = []
     try:
@@ -250,7 +264,13 @@ class NatsSites:
     auth: LeafAuth | None = field(default_factory=LeafAuth)
     tls: TlsFiles | None = None
     server_opts: dict[str, Any] = field(default_factory=dict, repr=False)
+    # chooses every port of every site, (n, host) -> ports; default `stable_ports`
+    port_chooser: PortChooser | None = field(default=None, repr=False, compare=False)
     members: list[Site] = field(default_factory=list, init=False)
+    # True once the sites ran: their ports are known to clients and to each other
+    _started: bool = field(default=False, init=False, repr=False, compare=False)
+    # ports something outside dials on our behalf (`route_leafs_via`'s proxies): kept
+    _pinned: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.base_dir = Path(self.base_dir)
@@ -288,7 +308,7 @@ class NatsSites:
         hub_leaf: list[int] = []
         # every port of every site in one call: chosen per site, a later site could be
         # handed a port an earlier one chose but has not bound yet
-        every = stable_ports(4 * n * self.sites, self.host)
+        every = (self.port_chooser or stable_ports)(4 * n * self.sites, self.host)
         for i, name in enumerate(site_names(self.sites)):
             ports = every[4 * n * i : 4 * n * (i + 1)]
             client, monitor, route, leaf = (ports[k * n : (k + 1) * n] for k in range(4))
@@ -326,22 +346,49 @@ class NatsSites:
         """Make the other sites dial the hub through these host:port (e.g. fault proxies
         in front of `members[0].leaf_ports`) instead of directly; before `start`."""
         self.plan()
+        self._pinned.update(self.members[0].leaf_ports)  # the proxies forward to these
         for site in self.members[1:]:
             for s, port in zip(site.servers, site.leaf_ports, strict=True):
                 s.extra_conf = self._leaf(port, hub_addresses)
 
-    def start(self, timeout: float = 40.0) -> NatsSites:
+    def start(self, timeout: float = 40.0, port_attempts: int = PORT_ATTEMPTS) -> NatsSites:
         """Start every site and wait until each has a JetStream meta leader and the leaf
-        connections are up."""
+        connections are up.
+
+        On the first start, a port another process took between its choice and the bind
+        is chosen again (`move_ports`: the listener, and every route and leaf remote that
+        dials it, in every site) and all the sites start again, up to `port_attempts`
+        starts in all. Ports they ran on before, and the hub's leaf ports behind
+        `route_leafs_via`, are kept: the error names the port."""
         self.plan()
-        try:
-            for site in self.members:
-                self.start_site(site.name, timeout, wait_leaf=False)
-            self.wait_leafs(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, port_attempts + 1):
+            try:
+                for site in self.members:
+                    self.start_site(site.name, timeout, wait_leaf=False)
+                self.wait_leafs(timeout)
+            except NatsServerError as err:
+                self.stop()
+                taken = taken_ports(str(err))
+                if not taken:
+                    raise
+                kept = self._started or bool(self._pinned.intersection(taken))
+                if kept or attempt == port_attempts:
+                    why = "served on before, or dialled through a proxy: kept" if kept else ""
+                    raise port_taken_error("nats sites", taken, attempt, err, why) from err
+                self._move_ports(taken)
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            self._started = True
+            return self
+        raise AssertionError("unreachable")
+
+    def _move_ports(self, taken: list[int]) -> None:
+        servers = [s for site in self.members for s in site.servers]
+        moved = move_ports(servers, taken, self.host, self.port_chooser or stable_ports)
+        for site in self.members:
+            site.leaf_ports = [moved.get(p, p) for p in site.leaf_ports]
 
     def start_site(self, name: str, timeout: float = 40.0, wait_leaf: bool = True) -> Site:
         """(Re)start one site's servers on their old ports and stores; wait for its meta

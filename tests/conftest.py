@@ -17,19 +17,27 @@ from typing import Any
 import pytest
 
 from runtime.config import Config, load
-from runtime.nats import PORT_SLICE_ENV, NatsServer
+from runtime.nats import PORT_SLICE_ENV, NatsServer, quiet_ports
 from runtime.services import local_ray, spark_session
 from tests.ordering import costliest_first, load_costs, module_of
 from tests.support import NatsFactory
 
 
-def _port_slice(environ: dict[str, str]) -> str | None:
+def _port_slice(environ: dict[str, str], ports: range | None = None) -> str | None:
     """This pytest-xdist worker's share of the free-port range (runtime/nats.py
-    `quiet_ports`), e.g. "1/2" for gw1 of two; None outside xdist."""
+    `quiet_ports` unless `ports`) as `$TIERFLOW_PORT_SLICE` takes it, "LOW-HIGH": the i-th
+    of n equal parts for gw<i> of n, so two workers never choose the same port in the
+    moment between choosing and binding it. None outside xdist, or with no room to share."""
     worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker.startswith("gw") or not count:
         return None
-    return f"{int(worker[2:])}/{int(count)}"
+    i, n = int(worker[2:]), int(count)
+    ports = quiet_ports() if ports is None else ports
+    if not 0 <= i < n or len(ports) < n:
+        return None
+    step = len(ports) // n
+    low = ports.start + i * step
+    return f"{low}-{low + step - 1}"
 
 
 # Set at import, before any fixture picks a port: every process a test starts (Ray, the

@@ -71,9 +71,12 @@ class FakeGateway:
         self.acks: list[int] = []
         self.slow_downs: list[float] = []
         self.sockets: set[web.WebSocketResponse] = set()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # bound by start: the kernel's choice, so no other process can take it
         self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> FakeGateway:
         app = web.Application()
@@ -81,6 +84,7 @@ class FakeGateway:
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.port = self._runner.addresses[0][1]
         return self
 
     async def stop(self) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import string
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from runtime.nats import connect, free_ports, nats_server_binary
+from runtime.nats import PORT_ATTEMPTS, connect, free_ports, nats_server_binary, taken_ports
 from runtime.waiting import await_until, wait_until
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
@@ -121,18 +122,17 @@ def stop_pids(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(5)
 
 
-@pytest.fixture
-def nats_trio(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Three nats-server processes, each from cluster/nats-cluster.conf rendered for it."""
-    template = (CLUSTER / "nats-cluster.conf").read_text()
+def _spawn_trio(template: str, base: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """Three nats-servers from the template on 9 ports chosen now (client, monitor, route
+    ports, 3 each), in `base`/n1..n3; returns the processes and the ports."""
     ports = free_ports(9)
     client, monitor, route = ports[0:3], ports[3:6], ports[6:9]
     routes = {f"NATS_ROUTE_{i + 1}": f"127.0.0.1:{p}" for i, p in enumerate(route)}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(3):
-            node = tmp_path / f"n{i + 1}"
-            node.mkdir()
+            node = base / f"n{i + 1}"
+            node.mkdir(parents=True)
             conf = node / "nats.conf"
             conf.write_text(
                 render_nats(
@@ -160,18 +160,48 @@ def nats_trio(tmp_path: Path) -> Iterator[dict[str, Any]]:
                         start_new_session=True,
                     )
                 )
+    except BaseException:
+        stop_pids(procs)
+        raise
+    return procs, ports
 
-        def meta_ready() -> bool:
-            for p in procs:
-                assert p.poll() is None, "a nats-server exited while starting"
-            metas = [
-                (http_json(f"http://127.0.0.1:{m}/jsz") or {}).get("meta_cluster") for m in monitor
-            ]
-            leaders = {m.get("leader") for m in metas if m and m.get("cluster_size") == 3}
-            return len([m for m in metas if m]) == 3 and len(leaders) == 1 and None not in leaders
 
-        wait_until(meta_ready, 45.0, 0.1, "a JetStream meta leader agreed by all 3 nodes")
-        yield {"procs": procs, "urls": [f"nats://127.0.0.1:{p}" for p in client], "dir": tmp_path}
+@pytest.fixture
+def nats_trio(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Three nats-server processes, each from cluster/nats-cluster.conf rendered for it.
+
+    Their ports are chosen free and bound a moment later: when another process took one
+    in between (a node says so and exits), the three start again on new ports, as
+    `NatsCluster` does, at most `PORT_ATTEMPTS` times."""
+    template = (CLUSTER / "nats-cluster.conf").read_text()
+
+    def meta_ready(procs: list[subprocess.Popen[bytes]], monitor: list[int]) -> bool:
+        for p in procs:
+            assert p.poll() is None, "a nats-server exited while starting"
+        metas = [
+            (http_json(f"http://127.0.0.1:{m}/jsz") or {}).get("meta_cluster") for m in monitor
+        ]
+        leaders = {m.get("leader") for m in metas if m and m.get("cluster_size") == 3}
+        return len([m for m in metas if m]) == 3 and len(leaders) == 1 and None not in leaders
+
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        base = tmp_path / f"start-{attempt}"
+        procs, ports = _spawn_trio(template, base)
+        try:
+            wait_until(
+                lambda procs=procs, monitor=ports[3:6]: meta_ready(procs, monitor),
+                45.0,
+                0.1,
+                "a JetStream meta leader agreed by all 3 nodes",
+            )
+            break
+        except BaseException:
+            stop_pids(procs)
+            out = "".join(log.read_text("utf-8", "replace") for log in base.glob("n*/nats.log"))
+            if not (taken_ports(out) and attempt < PORT_ATTEMPTS):
+                raise
+    try:
+        yield {"procs": procs, "urls": [f"nats://127.0.0.1:{p}" for p in ports[0:3]]}
     finally:
         stop_pids(procs)
 
@@ -265,21 +295,28 @@ def test_spark_defaults_fit_two_core_workers() -> None:
 @pytest.mark.timeout(240)
 def test_spark_defaults_drive_a_real_standalone_master_and_worker(tmp_path: Path) -> None:
     """Start the master and a worker the way the YAML does (spark-daemon.sh from the pyspark
-    wheel), on loopback; a session that names no master finds it in spark-defaults.conf."""
+    wheel), on loopback; a session that names no master finds it in spark-defaults.conf.
+
+    Spark binds the next port up when the one it was given is taken (`spark.port.maxRetries`):
+    the worker and the session are given the ports the master's log says it bound."""
     import pyspark
 
     spark_home = Path(pyspark.__file__).parent
     master_port, master_ui, worker_ui = free_ports(3)
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
-    text = (CLUSTER / "spark-defaults.conf").read_text()
-    text = text.replace("spark://HEAD_IP:7077", f"spark://127.0.0.1:{master_port}")
-    text = text.replace("/home/ubuntu/tierflow-venv/bin/python", sys.executable)
-    text = text.replace("file:///mnt/shared/tierflow/spark-checkpoints", tmp_path.as_uri())
-    # test-only: the driver on loopback, and one executor core (the suite fits on 2 cores)
-    text += "\nspark.driver.host 127.0.0.1\nspark.driver.bindAddress 127.0.0.1\n"
-    text += "spark.cores.max 1\n"
-    (conf_dir / "spark-defaults.conf").write_text(text)
+
+    def write_conf(master_port: int) -> None:
+        text = (CLUSTER / "spark-defaults.conf").read_text()
+        text = text.replace("spark://HEAD_IP:7077", f"spark://127.0.0.1:{master_port}")
+        text = text.replace("/home/ubuntu/tierflow-venv/bin/python", sys.executable)
+        text = text.replace("file:///mnt/shared/tierflow/spark-checkpoints", tmp_path.as_uri())
+        # test-only: the driver on loopback, and one executor core (the suite fits on 2 cores)
+        text += "\nspark.driver.host 127.0.0.1\nspark.driver.bindAddress 127.0.0.1\n"
+        text += "spark.cores.max 1\n"
+        (conf_dir / "spark-defaults.conf").write_text(text)
+
+    write_conf(master_port)
     env = {
         **os.environ,
         "SPARK_HOME": str(spark_home),
@@ -296,6 +333,20 @@ def test_spark_defaults_drive_a_real_standalone_master_and_worker(tmp_path: Path
     def sh(*args: str) -> None:
         subprocess.run([daemon, *args], env=env, check=True, timeout=60, capture_output=True)
 
+    def master_bound(pattern: str, what: str) -> int:
+        """The port the master's log says it bound (`pattern`'s group)."""
+        found: list[int] = []
+
+        def logged() -> bool:
+            for log in (tmp_path / "logs").glob("*Master*.out"):
+                if m := re.search(pattern, log.read_text("utf-8", "replace")):
+                    found.append(int(m[1]))
+                    return True
+            return False
+
+        wait_until(logged, 60.0, 0.2, what)
+        return found[0]
+
     try:
         sh(
             "start",
@@ -308,6 +359,11 @@ def test_spark_defaults_drive_a_real_standalone_master_and_worker(tmp_path: Path
             "--webui-port",
             str(master_ui),
         )
+        master_port = master_bound(
+            r"Starting Spark master at spark://127\.0\.0\.1:(\d+)", "the master's port"
+        )
+        master_ui = master_bound(r"Bound MasterWebUI to \S+ and started at \S+:(\d+)", "its UI")
+        write_conf(master_port)  # the session finds the master where it is
         sh(
             "start",
             worker,

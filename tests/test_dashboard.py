@@ -27,7 +27,7 @@ from cluster.demo.rsvps import RsvpGenerator
 from jobs.event_time import iso_ms
 from jobs.sink import ResultSink
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect, free_port
+from runtime.nats import NatsServer, connect
 from runtime.services import ensure_streams
 
 CHROMIUM = "/usr/bin/chromium"
@@ -373,8 +373,8 @@ async def test_lag_warnings_and_drops_are_shown(browser: Any) -> None:
     app.router.add_get("/v1/ws", ws_handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()  # no port to lose between choice and bind
+    port = runner.addresses[0][1]
     try:
         async with open_page(browser, f"http://127.0.0.1:{port}/") as page:
             await page.wait_for_function(

@@ -28,7 +28,6 @@ from actors.access import websocket
 from actors.access.fanout import Feed, LagPolicy, Subscriber
 from actors.access.messages import MAX_SHAPES, StreamMessage
 from actors.access.websocket import EventFrames, WsSink, ws_frame
-from runtime.nats import free_port
 from runtime.query import compile_filter
 from runtime.waiting import await_until
 from tests.test_fanout import MemStream
@@ -74,8 +73,7 @@ class Server:
 async def serve(policy: LagPolicy | None = None, **feed_kw: Any) -> AsyncIterator[Server]:
     mem = MemStream()
     feed = Feed("s", mem.open, fetch_timeout_s=0.05, **feed_kw)
-    port = free_port()
-    srv = Server(feed, mem, f"http://127.0.0.1:{port}/ws")
+    srv = Server(feed, mem, "")  # its url once bound
 
     async def handler(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(compress=False, autoclose=False)
@@ -120,8 +118,9 @@ async def serve(policy: LagPolicy | None = None, **feed_kw: Any) -> AsyncIterato
     app.router.add_get("/ws", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", 0)  # no port to lose between choice and bind
     await site.start()
+    srv.url = f"http://127.0.0.1:{runner.addresses[0][1]}/ws"
     try:
         yield srv
     finally:

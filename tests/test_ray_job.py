@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.services import ray_cli
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
-from runtime.nats import NatsServer, connect, free_port
+from runtime.nats import PORT_ATTEMPTS, NatsServer, connect, free_port, free_ports
 from runtime.waiting import await_until, wait_until
 
 pytestmark = pytest.mark.slow
@@ -70,29 +71,59 @@ def _stop_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> list[i
     return [p.pid for p in alive]
 
 
+def _held(port: int) -> bool:
+    """Another process listens on `port` (binding it as a server would fails)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 class Head:
     def __init__(self) -> None:
         # short: Ray's AF_UNIX socket paths under it must stay under 108 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="tfj", dir="/tmp")
-        self.dashboard_port = free_port()
-        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.dashboard_port = 0
+        self.dashboard = ""
 
     def start(self) -> None:
-        out = _ray(
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            f"--port={free_port()}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            "--num-cpus=2",
-            f"--temp-dir={self.temp_dir}",
-            "--include-dashboard=true",
-            "--disable-usage-stats",
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        """`ray start --head` on ports chosen now. Another process may take one before
+        Ray binds it (Ray refuses a taken dashboard port; the GCS fails on its own): then
+        this head's processes are stopped and it starts again on new ports, at most
+        `PORT_ATTEMPTS` times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            gcs, self.dashboard_port, client, agent = ports = free_ports(4)
+            self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+            out = _ray(
+                "start",
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={gcs}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+                f"--ray-client-server-port={client}",
+                f"--dashboard-agent-listen-port={agent}",
+                "--num-cpus=2",
+                f"--temp-dir={self.temp_dir}",
+                "--include-dashboard=true",
+                "--disable-usage-stats",
+            )
+            if out.returncode == 0:
+                return
+            left = self.stop()
+            assert not left, f"processes of a failed Ray head outlived SIGKILL: {left}"
+            text = out.stdout + out.stderr
+            taken = [p for p in ports if _held(p)]
+            said = "already occupied" in text or "address already in use" in text.lower()
+            if not ((taken or said) and attempt < PORT_ATTEMPTS):
+                raise AssertionError(
+                    f"ray start failed (ports {ports}, taken by another process: {taken}):\n"
+                    + out.stdout[-3000:]
+                    + out.stderr[-3000:]
+                )
 
     def stop(self) -> list[int]:
         return _stop_processes(_head_processes(self.temp_dir))
