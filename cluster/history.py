@@ -19,6 +19,7 @@ from jobs.copies import CopyError, acurrent_copy, current_copy, read_copy
 from jobs.sql import SqlResult, StreamTable, run_sql, tables_for
 from runtime import runstate
 from runtime.config import Config
+from runtime.errors import TierflowError
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import check_select
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["NoNats", "archive_rows", "archive_status", "endpoint", "query", "sql_tables"]
 
 
-class NoNats(RuntimeError):
+class NoNats(TierflowError, RuntimeError):
     """No NATS to read from: neither `nats.url` nor a running tierflow names one."""
 
 

@@ -62,6 +62,7 @@ from jobs.checkpoints import committed
 from jobs.copies import CopyId, current_copy, read_copy
 from runtime.clock import now_ms
 from runtime.config import Config
+from runtime.errors import TierflowError
 from runtime.files import write_atomic
 from runtime.nats import NatsEndpoint
 
@@ -105,7 +106,7 @@ SINK_LOG = "_spark_metadata"
 SITE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-class ArchiveOwnerError(RuntimeError):
+class ArchiveOwnerError(TierflowError, RuntimeError):
     """The archive's directory is not its checkpoint's to write; the message names the
     directory, its owner, and what to do."""
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from runtime.errors import TierflowError
 from runtime.files import write_atomic
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ DEADLETTER = "deadletter"
 API_TIMEOUT_S = 5.0
 
 
-class CopyError(RuntimeError):
+class CopyError(TierflowError, RuntimeError):
     """The copy a position belongs to cannot be read or does not match; the message says why
     and what to do."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from runtime.errors import TierflowError
 
-class JobError(ValueError):
+
+class JobError(TierflowError, ValueError):
     """A job spec or a JSON path is invalid; the message names the field and the fix."""

@@ -74,8 +74,8 @@ from jobs.jetstream_options import (
     SCHEMA_DDL,
     AgedOutError,
     Bounds,
+    JetStreamSourceError,
     SeqRange,
-    SourceError,
     SourceOptions,
     make_offset,
     next_offset,
@@ -275,7 +275,7 @@ class JetStreamDataSource(DataSource):
 
     def _opts(self, given: StructType) -> SourceOptions:
         if given != schema():
-            raise SourceError(
+            raise JetStreamSourceError(
                 f"jetstream source: the schema is fixed ({SCHEMA_DDL}); do not pass another"
             )
         return SourceOptions.parse(self.options)

@@ -17,6 +17,8 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows, ReadMinRows
 from pyspark.sql.types import StructType
 
+from runtime.errors import TierflowError
+
 
 def _nats_without_aiohttp() -> None:
     """Import nats-py without aiohttp in a process that has imported neither yet.
@@ -81,11 +83,12 @@ AGED_OUT_MODES = ("fail", "skip")
 VALIDATE_MODES = ("json", "utf8", "none")
 
 
-class SourceError(RuntimeError):
-    """The jetstream source was misconfigured or could not read; the message says which."""
+class JetStreamSourceError(TierflowError, RuntimeError):
+    """A Spark job's JetStream source was misconfigured or could not read; the message says
+    which."""
 
 
-class AgedOutError(SourceError):
+class AgedOutError(JetStreamSourceError):
     """The start sequence is below the stream's first sequence: those events are gone."""
 
     def __init__(self, stream: str, requested: int, first: int) -> None:
@@ -147,24 +150,26 @@ class SourceOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
         if not options.get("url"):
-            raise SourceError("jetstream source: option 'url' (the NATS server URL) is required")
+            raise JetStreamSourceError(
+                "jetstream source: option 'url' (the NATS server URL) is required"
+            )
         stream = options.get("stream")
         if not stream:
-            raise SourceError("jetstream source: option 'stream' is required")
+            raise JetStreamSourceError("jetstream source: option 'stream' is required")
         subjects = tuple(s.strip() for s in (options.get("subject") or "").split(",") if s.strip())
         on_aged_out = (options.get("onAgedOut") or "fail").lower()
         if on_aged_out not in AGED_OUT_MODES:
-            raise SourceError(
+            raise JetStreamSourceError(
                 f"jetstream source: onAgedOut must be fail or skip, not {on_aged_out!r}"
             )
         validate = (options.get("validate") or "json").lower()
         if validate not in VALIDATE_MODES:
-            raise SourceError(
+            raise JetStreamSourceError(
                 f"jetstream source: validate must be one of {VALIDATE_MODES}, not {validate!r}"
             )
         invalid_only = _flag(options, "invalidOnly")
         if invalid_only and validate == "none":
-            raise SourceError(
+            raise JetStreamSourceError(
                 "jetstream source: invalidOnly needs validate json or utf8 (with none no "
                 "event is malformed)"
             )
@@ -200,7 +205,9 @@ def _flag(options: Mapping[str, str], key: str) -> bool:
     raw = (options.get(key) or "false").strip().lower()
     if raw in ("true", "false"):
         return raw == "true"
-    raise SourceError(f"jetstream source: option {key!r} must be true or false, not {raw!r}")
+    raise JetStreamSourceError(
+        f"jetstream source: option {key!r} must be true or false, not {raw!r}"
+    )
 
 
 def _positive_int(options: Mapping[str, str], key: str, default: int) -> int:
@@ -212,7 +219,7 @@ def _positive_int(options: Mapping[str, str], key: str, default: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise SourceError(
+        raise JetStreamSourceError(
             f"jetstream source: option {key!r} must be a positive integer, not {raw!r}"
         )
     return value
@@ -227,7 +234,7 @@ def _positive_float(options: Mapping[str, str], key: str, default: float) -> flo
     except ValueError:
         value = 0.0
     if value <= 0:
-        raise SourceError(
+        raise JetStreamSourceError(
             f"jetstream source: option {key!r} must be a positive number, not {raw!r}"
         )
     return value
@@ -237,7 +244,7 @@ def _offset_spec(options: Mapping[str, str], key: str, default: str) -> str:
     raw = (options.get(key) or default).strip().lower()
     if raw in ("earliest", "latest") or (raw.isdigit() and int(raw) >= 1):
         return raw
-    raise SourceError(
+    raise JetStreamSourceError(
         f"jetstream source: option {key!r} must be earliest, latest or a stream sequence >= 1, "
         f"not {raw!r}"
     )
@@ -378,8 +385,8 @@ __all__ = [
     "SCHEMA_DDL",
     "AgedOutError",
     "Bounds",
+    "JetStreamSourceError",
     "SeqRange",
-    "SourceError",
     "SourceOptions",
     "make_offset",
     "websocket_ready",

@@ -37,8 +37,8 @@ from jobs.jetstream_options import (
     DEFAULT_TIMEOUT,
     AgedOutError,
     Bounds,
+    JetStreamSourceError,
     SeqRange,
-    SourceError,
     SourceOptions,
     only_compaction,
     pull_max_bytes,
@@ -72,11 +72,13 @@ T = TypeVar("T")
 
 
 def _run(lt: LoopThread, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-    """`coro` on the source's loop thread, for sync Spark code; SourceError on timeout."""
+    """`coro` on the source's loop thread, for sync Spark code; JetStreamSourceError on timeout."""
     try:
         return lt.run_sync(coro, timeout)
     except TimeoutError as err:
-        raise SourceError(f"jetstream source: NATS call timed out after {timeout} s") from err
+        raise JetStreamSourceError(
+            f"jetstream source: NATS call timed out after {timeout} s"
+        ) from err
 
 
 class StreamControl:
@@ -113,13 +115,14 @@ class StreamControl:
 
 
 async def stream_bounds(nc: Client, stream: str, timeout: float = DEFAULT_TIMEOUT) -> Bounds:
-    """The stream's first and last sequence; SourceError naming the stream when it is missing."""
+    """The stream's first and last sequence; JetStreamSourceError naming the stream when it
+    is missing."""
     from nats.js.errors import NotFoundError
 
     try:
         info = await nc.jetstream(timeout=timeout).stream_info(stream)
     except NotFoundError as err:
-        raise SourceError(f"jetstream source: stream {stream!r} does not exist") from err
+        raise JetStreamSourceError(f"jetstream source: stream {stream!r} does not exist") from err
     c = info.config
     compacted = only_compaction(
         c.max_msgs_per_subject,
@@ -239,7 +242,7 @@ def close_shared_clients() -> None:
     for shared in clients:
         try:
             _run(proc.loop, shared.close(), 10.0)
-        except SourceError as err:
+        except JetStreamSourceError as err:
             log.debug("jetstream source: close: %r", err)
 
 
@@ -258,7 +261,7 @@ def _parse_reply(reply: str) -> tuple[int, int, int]:
             return int(t[7]), int(t[9]), int(t[10])
     except ValueError:
         pass
-    raise SourceError(f"jetstream source: unexpected delivery reply subject {reply!r}")
+    raise JetStreamSourceError(f"jetstream source: unexpected delivery reply subject {reply!r}")
 
 
 class Chunk:
@@ -524,7 +527,7 @@ class _RangeFetcher:
             # the pull's byte cap ended it before its first event, too big for it alone:
             # ask for that event alone, uncapped (answered with it, or with no messages)
             if tries == 3:
-                raise SourceError(
+                raise JetStreamSourceError(
                     f"jetstream source: reading stream {self._opts.stream!r} from sequence "
                     f"{self._next_seq}: pulls end before their first event"
                 )
@@ -555,7 +558,7 @@ class _RangeFetcher:
         if left is None or left >= self._part.end:
             return False
         if self._restarts_left <= 0:
-            raise SourceError(
+            raise JetStreamSourceError(
                 f"jetstream source: reading stream {self._opts.stream!r}: its consumers end "
                 f"at sequence {self._next_seq - 1}, the stream's leader holds {left} in the "
                 f"range up to {self._part.end - 1}"
@@ -608,7 +611,7 @@ class _RangeFetcher:
             if self._finished:
                 break
             if self._restarts_left <= 0:
-                raise SourceError(
+                raise JetStreamSourceError(
                     f"jetstream source: reading stream {self._opts.stream!r} from sequence "
                     f"{self._next_seq}: {problem}"
                 )

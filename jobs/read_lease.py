@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.errors import TierflowError
 from runtime.files import write_atomic
 
 __all__ = [
@@ -53,7 +54,7 @@ TTL_S = 60.0
 FORGET_AFTER_S = 600.0  # an expired lease's file is deleted this long after its expiry
 
 
-class HistoryGap(RuntimeError):
+class HistoryGap(TierflowError, RuntimeError):
     """Events a reader was to read from the live tail were purged before it read them: its
     answer would be short, so there is none. Running it again reads them from the archive."""
 

@@ -21,7 +21,7 @@ any older generation's run and batch.
 
 A warm pair of drivers (jobs/standby.py) installs its lease as the process's write fence
 (`set_fence`): every write (a batch's results, each KV put, dead letters, retired keys) is
-refused with `Fenced` unless the lease is fresh (renewed well within its TTL: no I/O), so
+refused with `LeaseFenced` unless the lease is fresh (renewed well within its TTL: no I/O), so
 a driver that was paused or cut off past its lease writes nothing once it runs again, and
 its query fails instead. Results and KV values then carry the lease's epoch
 (``Tierflow-Epoch``), and a KV value of a newer epoch than the sink's own fails the put
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
+from runtime.errors import FencedError, TierflowError
 from runtime.loop_thread import LoopThread
 from runtime.nats import NatsEndpoint, js_publish
 from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
@@ -91,12 +92,14 @@ _encoder = msgspec.json.Encoder(enc_hook=str)
 T = TypeVar("T")
 
 
-class SinkError(RuntimeError):
+class SinkError(TierflowError, RuntimeError):
     """Results could not be made durable; the batch must fail (and be replayed)."""
 
 
-class Fenced(SinkError):
-    """This process no longer holds (or cannot show it holds) the lease its writes need."""
+class LeaseFenced(FencedError, SinkError):
+    """This process no longer holds (or cannot show it holds) the lease its writes need.
+
+    A `FencedError` (another driver may write now) and a `SinkError` (the batch fails)."""
 
 
 class WriteFence(Protocol):
@@ -125,13 +128,13 @@ def write_fence() -> WriteFence | None:
 
 
 def check_fence(what: str) -> int:
-    """Raise `Fenced` unless this process may write now; the epoch to write with (0 when
+    """Raise `LeaseFenced` unless this process may write now; the epoch to write with (0 when
     unguarded). Cheap: no I/O."""
     fence = _fence
     if fence is None:
         return 0
     if not fence.fresh():
-        raise Fenced(
+        raise LeaseFenced(
             f"{what}: refused, this driver's lease (epoch {fence.epoch}) is lost or stale: "
             "another driver may run the queries now"
         )
@@ -593,7 +596,7 @@ class ResultSink:
         if fence is None or held_epoch <= fence.epoch:
             return
         if not await fence.confirm():
-            raise Fenced(
+            raise LeaseFenced(
                 f"KV put to {put.subject!r}: refused, the key holds a value of epoch "
                 f"{held_epoch}, newer than this driver's {fence.epoch}"
             )
@@ -754,7 +757,7 @@ __all__ = [
     "MSG_ID_HEADER",
     "BatchReport",
     "DeadLetterBatch",
-    "Fenced",
+    "LeaseFenced",
     "ResultSink",
     "SinkError",
     "SinkStats",

@@ -35,6 +35,7 @@ from jobs.archive import ARCHIVE_COLUMNS, archive_position, read_archive
 from jobs.read_lease import HistoryGap, ReadLease
 from jobs.spark_session import POOL_PROPERTY
 from runtime.config import Config
+from runtime.errors import TierflowError
 from runtime.nats import NatsEndpoint
 from runtime.sql_check import CheckedQuery, SqlRefused, check_select
 
@@ -65,7 +66,7 @@ CANCEL_TRIES = 240  # two minutes of cancelling after the timeout, then give up
 ENVELOPE = {"_seq": "seq", "_subject": "subject", "_ts": "ts", "_id": "msg_id"}
 
 
-class SqlTimeout(TimeoutError):
+class SqlTimeout(TierflowError, TimeoutError):
     """The query ran past its timeout and was cancelled."""
 
 

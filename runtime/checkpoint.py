@@ -27,6 +27,8 @@ from typing import Any
 
 import plyvel
 
+from runtime.errors import TierflowError
+
 __all__ = [
     "Batch",
     "CheckpointCorruptError",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class CheckpointError(Exception):
+class CheckpointError(TierflowError):
     """Base class for every checkpoint store failure."""
 
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, TierflowError
 from runtime.events import Event, json_kind
 from runtime.logic import LogicResult, StreamLogic, compile_logic
 from runtime.query import getter
@@ -109,7 +109,7 @@ class CompactConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
         return tuple(self.key.split("."))
 
 
-class NoKey(ValueError):
+class NoKey(TierflowError, ValueError):
     """An event has no usable compaction key; the message is the dead-letter reason."""
 
 

@@ -57,6 +57,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from runtime.errors import TierflowError
 from runtime.nats_publish import publish, raise_swallowed_cancel
 
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -161,7 +162,7 @@ def blind_retry_horizon(duplicate_window_s: float) -> float:
     return duplicate_window_s / 2.0
 
 
-class ScanIncomplete(Exception):
+class ScanIncomplete(TierflowError):
     """`find_stored` could not read the whole range it had to (too many messages, too slow,
     or the server did not answer): absence is not proven. `too_big`: the range is over the
     message limit, so asking again will not help."""

@@ -37,7 +37,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError, SqlglotError, TokenError
 
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, TierflowError
 
 __all__ = [
     "MATCH_ALL",
@@ -356,7 +356,7 @@ _CLAUSE_WORDS = {"order": "ORDER BY", "group": "GROUP BY", "from_": "FROM", "joi
 Path = tuple[str, ...]
 
 
-class FilterError(ValueError):
+class FilterError(TierflowError, ValueError):
     """A filter that cannot be compiled: `reason` in words, `line`/`column` (1-based) where."""
 
     def __init__(self, reason: str, line: int = 1, column: int = 1) -> None:

@@ -24,6 +24,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from runtime.errors import FencedError, TierflowError
 from runtime.waiting import poll
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,11 @@ SPREAD = "SPREAD"
 # --------------------------------------------------------------------------- fencing
 
 
-class FencedError(Exception):
-    """A write or announcement carried an epoch older than the one this replica accepted."""
+class EpochFenced(FencedError):
+    """A write or announcement carried an epoch older than the one this replica accepted.
+
+    The kind a replica raises, with both epochs. Catch `FencedError` (runtime.errors; this
+    module's callers may keep importing it from here) for every kind of fenced writer."""
 
     def __init__(self, current: int, offered: int) -> None:
         # args must be exactly the constructor arguments so the error survives pickling
@@ -108,9 +112,9 @@ class Fence:
         return True
 
     def check(self, epoch: int) -> None:
-        """Raise FencedError unless a write with `epoch` may proceed."""
+        """Raise EpochFenced unless a write with `epoch` may proceed."""
         if not self.admit(epoch):
-            raise FencedError(self._epoch, epoch)
+            raise EpochFenced(self._epoch, epoch)
 
     def advance(
         self, epoch: int, primary: int | None = None, in_sync: Sequence[int] | None = None
@@ -118,13 +122,13 @@ class Fence:
         """Accept the announcement of a new primary (and in-sync set). Idempotent for a
         repeated announcement.
 
-        Raises FencedError for an older epoch (a stale controller) and ValueError when the
+        Raises EpochFenced for an older epoch (a stale controller) and ValueError when the
         same epoch is announced with another primary or in-sync set (two holders deciding
         at once: the first to reach this replica wins the epoch).
         """
         members = None if in_sync is None else tuple(sorted(in_sync))
         if epoch < self._epoch:
-            raise FencedError(self._epoch, epoch)
+            raise EpochFenced(self._epoch, epoch)
         if epoch > self._epoch:
             self._epoch = epoch
             self._primary = primary
@@ -283,7 +287,7 @@ class ReplicaMixin:
     def set_epoch(
         self, epoch: int, primary_index: int, in_sync: Sequence[int] | None = None
     ) -> int:
-        """Accept a promotion; returns the accepted epoch. FencedError if `epoch` is stale."""
+        """Accept a promotion; returns the accepted epoch. EpochFenced if `epoch` is stale."""
         self.fence.advance(epoch, primary_index, in_sync)
         self._save_fence(self.fence)
         return self.fence.epoch
@@ -310,7 +314,7 @@ class ReplicaMixin:
         return ray.get_runtime_context().get_node_id()
 
     def fenced_write(self, epoch: int, write: Callable[[], T]) -> T:
-        """Run `write` only if `epoch` is not older than the accepted one; else FencedError.
+        """Run `write` only if `epoch` is not older than the accepted one; else EpochFenced.
 
         A newer epoch is adopted and persisted first, so the old primary stays fenced even if
         this replica restarts before the announcement reaches it.
@@ -325,11 +329,11 @@ class ReplicaMixin:
 # --------------------------------------------------------------------------- driver side
 
 
-class PlacementError(RuntimeError):
+class PlacementError(TierflowError, RuntimeError):
     """The replicas' placement group could not be placed in time."""
 
 
-class ReplicaGroupError(RuntimeError):
+class ReplicaGroupError(TierflowError, RuntimeError):
     """Replicas did not start or did not acknowledge an epoch in time."""
 
 
@@ -451,7 +455,7 @@ class ReplicaGroup:
         for _ in range(3):
             refs = [r.set_epoch.remote(epoch, index) for r in self._replicas]
             results = self._gather(refs, self._call_timeout if timeout is None else timeout)
-            newer = [r.current for r in results if isinstance(r, FencedError)]
+            newer = [r.current for r in results if isinstance(r, EpochFenced)]
             if not newer:
                 break
             epoch = max(newer) + 1

@@ -27,6 +27,7 @@ from runtime.class_archive import (
 )
 from runtime.compaction import check_update, max_msgs_per_subject, stream_subjects
 from runtime.config import Config
+from runtime.errors import TierflowError
 from runtime.geo import ensure_copies, with_local_sources
 from runtime.nats import NatsEndpoint, NatsServer
 from runtime.nats_roles import server_users
@@ -44,7 +45,7 @@ LOCAL_HOST = "127.0.0.1"
 NO_SUBSTITUTION = {"spark.sql.variable.substitute": "false"}
 
 
-class EngineError(RuntimeError):
+class EngineError(TierflowError, RuntimeError):
     """An engine could not be started or reached; the message says what to do."""
 
 

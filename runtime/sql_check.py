@@ -48,6 +48,8 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
+from runtime.errors import TierflowError
+
 __all__ = [
     "MAX_GENERATED",
     "MAX_JOINS",
@@ -93,7 +95,7 @@ _STATEMENTS: tuple[type[exp.Expression], ...] = (
 )
 
 
-class SqlRefused(ValueError):
+class SqlRefused(TierflowError, ValueError):
     """The query is not one this system runs; the message says why (an HTTP 400)."""
 
 

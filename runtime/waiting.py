@@ -11,13 +11,17 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from runtime.errors import TierflowError
+
 T = TypeVar("T")
 
 
-class WaitTimeout(AssertionError):
+class WaitTimeout(TierflowError, TimeoutError):
     """The condition did not hold before the deadline.
 
-    An AssertionError, so a test that waits reads as a failed assertion.
+    A TimeoutError, not an AssertionError: product code waits too. A test that lets it
+    propagate still fails with its message; code that expects to run out of time catches
+    `WaitTimeout`.
     """
 
 

@@ -30,7 +30,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
-from jobs.sink import Fenced, ResultSink, results_by_query, set_fence
+from jobs.sink import LeaseFenced, ResultSink, results_by_query, set_fence
 from jobs.standby import (
     Take,
     holder_info,
@@ -248,9 +248,9 @@ def test_a_sink_whose_lease_is_stale_writes_nothing(sink_url: str, fence: Fence)
         msgs = stream_msgs(sink_url, "results", "results.fenced")
         assert [h[EPOCH_HEADER] for h, _ in msgs] == ["5"]
         fence.is_fresh = False  # paused past its lease, or the renewals fail
-        with pytest.raises(Fenced, match="epoch 5"):
+        with pytest.raises(LeaseFenced, match="epoch 5"):
             sink.publish_results([{"key": "k", "n": 2}], 1)
-        with pytest.raises(Fenced):
+        with pytest.raises(LeaseFenced):
             sink.dead_letter([{"seq": 1, "raw": b"x", "error": "bad"}], "s")
         assert len(stream_msgs(sink_url, "results", "results.fenced")) == 1
         assert stream_msgs(sink_url, "deadletter", "deadletter.s") == []
@@ -266,7 +266,7 @@ def test_a_kv_value_of_a_newer_epoch_refuses_the_older_writer(sink_url: str, fen
         fence.epoch = 9  # the new holder writes batch 3
         new.publish_results([{"key": "k", "n": 3}], 3)
         fence.epoch = 5  # a writer of epoch 5 that still thinks itself fresh
-        with pytest.raises(Fenced, match="epoch 9, newer than this driver's 5"):
+        with pytest.raises(LeaseFenced, match="epoch 9, newer than this driver's 5"):
             old.publish_results([{"key": "k", "n": 4}], 4)
         assert kv_rows(sink_url, "epochs_kv")["epochs"]["k"]["n"] == 3
         # the lease bucket was made anew (its revisions start over): the holder it still

@@ -15,7 +15,13 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from nats.protocol.parser import Parser
 
-from jobs.jetstream_options import MIN_SPLIT, SeqRange, SourceError, SourceOptions, split_range
+from jobs.jetstream_options import (
+    MIN_SPLIT,
+    JetStreamSourceError,
+    SeqRange,
+    SourceOptions,
+    split_range,
+)
 from jobs.jetstream_read import (
     _MSG_ID,
     Chunk,
@@ -115,7 +121,7 @@ def test_chunk_columns_from_replies_and_headers() -> None:
 
     bad = Chunk()
     bad.append(b"s", b"_INBOX.abc", None, b"{}")
-    with pytest.raises(SourceError, match="_INBOX.abc"):
+    with pytest.raises(JetStreamSourceError, match="_INBOX.abc"):
         chunk_to_batch(bad, "json", _arrow_schema())
 
 
@@ -357,9 +363,9 @@ def test_invalid_only_option_parses_and_refuses_what_cannot_hold_an_invalid_even
     assert SourceOptions.parse(base).invalid_only is False
     assert SourceOptions.parse({**base, "invalidOnly": "TRUE"}).invalid_only is True
     assert SourceOptions.parse({**base, "invalidOnly": "false"}).invalid_only is False
-    with pytest.raises(SourceError, match="invalidOnly"):
+    with pytest.raises(JetStreamSourceError, match="invalidOnly"):
         SourceOptions.parse({**base, "invalidOnly": "yes"})
-    with pytest.raises(SourceError, match="invalidOnly"):
+    with pytest.raises(JetStreamSourceError, match="invalidOnly"):
         SourceOptions.parse({**base, "invalidOnly": "true", "validate": "none"})
 
 
@@ -666,7 +672,7 @@ def test_the_pull_byte_cap_always_holds_one_event_the_server_accepts() -> None:
     assert SourceOptions.parse(base).fetch_max_bytes == DEFAULT_FETCH_MAX_BYTES
     assert SourceOptions.parse({**base, "fetchMaxBytes": "5000"}).fetch_max_bytes == 5000
     for bad in ("0", "-1", "lots", "1.5"):
-        with pytest.raises(SourceError, match="fetchMaxBytes"):
+        with pytest.raises(JetStreamSourceError, match="fetchMaxBytes"):
             SourceOptions.parse({**base, "fetchMaxBytes": bad})
     assert pull_max_bytes(DEFAULT_FETCH_MAX_BYTES, 1 << 20) == DEFAULT_FETCH_MAX_BYTES
     assert pull_max_bytes(1000, 1 << 20) == (1 << 20) + PULL_BYTES_SLACK

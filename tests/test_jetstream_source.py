@@ -17,8 +17,8 @@ from jobs.jetstream import register, skipped_total
 from jobs.jetstream_options import (
     AgedOutError,
     Bounds,
+    JetStreamSourceError,
     SeqRange,
-    SourceError,
     SourceOptions,
     make_offset,
     next_offset,
@@ -110,7 +110,7 @@ def test_split_range_and_reply_parsing() -> None:
     )
     v2 = "$JS.ACK.hub.ACCHASH.ev.cons.1.42.40.1795301006886081543.0.tok"
     assert _parse_reply(v2) == (42, 1795301006886081543, 0)
-    with pytest.raises(SourceError):
+    with pytest.raises(JetStreamSourceError):
         _parse_reply("_INBOX.abc")
 
 
@@ -137,7 +137,7 @@ def test_options_are_validated_with_clear_errors() -> None:
         ({**base, "startingOffset": "-3"}, "startingOffset"),
         ({**base, "validate": "xml"}, "validate"),
     ]:
-        with pytest.raises(SourceError, match=match):
+        with pytest.raises(JetStreamSourceError, match=match):
             SourceOptions.parse(bad)
 
 

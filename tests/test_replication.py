@@ -19,6 +19,7 @@ from ray.cluster_utils import Cluster
 from runtime.replication import (
     SPREAD,
     STRICT_SPREAD,
+    EpochFenced,
     Fence,
     FencedError,
     PlacementError,
@@ -125,7 +126,7 @@ class TestFence:
         fence = Fence()
         fence.advance(3, primary=0)
         assert not fence.admit(2)
-        with pytest.raises(FencedError) as info:
+        with pytest.raises(EpochFenced) as info:
             fence.check(1)
         assert (info.value.current, info.value.offered) == (3, 1)
         assert "epoch 1 is older than accepted epoch 3" in str(info.value)
@@ -166,8 +167,9 @@ class TestFence:
             Fence.from_bytes(data)
 
     def test_fenced_error_survives_pickling(self) -> None:
-        error = cloudpickle.loads(cloudpickle.dumps(FencedError(4, 2)))
+        error = cloudpickle.loads(cloudpickle.dumps(EpochFenced(4, 2)))
         assert (error.current, error.offered) == (4, 2)
+        assert isinstance(error, FencedError)
 
 
 # --------------------------------------------------------------------------- Ray

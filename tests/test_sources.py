@@ -16,7 +16,7 @@ from aiohttp import web
 from actors.collection.sources import (
     Frame,
     HttpNdjsonSource,
-    SourceError,
+    SourceUnreachable,
     SseSource,
     StreamSource,
     WebSocketSource,
@@ -349,7 +349,7 @@ async def test_ndjson_unpositioned_gap_is_measured() -> None:
 
 async def test_bounded_attempts_raise_source_error() -> None:
     src = WebSocketSource(f"ws://127.0.0.1:{free_port()}/", max_attempts=3, backoff=FAST)
-    with pytest.raises(SourceError, match="3 connections in a row"):
+    with pytest.raises(SourceUnreachable, match="3 connections in a row"):
         await collect(src, 1)
     st = src.stats()
     assert st["failures"] == 3 and st["connects"] == 0 and st["last_error"]

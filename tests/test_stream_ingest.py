@@ -29,7 +29,7 @@ from actors.collection.buffer import (
     BUFFER_STREAM,
     POS_HEADER,
     BufferWriter,
-    Fenced,
+    LeaderFenced,
     buffer_subject,
     ensure_buffer_stream,
     frame_msg_id,
@@ -45,7 +45,7 @@ from cluster.replay import GeneratorSource, ReplayServer
 from runtime.lease import KvLease, Leadership, ensure_lease_bucket
 from runtime.nats import NatsServer, connect
 from runtime.publisher import MSG_ID_HEADER
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 from tests.support import fresh_ray
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,7 +199,7 @@ async def test_closed_fence_stops_the_writer(nc: Client) -> None:
     writer = BufferWriter(nc, stream, source_id="f", max_batch=10, fence=lambda: allowed[0])
     await writer.write(frames(0, 10))
     allowed[0] = False
-    with pytest.raises(Fenced):
+    with pytest.raises(LeaderFenced):
         await writer.write(frames(10, 10))
     assert await subject_count(nc, stream) == 10
     await writer.close()
@@ -449,7 +449,7 @@ async def test_standby_takes_over_after_sigkill_and_every_event_lands_once(
             after = await await_until(
                 took_over, 30, interval=0.05, swallow=True, what="standby takes over"
             )
-        except AssertionError as err:
+        except WaitTimeout as err:
             seen = await asyncio.gather(
                 *(call(h, "stats") for h in handles), return_exceptions=True
             )

@@ -45,6 +45,7 @@ import aiohttp
 import msgspec
 
 from runtime.checkpoint import Batch, CheckpointStore
+from runtime.errors import TierflowError
 from runtime.publisher import jittered
 
 __all__ = [
@@ -73,7 +74,7 @@ _encode = msgspec.json.Encoder().encode
 Start = str | int  # "new" | "all" | "last" | "cursor" | a stream sequence (first to deliver)
 
 
-class GatewayError(Exception):
+class GatewayError(TierflowError):
     """The gateway refused the subscription (bad filter, auth, unknown stream): not retried."""
 
     def __init__(self, code: int, reason: str) -> None:
@@ -82,7 +83,7 @@ class GatewayError(Exception):
         self.reason = reason
 
 
-class GatewayUnavailable(ConnectionError):
+class GatewayUnavailable(TierflowError, ConnectionError):
     """No gateway URL accepted the subscription within `give_up_after` seconds."""
 
 

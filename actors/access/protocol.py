@@ -18,6 +18,7 @@ from aiohttp import web
 
 from actors.access.messages import KV_PREFIX
 from runtime.config import Overflow
+from runtime.errors import TierflowError
 from runtime.query import FilterError
 
 __all__ = [
@@ -52,7 +53,7 @@ _STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 _json = msgspec.json.Encoder()
 
 
-class Problem(Exception):
+class Problem(TierflowError):
     """A request refused: HTTP `status` (WebSocket close 4000+status) and the reason."""
 
     def __init__(self, status: int, reason: str, **extra: Any) -> None:

@@ -23,6 +23,7 @@ from nats.js.errors import APIError
 
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
 from actors.access.wire import tap
+from runtime.errors import TierflowError
 from runtime.nats import publish
 
 __all__ = [
@@ -283,7 +284,7 @@ class JetStreamReader:
             await self.js.delete_consumer(self.stream, self.name)
 
 
-class ConsumerLost(Exception):
+class ConsumerLost(TierflowError):
     """A reader's consumer stopped answering (its server cut off or gone): reopen it."""
 
 

@@ -61,6 +61,7 @@ from actors.access.cursors import CursorRecord, CursorStore, open_bucket
 from actors.access.messages import OpenReader, StreamMessage
 from runtime.clock import now_ms
 from runtime.config import WebhookOptions
+from runtime.errors import TierflowError
 from runtime.lease import KvLease, Leadership, Term, ensure_lease_bucket
 from runtime.nats import js_publish
 from runtime.query import Filter
@@ -93,7 +94,7 @@ ATTEMPT_HEADER = "X-Tierflow-Attempt"
 _json = msgspec.json.Encoder()
 
 
-class WebhookError(ValueError):
+class WebhookError(TierflowError, ValueError):
     """A registration that cannot be accepted: `status` (400/404) and the reason."""
 
     def __init__(self, status: int, reason: str) -> None:

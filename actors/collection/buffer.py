@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from actors.collection.sources import Frame
+from runtime.errors import FencedError, TierflowError
 from runtime.events import new_event_id
 from runtime.publisher import JetStreamPublisher, Outgoing, jittered
 
@@ -36,7 +37,7 @@ __all__ = [
     "POS_HEADER",
     "BufferWriteError",
     "BufferWriter",
-    "Fenced",
+    "LeaderFenced",
     "buffer_subject",
     "check_stream_name",
     "ensure_buffer_stream",
@@ -133,12 +134,12 @@ async def resume_position(js: JetStreamContext, stream: str, overlap: int = 1) -
 # --------------------------------------------------------------------------- the writer
 
 
-class BufferWriteError(RuntimeError):
+class BufferWriteError(TierflowError, RuntimeError):
     """Frames were still not stored after every retry (NATS down longer than the horizon)."""
 
 
-class Fenced(RuntimeError):
-    """The writer's fence said no: this node may no longer be the leader."""
+class LeaderFenced(FencedError, RuntimeError):
+    """The writer's fence said no: this node may no longer be the leader of its stream."""
 
 
 class _End:
@@ -182,7 +183,7 @@ class BufferWriter:
     Guarantees: `write` returns only when every frame is stored (or was already: a
     duplicate), else raises `BufferWriteError`; batches are written one after another, so at
     most `max_batch` frames are unresolved at any time (`resume_position`'s overlap). When
-    `fence()` returns False, `write` raises `Fenced` before sending anything more.
+    `fence()` returns False, `write` raises `LeaderFenced` before sending anything more.
     """
 
     def __init__(
@@ -226,7 +227,7 @@ class BufferWriter:
         for i in range(0, len(frames), self.max_batch):
             chunk = frames[i : i + self.max_batch]
             if self._fence is not None and not self._fence():
-                raise Fenced(f"fence closed before writing {len(frames) - i} frames")
+                raise LeaderFenced(f"fence closed before writing {len(frames) - i} frames")
             self.frames += len(chunk)
             ok, failed = await self._pub.publish_with_retry(
                 [self.outgoing(f) for f in chunk], attempts=self.attempts, backoff=self._backoff

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from runtime.errors import TierflowError
 from runtime.events import Event
 
 __all__ = [
@@ -34,7 +35,7 @@ def take_batches(waiting: deque[list[Event]], max_events: int) -> list[Event]:
     return out
 
 
-class Overloaded(Exception):
+class Overloaded(TierflowError):
     """Too many events already waiting to be flushed, or the committer is closing.
 
     The caller answers 503 with Retry-After; nothing of the refused request was taken.

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from runtime.errors import TierflowError
 from runtime.events import Event, json_kind, new_event_ids, skippable_json
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
 # --------------------------------------------------------------------------- parsing
 
 
-class BadInput(Exception):
+class BadInput(TierflowError):
     """A request the collector refuses: `status` is the HTTP status, `reason` the text;
     `extra` goes into the JSON answer beside them (e.g. the limit a 413 names)."""
 

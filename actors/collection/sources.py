@@ -25,7 +25,7 @@ downtime). `stats()` reports all of it.
 Reconnects use `runtime.supervision.backoff_delay`: the attempt count grows with each
 connection that fails or ends without a frame and falls back to zero after one that
 delivered; with `max_attempts` set, that many failures in a row end the iteration with
-`SourceError`.
+`SourceUnreachable`.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ import aiohttp
 import msgspec
 from yarl import URL
 
+from runtime.errors import TierflowError
 from runtime.supervision import Backoff, backoff_delay
 
 __all__ = [
     "Frame",
     "HttpNdjsonSource",
-    "SourceError",
     "SourceStats",
+    "SourceUnreachable",
     "SseSource",
     "StreamSource",
     "WebSocketSource",
@@ -74,8 +75,8 @@ class Frame:
     data: bytes
 
 
-class SourceError(RuntimeError):
-    """The source could not be reached `max_attempts` times in a row."""
+class SourceUnreachable(TierflowError, RuntimeError):
+    """The source failed or carried nothing `max_attempts` connections in a row."""
 
 
 class _Envelope(msgspec.Struct):
@@ -126,7 +127,7 @@ class StreamSource(ABC):
         positioned: whether frames carry positions (see the module doc); each subclass has
             its default.
         stop: an event that ends the iteration when set (`stop()` sets it too).
-        max_attempts: failures in a row before `SourceError`; None: retry until stopped.
+        max_attempts: failures in a row before `SourceUnreachable`; None: retry until stopped.
         backoff: the reconnect delays; `rng` draws their jitter.
         connect_timeout_s: bound on opening a connection.
         read_timeout_s: a connection silent this long is dropped and reopened (None: never;
@@ -257,7 +258,7 @@ class StreamSource(ABC):
                     log.info("%s source %s: %s", self.kind, self.url, error)
                 attempt = 0 if got else attempt + 1
                 if self.max_attempts is not None and attempt >= self.max_attempts:
-                    raise SourceError(
+                    raise SourceUnreachable(
                         f"{self.kind} source {self.url}: {attempt} connections in a row "
                         f"failed or carried nothing; last error: {st.last_error}"
                     )

@@ -60,7 +60,7 @@ from jobs.sketches import Distinct
 from runtime.config import default_streams, load
 from runtime.nats import NatsCluster, NatsServer, connect
 from runtime.services import local_ray
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class Subscriber:
     async def caught_up(self, want: set[str], timeout: float) -> DeliveryCheck:
         """Wait (at most `timeout` s) until every id of `want` arrived; what it got against
         `want`, whether it got there or not."""
-        with contextlib.suppress(AssertionError):  # the check says what is missing
+        with contextlib.suppress(WaitTimeout):  # the check says what is missing
             await await_until(lambda: want <= set(self.ids), timeout, 0.5, what="client")
         return delivery_check(want, list(self.ids), self.client.stats.reconnects)
 
@@ -487,7 +487,7 @@ async def run_scenario(scn: Scenario, opts: RunOptions) -> ScenarioReport:
                 what="message log drained to JetStream",
                 swallow=True,
             )
-        except AssertionError as err:  # still judge what is stored: the loss shows
+        except WaitTimeout as err:  # still judge what is stored: the loss shows
             rep.notes.append(f"not drained: {await _diagnose(d)}")
             rep.error = repr(err)[:500]
         log.info("%s: drained; verifying", scn.name)

@@ -53,7 +53,7 @@ from runtime.geo import link_deny, replication_lag
 from runtime.nats import connect
 from runtime.services import local_ray
 from runtime.sites import NatsSites
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ async def run_pipeline_site_loss(
                 what="both copies converged",
                 swallow=True,
             )
-        except AssertionError as err:  # judge what is stored anyway: a loss shows
+        except WaitTimeout as err:  # judge what is stored anyway: a loss shows
             nc = await connect(b.url, name="site-loss-diagnose")
             try:
                 rep.error = f"{err}: {await replication_lag(nc, p.configs['site-b'])}"[:800]

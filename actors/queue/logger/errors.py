@@ -6,8 +6,10 @@ them inside Ray and `LoggerGroup` re-raises them as themselves; the collector an
 
 from __future__ import annotations
 
+from runtime.errors import TierflowError
 
-class LogFull(Exception):
+
+class LogFull(TierflowError):
     """The log is at its bound (backpressure): the whole batch was refused, nothing written.
 
     `events`/`bytes` are the log's counts when it refused; the collector answers 503.
@@ -27,7 +29,7 @@ class LogFull(Exception):
         )
 
 
-class LogUnavailable(Exception):
+class LogUnavailable(TierflowError):
     """A replica did not take a write (down, restarting, too slow, catching up).
 
     The write may still have landed on the others: the caller answers 503 and the producer

@@ -26,7 +26,7 @@ from actors.queue.logger.records import LogKey, _split_key, encode_forget
 from runtime import clock
 from runtime.events import Event, decode_batch, encode_batch
 from runtime.inline import inline_parts
-from runtime.replication import FencedError, ReplicaGroup
+from runtime.replication import EpochFenced, FencedError, ReplicaGroup
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,8 @@ class LoggerGroup:
                 raise LogUnavailable(self.replica_name(index), f"dead: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - classified below
                 cause = _cause(exc)
-                if isinstance(cause, FencedError):
-                    raise FencedError(cause.current, cause.offered) from None
+                if isinstance(cause, EpochFenced):
+                    raise EpochFenced(cause.current, cause.offered) from None
                 if isinstance(cause, LogFull):
                     raise LogFull(*cause.args) from None
                 if isinstance(cause, LogUnavailable):
