@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import TierflowError
 from runtime.nats_endpoint import NatsEndpoint, connect
 from runtime.nats_publish import js_publish, publish, raise_swallowed_cancel
 from runtime.waiting import poll
@@ -49,7 +50,7 @@ _log = logging.getLogger(__name__)
 PORT_TAKEN = "address already in use"  # nats-server's bind error, in its log
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(TierflowError, RuntimeError):
     """nats-server could not be found, started or made ready; the message has the log tail."""
 
 

@@ -27,12 +27,9 @@ pytestmark = pytest.mark.unit
 # from the collector to actors/collection/ingest.py). Remove a name once its class is a
 # TierflowError; the test says so until then.
 PENDING = {
-    "runtime.nats.NatsServerError",
     "actors.collection.collector.QueueRefused",
     "actors.collection.ingest.QueueRefused",
     "jobs.driver.JobsError",
-    "cluster.lab.hosts.LabError",
-    "cluster.lab.plan.LabPlanError",
 }
 
 

@@ -27,7 +27,7 @@ from cluster.lab.hosts import lab_unavailable
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
 from runtime.nats import connect
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -113,7 +113,7 @@ def test_the_pipeline_spans_the_hosts_and_keeps_every_event_through_a_cut_and_a_
 
         try:
             got = await await_until(complete, 240, 2.0, what="acknowledged events stored")
-        except AssertionError:
+        except WaitTimeout:
             print(await asyncio.to_thread(lc.job_logs))
             raise
         want = {i for i in got if int(i.rsplit("-", 1)[1]) % 3 == 0}

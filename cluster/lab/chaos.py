@@ -32,7 +32,7 @@ from cluster.loadgen import drive
 from cluster.verify import StreamTally, Verdict, judge
 from runtime.nats import connect
 from runtime.roles import ANALYSIS_DRIVER
-from runtime.waiting import await_until
+from runtime.waiting import WaitTimeout, await_until
 
 __all__ = ["LabRun", "StreamBook", "holders", "logger_primary", "run_fault"]
 
@@ -171,7 +171,7 @@ async def recount(lc: LabCluster, book: StreamBook) -> list[str]:
     try:
         await await_until(exact, timeout=180, interval=5.0, what="exact answers")
         return []
-    except AssertionError:
+    except WaitTimeout:
         got = await read_results(lc.nats_url)
         return [mismatch_detail(got, want, q) for q in answers_off(got, want)]
 
@@ -366,7 +366,7 @@ def run_fault(
 
         try:
             return await await_until(settled, timeout=300, interval=2.0, what="stored")
-        except AssertionError:
+        except WaitTimeout:
             return await stored()
 
     report, marks, hosts, got, delivery, analysis = asyncio.run(run())

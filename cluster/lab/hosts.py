@@ -27,6 +27,7 @@ from typing import IO
 import psutil
 
 from cluster.lab.plan import LabPlan, LabPlanError
+from runtime.errors import TierflowError
 
 __all__ = [
     "RECORDS",
@@ -43,7 +44,7 @@ PREFIX_BASE = "10.213"  # labs take 10.213.<k>.0/24, k the first free
 STOP_GRACE_S = 5.0
 
 
-class LabError(RuntimeError):
+class LabError(TierflowError, RuntimeError):
     """A lab command failed; the message has the command and its error output."""
 
 

@@ -15,6 +15,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runtime.errors import TierflowError
+
 __all__ = ["LAPTOP_HOST", "MAX_HOSTS", "LabPlan", "LabPlanError"]
 
 MAX_HOSTS = 16
@@ -25,7 +27,7 @@ _PREFIX = re.compile(r"^10\.(\d{1,3})\.(\d{1,3})$")
 Command = list[str]
 
 
-class LabPlanError(ValueError):
+class LabPlanError(TierflowError, ValueError):
     """A lab that cannot be made as asked; the message says why."""
 
 
