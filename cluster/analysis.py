@@ -16,9 +16,9 @@ import ray
 from cluster.demo.meetup import QUERIES, STREAM, meetup_jobs
 from cluster.deploy.analysis import start_driver
 from jobs.driver import DRIVER_NAME, JobsError
-from jobs.specs import JobSpec, decode_spec, parse_job
 from runtime import runstate
 from runtime.config import Config
+from runtime.job_specs import JobSpec, decode_spec, parse_job
 from runtime.services import join_ray
 
 

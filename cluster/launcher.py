@@ -31,11 +31,11 @@ from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec
 from cluster.pipeline import start_collection_tier
 from cluster.replay import ReplayServer
 from cluster.roles import RoleView, load, rates, scalars
-from jobs.specs import decode_spec
 from runtime import runstate
 from runtime.autoscaling import Controller, Sample
 from runtime.config import Config, SourceConfig
 from runtime.geo import SourceWatch, local_site, replication_lag
+from runtime.job_specs import decode_spec
 from runtime.roles import SCALABLE_ROLES
 from runtime.services import Services, connect_nats, ensure_streams
 from runtime.supervision import Intensity

@@ -36,11 +36,11 @@ from typing import Any
 import msgspec
 
 from jobs.copies import MERGEABLE, CopyId
-from jobs.errors import JobError
 from jobs.sketches import Distinct
-from jobs.specs import JobSpec
 from jobs.topn import TopBase
+from runtime.errors import JobError
 from runtime.files import write_atomic
+from runtime.job_specs import JobSpec
 
 VIEWS_DIR = "views"
 

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from jobs.jetstream_options import SCHEMA_DDL
-from jobs.specs import JobSpec, WindowSpec
 from runtime.class_archive import (
     DRIVER_OPTIONS,
     archive_path,
@@ -36,6 +35,7 @@ from runtime.class_archive import (
     spark_java,
     use_option,
 )
+from runtime.job_specs import JobSpec, WindowSpec
 
 SOURCE = "tierflow_training"
 BATCHES = 3

@@ -73,16 +73,16 @@ from jobs.checkpoints import committed
 from jobs.copy_tracker import CopyTracker
 from jobs.deadletter_book import DeadLetterBook
 from jobs.driver_status import archive_rows, behind, progress_rows, progress_summary, query_rows
-from jobs.errors import JobError
 from jobs.escalation import should_escalate
 from jobs.generations import Generations, stream_end
 from jobs.queries import QuerySet, backoff_s, query_triggers
 from jobs.query_starts import QueryStarts, start_spark
 from jobs.retention_runner import RetentionRunner
-from jobs.specs import decode_spec
 from jobs.wanted import WantedJobs
 from jobs.warm_pair import WarmPair, own_wait, warm_up
 from runtime.config import Config, validate
+from runtime.errors import JobError
+from runtime.job_specs import decode_spec
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
 from runtime.roles import ANALYSIS_DRIVER

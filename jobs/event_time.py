@@ -13,12 +13,12 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 from jobs.paths import extract
-from jobs.specs import interval
+from runtime.job_specs import interval
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-    from jobs.specs import JobSpec
+    from runtime.job_specs import JobSpec
 
 
 def source_events(source: DataFrame) -> DataFrame:

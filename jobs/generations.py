@@ -33,8 +33,8 @@ from runtime.clock import now_ms
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from jobs.specs import JobSpec
     from jobs.sql import StreamTable
+    from runtime.job_specs import JobSpec
     from runtime.nats import NatsEndpoint
 
 __all__ = ["Generations", "stream_end"]

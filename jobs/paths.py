@@ -9,56 +9,21 @@ null, never an error.
 
 `extract` gives one row per value (exploding); `extract_values` keeps one row per event with
 the values a path reaches as an array (what top-N counts, with no explode before its
-aggregation). Parsing is pure; `json_schema`, `extract` and `extract_values` import pyspark
-when called (it is the job's engine, not the CLI's: the CLI checks paths without loading
-Spark).
+aggregation). Parsing is pure and lives in the foundation (runtime/json_paths.py), where the
+config checks a job's paths as it loads; `json_schema`, `extract` and `extract_values` import
+pyspark when called (it is the job's engine, not the CLI's).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jobs.errors import JobError
+from runtime.errors import JobError
+from runtime.json_paths import PSEUDO_FIELDS, parse_path
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
-
-PSEUDO_FIELDS = {"_subject": "subject", "_seq": "seq", "_ts": "ts", "_msg_id": "msg_id"}
-
-
-@dataclass(frozen=True)
-class Step:
-    """One path segment: an object member, exploded when it is an array (``name[]``)."""
-
-    name: str
-    explode: bool = False
-
-
-_SEGMENT = re.compile(r"^([^.\[\]]+)(\[\])?$")
-
-
-def parse_path(path: str) -> tuple[Step, ...]:
-    """``group.group_topics[].topic_name`` -> steps; JobError naming the bad part."""
-    text = path.strip()
-    if text.startswith("$."):
-        text = text[2:]
-    if not text:
-        raise JobError(f"JSON path {path!r} is empty")
-    if text in PSEUDO_FIELDS:
-        return (Step(text),)
-    steps = []
-    for part in text.split("."):
-        m = _SEGMENT.match(part)
-        if not m:
-            raise JobError(
-                f"JSON path {path!r}: bad segment {part!r} (use name, or name[] to explode an "
-                "array; members are separated by '.')"
-            )
-        steps.append(Step(m.group(1), bool(m.group(2))))
-    return tuple(steps)
 
 
 def json_schema(paths: Sequence[str]) -> Any:

@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.batch_view import BatchView, check_mergeable, merged_count, merged_sketch
-from jobs.errors import JobError
 from jobs.event_time import iso_ms, source_events, window_column, windowed_events
 from jobs.paths import extract
 from jobs.sketch_state import sketch_state, window_sketch_state
 from jobs.sketches import Reservoir
-from jobs.specs import JobSpec, check_spec, duration_ms, output_names
 from jobs.topn import BatchRows, as_top, pane_ms, topn_batches, topn_counts
+from runtime.errors import JobError
 from runtime.hooks import load_hook
+from runtime.job_specs import JobSpec, check_spec, duration_ms, output_names
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from jobs.archive import archive_query_name
 from jobs.running import staggered
 from jobs.sink import BatchReport, close_sinks
-from jobs.specs import deadletter_query_name
+from runtime.job_specs import deadletter_query_name
 
 if TYPE_CHECKING:
     from jobs.copies import CopyId
-    from jobs.specs import JobSpec
+    from runtime.job_specs import JobSpec
 
 log = logging.getLogger(__name__)
 

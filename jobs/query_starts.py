@@ -23,8 +23,8 @@ from jobs.archive import ArchiveSettings, copy_root, start_archive
 from jobs.copies import MERGEABLE, CopyError
 from jobs.copy_tracker import CopyTracker, archive_copy_error
 from jobs.deadletter_scan import DeadLetterScan
-from jobs.errors import JobError
 from jobs.running import start_job
+from runtime.errors import JobError
 from runtime.services import spark_session
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from jobs.generations import Generations
     from jobs.queries import Query
     from jobs.sink import BatchReport
-    from jobs.specs import JobSpec
     from runtime.config import Config
+    from runtime.job_specs import JobSpec
     from runtime.nats import NatsEndpoint
 
 __all__ = ["QueryStarts", "start_spark"]

@@ -19,10 +19,10 @@ from jobs.copies import CopyId
 from jobs.event_time import iso_ms
 from jobs.plans import ALL, build_plan
 from jobs.sink import BatchReport, ResultSink
-from jobs.specs import JobSpec, check_spec
 from jobs.sql import StreamTable, stream_events
 from jobs.topn import TopBase
 from runtime.clock import now_ms
+from runtime.job_specs import JobSpec, check_spec
 from runtime.nats import NatsEndpoint
 
 if TYPE_CHECKING:

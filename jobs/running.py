@@ -23,8 +23,8 @@ from jobs.batch_view import BatchView, checkpoint_dir
 from jobs.plans import Plan, build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink, check_fence
 from jobs.spark_session import POOL_PROPERTY, query_pool
-from jobs.specs import JobSpec, check_spec, deadletter_query_name
 from jobs.topn import BatchRows
+from runtime.job_specs import JobSpec, check_spec, deadletter_query_name
 from runtime.nats import NatsEndpoint
 
 if TYPE_CHECKING:

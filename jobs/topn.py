@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from jobs.errors import JobError
 from jobs.event_time import window_column, windowed_events
 from jobs.paths import extract_values
 from jobs.sketch_state import pane_windows
-from jobs.specs import JobSpec, duration_ms
+from runtime.errors import JobError
 from runtime.files import write_atomic
+from runtime.job_specs import JobSpec, duration_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

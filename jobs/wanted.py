@@ -13,8 +13,8 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from jobs.errors import JobError
-from jobs.specs import JobSpec, decode_spec, encode_spec
+from runtime.errors import JobError
+from runtime.job_specs import JobSpec, decode_spec, encode_spec
 
 if TYPE_CHECKING:
     from runtime.checkpoint import CheckpointStore

@@ -28,8 +28,9 @@ from runtime.binding import check_host
 from runtime.browsers import ANY, host_name, parse_origin
 from runtime.class_archive import CACHE_ENV
 from runtime.compaction import CompactConfig
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, JobError
 from runtime.geo_config import ReplicateConfig
+from runtime.job_specs import JobSpec, check_spec
 from runtime.logic import LogicConfig, compile_logic
 from runtime.query import FilterError, compile_filter
 
@@ -394,7 +395,7 @@ class Config(_Strict):
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     browsers: BrowsersConfig = msgspec.field(default_factory=BrowsersConfig)
-    # Analysis jobs by spec (see jobs/specs.py JobSpec); checked by the analysis driver.
+    # Analysis jobs by spec (runtime/job_specs.py JobSpec), checked as the file loads
     jobs: list[dict[str, Any]] = []
 
     @property
@@ -617,6 +618,30 @@ def _check_browser_lists(browsers: BrowsersConfig) -> None:
                 ) from None
 
 
+def _check_jobs(cfg: Config) -> None:
+    """Every `[[jobs]]` entry is a valid spec on a stream this config defines, under a name
+    no other entry has: found as the file loads, not once the tiers are up."""
+    names: dict[str, int] = {}
+    for i, job in enumerate(cfg.jobs):
+        key = f"jobs[{i}]"
+        try:
+            spec = msgspec.convert(job, JobSpec)
+        except msgspec.ValidationError as err:
+            raise _explain(err, key, "") from None
+        try:
+            check_spec(spec)
+        except JobError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        if spec.stream not in cfg.streams:
+            raise ConfigError(
+                f"{key}.stream: no stream {spec.stream!r} in [streams] "
+                f"(streams: {', '.join(sorted(cfg.streams))})"
+            )
+        if spec.name in names:
+            raise ConfigError(f"{key}.name: {spec.name!r} is also jobs[{names[spec.name]}]'s")
+        names[spec.name] = i
+
+
 def _check_cross_keys(cfg: Config) -> None:
     """Rules no single field can state."""
     for name, stream in cfg.streams.items():
@@ -628,6 +653,7 @@ def _check_cross_keys(cfg: Config) -> None:
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
+    _check_jobs(cfg)
     extra = cfg.logging.extra_replicas
     if extra != "auto" and extra > cfg.roles.logger.k:
         raise ConfigError(

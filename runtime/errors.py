@@ -39,7 +39,7 @@ runtime (the foundation)
     EngineError             an engine could not be started or reached [runtime.services;
                             also RuntimeError]
     NatsServerError         nats-server could not be found, started or made ready
-                            [runtime.nats; also RuntimeError] (*)
+                            [runtime.nats; also RuntimeError]
 actors.queue (the message log)
     LogFull                 the log is at its bound: the whole batch refused, nothing written
     LogUnavailable          a log replica did not take a write
@@ -47,7 +47,7 @@ actors.collection
     BadInput                a request the collector refuses (HTTP status and reason)
     Overloaded              too many events already waiting to be flushed (a 503)
     QueueRefused            mode none: JetStream did not acknowledge, no log holds the
-                            events [actors.collection.collector] (*)
+                            events [actors.collection.ingest]
     BufferWriteError        frames still not stored after every retry (also RuntimeError)
     SourceUnreachable       a collection source (WebSocket, SSE, NDJSON over HTTP) failed or
                             carried nothing `max_attempts` connections in a row (also
@@ -60,7 +60,7 @@ actors.access (gateways and their client)
     ConsumerLost            a reader's JetStream consumer stopped answering: reopen it
     WebhookError            a webhook registration that cannot be accepted (also ValueError)
 jobs (the analysis tier)
-    JobError                a job spec or a JSON path is invalid (also ValueError)
+    JobError                a job spec or a JSON path is invalid [here; also ValueError]
     JobsError               the analysis driver cannot be reached or refused a request
                             [jobs.driver; also RuntimeError] (*)
     SinkError               results could not be made durable: the batch fails, is replayed
@@ -75,8 +75,9 @@ jobs (the analysis tier)
 cluster (operations)
     DriverConflict          a driver of that name runs otherwise than asked (a JobError)
     NoNats                  no NATS to read from: no `nats.url`, no running tierflow
-    LabError                a lab command failed [cluster.lab.hosts] (*)
-    LabPlanError            a lab that cannot be made as asked [cluster.lab.plan] (*)
+    LabError                a lab command failed [cluster.lab.hosts; also RuntimeError]
+    LabPlanError            a lab that cannot be made as asked [cluster.lab.plan; also
+                            ValueError]
 
 (*) not yet a TierflowError: its module is being changed elsewhere; tests/test_errors.py
 lists these and passes once each is one.
@@ -84,7 +85,7 @@ lists these and passes once each is one.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "FencedError", "TierflowError"]
+__all__ = ["ConfigError", "FencedError", "JobError", "TierflowError"]
 
 
 class TierflowError(Exception):
@@ -111,3 +112,8 @@ class FencedError(TierflowError):
     adopt the newer epoch. Subclasses say what superseded it (`EpochFenced`,
     `LeaderFenced`, `LeaseFenced`); `except FencedError` catches them all.
     """
+
+
+class JobError(TierflowError, ValueError):
+    """A job spec, a JSON path or a duration is invalid; the message names the field and the
+    fix. Here because specs are checked where the config loads (`runtime.job_specs`)."""

@@ -80,8 +80,8 @@ def test_a_recompute_reads_and_serves_under_mutual_tls(
     from jobs.jetstream import register
     from jobs.recompute import recompute, serve_view
     from jobs.sink import results_by_query
-    from jobs.specs import decode_spec
     from jobs.sql import StreamTable
+    from runtime.job_specs import decode_spec
 
     cfg, server = mtls
 

@@ -34,13 +34,13 @@ from jobs.batch_view import (
     save_view,
 )
 from jobs.driver import JobsError
-from jobs.errors import JobError
 from jobs.recompute import subject_regex
 from jobs.sink import results_by_query
 from jobs.sketches import Distinct
-from jobs.specs import JobSpec, decode_spec
 from jobs.topn import COUNT, ITEM, TopBase, TopState, apply_batch, rank
 from runtime.config import Config, load
+from runtime.errors import JobError
+from runtime.job_specs import JobSpec, decode_spec
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats

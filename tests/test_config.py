@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,6 +153,63 @@ time_field = "mtime"
     again = load(write(tmp_path, dumps_toml(cfg)), environ=EMPTY)
     assert again == cfg
     assert again.jobs[0]["window"]["watermark"] == "10 minutes"
+
+
+@pytest.mark.parametrize(
+    ("job", "error"),
+    [
+        ({"kind": "topn", "stream": "meetup", "field": "x"}, r"jobs\[1\]: Object missing .*`name`"),
+        (
+            {"name": "t", "kind": "top", "stream": "meetup"},
+            r"jobs\[1\]\.kind: Invalid enum value",
+        ),
+        ({"name": "t", "kind": "topn", "stream": "meetup", "feild": "x"}, r"jobs\[1\]: .*`feild`"),
+        ({"name": "t", "kind": "topn", "stream": "meetup", "n": 0}, r"jobs\[1\]\.n: Expected"),
+        ({"name": "t", "kind": "topn", "stream": "meetup"}, r"jobs\[1\]: job 't': topn needs"),
+        (
+            {"name": "t", "kind": "count", "stream": "meetup", "by": ["a..b"]},
+            r"jobs\[1\]: .*a\.\.b",
+        ),
+        (
+            {"name": "t", "kind": "custom", "stream": "meetup", "function": "windows"},
+            r"jobs\[1\]: .*expected 'module:function'",
+        ),
+        (
+            {
+                "name": "t",
+                "kind": "count",
+                "stream": "meetup",
+                "by": ["a"],
+                "window": {"length": "5 parsecs"},
+            },
+            r"jobs\[1\]: .*5 parsecs",
+        ),
+        (
+            {"name": "t", "kind": "topn", "stream": "meetpu", "field": "x"},
+            r"jobs\[1\]\.stream: no stream 'meetpu'",
+        ),
+        (
+            {"name": "ok", "kind": "topn", "stream": "meetup", "field": "x"},
+            r"jobs\[1\]\.name: 'ok' is also jobs\[0\]'s",
+        ),
+    ],
+)
+def test_a_bad_job_is_refused_as_the_config_loads_naming_its_entry(
+    job: dict[str, Any], error: str
+) -> None:
+    good = {"name": "ok", "kind": "topn", "stream": "meetup", "field": "x"}
+    assert validate({"jobs": [good]}).jobs == [good]
+    with pytest.raises(ConfigError, match=error):
+        validate({"jobs": [good, job]})
+
+
+def test_jobs_may_analyse_a_users_own_stream_and_the_results_stream() -> None:
+    own = {"name": "c", "kind": "count", "stream": "clicks", "by": ["page"]}
+    res = {"name": "r", "kind": "count", "stream": "results", "by": ["query"]}
+    cfg = validate({"streams": {"clicks": {}}, "jobs": [own, res]})
+    assert [j["name"] for j in cfg.jobs] == ["c", "r"]
+    with pytest.raises(ConfigError, match=r"jobs\[0\]\.stream: no stream 'meetup'"):
+        validate({"streams": {"clicks": {}}, "jobs": [{**own, "stream": "meetup"}]})
 
 
 def test_extra_logger_replicas_need_as_much_k() -> None:

@@ -21,10 +21,10 @@ from jobs.deadletter_book import DeadLetterBook
 from jobs.driver_status import behind, query_rows
 from jobs.queries import Query, QuerySet, keep_running
 from jobs.sink import BatchReport
-from jobs.specs import JobSpec, deadletter_query_name, decode_spec
 from jobs.wanted import WantedJobs
 from runtime.checkpoint import CheckpointStore
 from runtime.config import load
+from runtime.job_specs import JobSpec, deadletter_query_name, decode_spec
 from runtime.nats import NatsEndpoint
 
 pytestmark = pytest.mark.unit

@@ -37,9 +37,9 @@ from jobs.copies import (
 )
 from jobs.copy_tracker import archive_copy_error
 from jobs.sink import results_by_query
-from jobs.specs import deadletter_query_name, decode_spec
 from runtime.config import Config, load
 from runtime.geo import link_deny
+from runtime.job_specs import deadletter_query_name, decode_spec
 from runtime.nats import connect
 from runtime.services import ensure_streams
 from runtime.sites import NatsSites

@@ -21,17 +21,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import StreamConfig
 
-from jobs.errors import JobError
 from jobs.event_time import iso_ms
 from jobs.jetstream import register
-from jobs.paths import Step, extract, json_schema, parse_path
+from jobs.paths import extract, json_schema
 from jobs.plans import load_function
 from jobs.running import checkpoint_run_id, start_deadletters, start_job
 from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketch_state import pane_windows
-from jobs.specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
 from jobs.windows import late_count
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, JobError
+from runtime.job_specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
+from runtime.json_paths import Step, parse_path
 from runtime.nats import NatsEndpoint
 from tests.oracles import sliding_reference
 from tests.support import NatsFactory, with_nats

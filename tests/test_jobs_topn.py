@@ -24,11 +24,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.errors import JobError
 from jobs.event_time import iso_ms
 from jobs.paths import extract_values
 from jobs.plans import build_plan
-from jobs.specs import JobSpec, decode_spec
 from jobs.topn import (
     COUNT,
     END,
@@ -45,6 +43,8 @@ from jobs.topn import (
     pane_ms,
     rank,
 )
+from runtime.errors import JobError
+from runtime.job_specs import JobSpec, decode_spec
 from tests.oracles import sliding_reference
 
 pytestmark = pytest.mark.timeout(300)

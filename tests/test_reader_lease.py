@@ -29,9 +29,9 @@ from jobs.copies import acurrent_copy
 from jobs.read_lease import READERS_DIR, HistoryGap, Lease, ReadLease, live_floor, read_leases
 from jobs.recompute import recompute
 from jobs.retention_holds import reader_holds, trim
-from jobs.specs import decode_spec
 from jobs.sql import StreamTable, run_sql
 from runtime.config import validate
+from runtime.job_specs import decode_spec
 from runtime.nats import NatsEndpoint
 from runtime.services import ensure_streams
 from runtime.waiting import wait_until

@@ -52,7 +52,7 @@ from actors.collection.buffer_ingest import BufferIngest
 from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter
 from actors.collection.handoff import BridgeHandoff
 from actors.collection.http_routes import HttpProducers, reply
-from actors.collection.ingest import COUNTERS, IngestPath, QueueRefused
+from actors.collection.ingest import COUNTERS, IngestPath
 from actors.collection.nats_ingest import NatsIngest
 from actors.collection.udp import UdpIngest
 from actors.collection.websocket import WebSocketProducers
@@ -66,8 +66,7 @@ from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
 
-# QueueRefused is declared with the path that raises it (ingest.py) and kept importable here
-__all__ = ["Collector", "QueueRefused", "untokened_paths_off"]
+__all__ = ["Collector", "untokened_paths_off"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

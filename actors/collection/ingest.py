@@ -34,6 +34,7 @@ from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
 from runtime.compaction import CompactingLogic, stream_logic
 from runtime.config import Config, system_streams
+from runtime.errors import TierflowError
 from runtime.events import Event
 from runtime.logic import StreamLogic
 from runtime.publisher import MSG_ID_HEADER, header_bytes
@@ -102,7 +103,7 @@ def is_system_stream(cfg: Config, stream: str) -> bool:
     return stream in SYSTEM_STREAMS or any(s.startswith(_SYSTEM_PREFIXES) for s in subjects)
 
 
-class QueueRefused(Exception):
+class QueueRefused(TierflowError):
     """Mode none only: JetStream did not acknowledge, and no log holds the events."""
 
 

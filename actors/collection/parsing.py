@@ -1,6 +1,6 @@
 """The Collector's request parsing without the I/O: bodies to JSON objects, objects to `Event`s.
 
-Pure, so the aiohttp/Ray layer in `actors/collection/collector.py` stays a thin shell and these
+Pure, so the ingest path (`actors/collection/ingest.py`) and its transports stay thin and these
 rules are tested alone:
 
 - `parse_body` turns a request body into JSON objects or raises `BadInput` (HTTP 4xx

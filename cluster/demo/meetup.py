@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from jobs.event_time import iso_ms
-from jobs.specs import JobSpec, WindowSpec
+from runtime.job_specs import JobSpec, WindowSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

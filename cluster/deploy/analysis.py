@@ -23,11 +23,11 @@ from jobs.driver import (
     AnalysisDriver,
     default_master,
 )
-from jobs.errors import JobError
-from jobs.specs import JobSpec, decode_spec
 from jobs.sql_admission import SQL_WAITING, sql_slots
 from jobs.standby import standby_name
 from runtime.config import Config
+from runtime.errors import JobError
+from runtime.job_specs import JobSpec, decode_spec
 from runtime.nats_endpoint import NatsEndpoint
 from runtime.ray_supervisor import supervised_options
 from runtime.supervision import ChildSpec

@@ -58,8 +58,8 @@ from cluster.demo.rsvps import RsvpGenerator
 from jobs.deadletter_scan import DeadLetterScan
 from jobs.jetstream import register
 from jobs.running import start_deadletters, start_job
-from jobs.specs import JobSpec
 from runtime.config import load
+from runtime.job_specs import JobSpec
 from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.services import spark_session
 from runtime.waiting import wait_until

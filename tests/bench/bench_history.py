@@ -42,9 +42,9 @@ from jobs.jetstream import register
 from jobs.recompute import recompute
 from jobs.running import start_job
 from jobs.sink import results_by_query
-from jobs.specs import JobSpec
 from jobs.sql import StreamTable, run_sql
 from runtime.config import load
+from runtime.job_specs import JobSpec
 from runtime.nats import NatsEndpoint, NatsServer, connect
 from runtime.publisher import JetStreamPublisher, Outgoing
 from runtime.services import spark_session

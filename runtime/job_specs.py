@@ -4,7 +4,8 @@ A `JobSpec` names a stream, a kind (``topn``, ``distinct``, ``count``, ``sample`
 ``custom``; jobs/plans.py says what each computes) and the fields to analyse by JSON path
 (jobs/paths.py). The same spec works from the config (``[[jobs]]``), the CLI (`parse_job`:
 ``key=value`` words or JSON) and code (`decode_spec`). Everything here is pure: the CLI checks
-a spec without loading Spark.
+a spec without loading Spark, and the config checks every `[[jobs]]` entry as it loads
+(`runtime.config.validate`), before anything starts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from jobs.errors import JobError
-from jobs.paths import parse_path
+from runtime.errors import JobError
 from runtime.hooks import is_hook
+from runtime.json_paths import parse_path
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=100)]
 Kind = Literal["topn", "distinct", "count", "sample", "custom"]
