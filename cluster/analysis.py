@@ -15,7 +15,7 @@ import ray
 
 from cluster.demo.meetup import QUERIES, STREAM, meetup_jobs
 from cluster.deploy.analysis import start_driver
-from jobs.driver import DRIVER_NAME, JobsError
+from jobs.driver import DRIVER_NAME, AnalysisDriverError
 from runtime import runstate
 from runtime.config import Config
 from runtime.job_specs import JobSpec, decode_spec, parse_job
@@ -32,7 +32,7 @@ def connect_ray(cfg: Config) -> None:
     ray_state = state.get("ray") or {}
     address = cfg.ray.address or ray_state.get("address") or os.environ.get("RAY_ADDRESS", "")
     if not address:
-        raise JobsError(
+        raise AnalysisDriverError(
             "no Ray to join: start tierflow with `tierflow up --detach`, set ray.address, or "
             "run under `ray job submit`"
         )
@@ -43,7 +43,7 @@ def runtime_nats_url(cfg: Config) -> str:
     """``nats.url``, or the URL of the running tierflow's embedded server."""
     url = runstate.nats_url(cfg)
     if not url:
-        raise JobsError("no NATS URL: set nats.url, or start tierflow with `tierflow up`")
+        raise AnalysisDriverError("no NATS URL: set nats.url, or start tierflow with `tierflow up`")
     return url
 
 
@@ -76,7 +76,7 @@ def resolve_jobs(cfg: Config, name: str) -> list[JobSpec]:
         return [known[q] for q in QUERIES if q in known]
     if "=" in name or name.lstrip().startswith("{"):
         return [parse_job(name)]
-    raise JobsError(
+    raise AnalysisDriverError(
         f"unknown job {name!r}: known are {sorted(known) or 'none'}; or give a spec such as "
         "'name=topics kind=topn stream=meetup field=group.group_topics[].topic_name'"
     )
@@ -86,7 +86,7 @@ def _call(ref: Any, timeout: float) -> Any:
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError as err:
-        raise JobsError(f"the analysis driver did not answer within {timeout} s") from err
+        raise AnalysisDriverError(f"the analysis driver did not answer within {timeout} s") from err
 
 
 def jobs_list(cfg: Config) -> list[dict[str, Any]]:
@@ -123,7 +123,7 @@ def jobs_stop(cfg: Config, name: str) -> list[dict[str, Any]]:
     connect_ray(cfg)
     driver = get_driver(cfg)
     if driver is None:
-        raise JobsError("the analysis driver is not running")
+        raise AnalysisDriverError("the analysis driver is not running")
     names = list(QUERIES) if name == "meetup" else [name]
     return [_call(driver.stop.remote(n, 60.0), 90) for n in names]
 
@@ -134,9 +134,9 @@ def jobs_recompute(cfg: Config, name: str, timeout_s: float = 3600.0) -> list[di
     connect_ray(cfg)
     driver = get_driver(cfg)
     if driver is None:
-        raise JobsError("the analysis driver is not running")
+        raise AnalysisDriverError("the analysis driver is not running")
     try:
         return [_call(driver.recompute.remote(name, 120.0), timeout_s)]
     except ray.exceptions.RayTaskError as err:
         cause = err.cause if isinstance(err.cause, Exception) else err
-        raise JobsError(str(cause).strip().splitlines()[-1]) from None
+        raise AnalysisDriverError(str(cause).strip().splitlines()[-1]) from None

@@ -81,7 +81,7 @@ from jobs.retention_runner import RetentionRunner
 from jobs.wanted import WantedJobs
 from jobs.warm_pair import WarmPair, own_wait, warm_up
 from runtime.config import Config, validate
-from runtime.errors import JobError
+from runtime.errors import JobError, TierflowError
 from runtime.job_specs import decode_spec
 from runtime.nats import NatsEndpoint
 from runtime.ray_supervisor import SupervisedActor
@@ -105,7 +105,7 @@ RECONCILE_S = 1.0
 EXIT_ESCALATED = 70  # the driver's exit status when it restarts itself (jobs/escalation.py)
 
 
-class JobsError(RuntimeError):
+class AnalysisDriverError(TierflowError, RuntimeError):
     """The analysis driver cannot be reached or refused a request; the message says why."""
 
 
@@ -170,7 +170,7 @@ class AnalysisDriver(SupervisedActor):
         super().__init__(state_dir, name=name, open_store=peer is None)
         self.nats = NatsEndpoint.from_config(self.cfg, "analysis", url=nats_url)
         if not self.nats.url:
-            raise JobsError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
+            raise AnalysisDriverError("AnalysisDriver: no NATS URL (pass nats_url or set nats.url)")
         self.master = master or default_master(self.cfg)
         self.checkpoint_root = queries_root(self.cfg, state_dir)
         self.spark: SparkSession | None = None
@@ -190,7 +190,7 @@ class AnalysisDriver(SupervisedActor):
             closing=self._closing,
             adopt=self.adopt_store,
             jvm_pid=self._jvm_pid,
-            error=JobsError,
+            error=AnalysisDriverError,
         )
         self._copies = CopyTracker(self.nats)
         self._sql = AdhocSql(self.cfg, self.nats, self.checkpoint_root, self._copies.copy_of)
@@ -333,14 +333,14 @@ class AnalysisDriver(SupervisedActor):
 
     def _forward(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.peer is None:
-            raise JobsError(f"analysis driver {self.name!r} is {self.state}")
+            raise AnalysisDriverError(f"analysis driver {self.name!r} is {self.state}")
         wait = own_wait(getattr(type(self), method), args, kwargs)
         return self._pair.forward(method, args, kwargs, wait)
 
     def from_standby(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """A call a standby handed over; never handed on, so two standbys cannot loop."""
         if self.role != "active":
-            raise JobsError(
+            raise AnalysisDriverError(
                 "no analysis driver is active yet (both stand by: starting or taking over)"
             )
         return getattr(self, method)(*args, **kwargs)
@@ -371,7 +371,7 @@ class AnalysisDriver(SupervisedActor):
             return self.local_status()
         try:
             return self._forward("local_status", (), {})
-        except JobsError:
+        except AnalysisDriverError:
             return {**self.role_info(), "error": self.error, "jobs": [], "queries": {}}
 
     def local_status(self) -> dict[str, Any]:
@@ -457,20 +457,24 @@ class AnalysisDriver(SupervisedActor):
         with self._wanted.lock:
             spec = self._wanted.jobs.get(name)
             if spec is None:
-                raise JobsError(f"job {name!r} is not running in the driver: start it first")
+                raise AnalysisDriverError(
+                    f"job {name!r} is not running in the driver: start it first"
+                )
             try:
                 check_mergeable(spec)
             except JobError as err:
-                raise JobsError(str(err)) from None
+                raise AnalysisDriverError(str(err)) from None
             if self.spark is None or self.state != "running":
-                raise JobsError(f"the analysis driver's Spark is {self.state}")
+                raise AnalysisDriverError(f"the analysis driver's Spark is {self.state}")
             if name in self._wanted.paused:
-                raise JobsError(f"job {name!r} is being recomputed already")
+                raise AnalysisDriverError(f"job {name!r} is being recomputed already")
             self._wanted.paused.add(name)
         self._wake.set()
         try:
             if self._wait_for(name, lambda row: row is None, wait_s) is not None:
-                raise JobsError(f"job {name!r}: its streaming query did not stop in {wait_s} s")
+                raise AnalysisDriverError(
+                    f"job {name!r}: its streaming query did not stop in {wait_s} s"
+                )
             view = self._generations.recompute(spec, self._copies.copy_of(spec.stream))
         finally:
             self._wanted.resume(name)
@@ -490,7 +494,7 @@ class AnalysisDriver(SupervisedActor):
         to `wait_s` for its query to run (or fail) and return its status row."""
         spec = decode_spec(job if isinstance(job, str) else dict(job))
         if self._wanted.want(spec) is not None:
-            raise JobsError(
+            raise AnalysisDriverError(
                 f"job {spec.name!r} runs with another spec; stop it first (its checkpoint "
                 "holds the old query's state: a changed query needs a new name)"
             )
@@ -557,7 +561,7 @@ class AnalysisDriver(SupervisedActor):
 __all__ = [
     "DRIVER_NAME",
     "AnalysisDriver",
-    "JobsError",
+    "AnalysisDriverError",
     "backoff_s",
     "committed",
     "default_master",

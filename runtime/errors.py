@@ -61,8 +61,8 @@ actors.access (gateways and their client)
     WebhookError            a webhook registration that cannot be accepted (also ValueError)
 jobs (the analysis tier)
     JobError                a job spec or a JSON path is invalid [here; also ValueError]
-    JobsError               the analysis driver cannot be reached or refused a request
-                            [jobs.driver; also RuntimeError] (*)
+    AnalysisDriverError     the analysis driver cannot be reached or refused a request
+                            [jobs.driver; also RuntimeError]
     SinkError               results could not be made durable: the batch fails, is replayed
       LeaseFenced           (above)
     JetStreamSourceError    a Spark job's JetStream source is misconfigured or cannot read
@@ -78,9 +78,6 @@ cluster (operations)
     LabError                a lab command failed [cluster.lab.hosts; also RuntimeError]
     LabPlanError            a lab that cannot be made as asked [cluster.lab.plan; also
                             ValueError]
-
-(*) not yet a TierflowError: its module is being changed elsewhere; tests/test_errors.py
-lists these and passes once each is one.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Nor may it rewrite itself or blow up the driver that runs it:
 
 These are syntactic limits: they cannot know what an unqualified column belongs to, nor
 how large a stream's own values are; the driver adds its own (admission, the SQL session's
-settings, the timeout and the answer's size, jobs/driver.py and jobs/sql.py).
+settings, the timeout and the answer's size: jobs/adhoc_sql.py and jobs/sql.py).
 
 The tables a query touches come back with it, so the caller checks the user may read each.
 sqlglot does the parsing; what is hand-written here is the policy, which no library has.

@@ -33,7 +33,7 @@ from cluster.demo.rsvps import RsvpGenerator
 from jobs.archive import queries_root
 from jobs.driver import (
     DRIVER_NAME,
-    JobsError,
+    AnalysisDriverError,
     backoff_s,
     committed,
     default_master,
@@ -251,7 +251,7 @@ def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
     assert resolve_jobs(cfg, "meetup_topn")[0].capacity == 100_000
     (spec,) = resolve_jobs(cfg, "name=x kind=distinct stream=meetup field=member.member_id")
     assert spec.kind == "distinct"
-    with pytest.raises(JobsError, match="unknown job 'nope'"):
+    with pytest.raises(AnalysisDriverError, match="unknown job 'nope'"):
         resolve_jobs(cfg, "nope")
 
 

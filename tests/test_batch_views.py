@@ -33,7 +33,7 @@ from jobs.batch_view import (
     retire_checkpoints,
     save_view,
 )
-from jobs.driver import JobsError
+from jobs.driver import AnalysisDriverError
 from jobs.recompute import subject_regex
 from jobs.sink import results_by_query
 from jobs.sketches import Distinct
@@ -296,9 +296,9 @@ def test_recompute_after_dropped_state_equals_an_uninterrupted_run(
 
 def test_recompute_refuses_what_cannot_merge_or_is_not_running(driver: Any, cfg: Config) -> None:
     jobs_start(cfg, json.dumps(job("sampled", "sample", field="region", n=3)))
-    with pytest.raises(JobsError, match="cannot be recomputed"):
+    with pytest.raises(AnalysisDriverError, match="cannot be recomputed"):
         jobs_recompute(cfg, "sampled")
-    with pytest.raises(JobsError, match="not running in the driver"):
+    with pytest.raises(AnalysisDriverError, match="not running in the driver"):
         jobs_recompute(cfg, "nope")
     jobs_stop(cfg, "sampled")
 

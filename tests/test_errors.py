@@ -22,13 +22,6 @@ from tests import layers
 
 pytestmark = pytest.mark.unit
 
-# Declared in modules being changed elsewhere (runtime/errors.py marks them "(*)"): not yet
-# TierflowErrors, and left out of the name check until they are. Remove a name once its
-# class is a TierflowError; the test says so until then.
-PENDING = {
-    "jobs.driver.JobsError",
-}
-
 
 def _modules() -> tuple[list[ModuleType], dict[str, str]]:
     """Every importable module of the product packages, and those skipped: name -> why.
@@ -90,16 +83,13 @@ def test_every_public_error_is_a_tierflow_error(declared: list[type[BaseExceptio
 
     public = {_qualified(c): c for c in _public(declared)}
     outside = {name for name, c in public.items() if not issubclass(c, TierflowError)}
-    assert outside - PENDING == set(), "subclass runtime.errors.TierflowError"
-    done = {name for name in PENDING & public.keys() if name not in outside}
-    assert done == set(), "a TierflowError now: remove it from PENDING"
+    assert outside == set(), "subclass runtime.errors.TierflowError"
 
 
 def test_no_two_public_errors_share_a_name(declared: list[type[BaseException]]) -> None:
     by_name: dict[str, list[type[BaseException]]] = defaultdict(list)
     for cls in _public(declared):
-        if _qualified(cls) not in PENDING:
-            by_name[cls.__name__].append(cls)
+        by_name[cls.__name__].append(cls)
     clashes = [
         sorted(_qualified(c) for c in group)
         for group in by_name.values()

@@ -161,7 +161,7 @@ def test_a_standby_hands_sql_to_the_active_drivers_sql_threads(
     from types import SimpleNamespace
 
     from jobs import warm_pair
-    from jobs.driver import SQL_GROUP, AnalysisDriver, JobsError
+    from jobs.driver import SQL_GROUP, AnalysisDriver, AnalysisDriverError
     from tests.test_standby import a_standby_pair
 
     sent: list[tuple[Any, ...]] = []
@@ -170,7 +170,7 @@ def test_a_standby_hands_sql_to_the_active_drivers_sql_threads(
     )
     standby = AnalysisDriver.__new__(AnalysisDriver)
     standby.name = "tierflow-analysis-standby"
-    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", JobsError)
+    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", AnalysisDriverError)
     assert standby.role == "standby"
     monkeypatch.setattr(standby._pair, "peer_handle", lambda: peer)
     monkeypatch.setattr(warm_pair, "actor_state", lambda handle: state)

@@ -165,7 +165,7 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     from types import SimpleNamespace
 
     from jobs import warm_pair
-    from jobs.driver import AnalysisDriver, JobsError
+    from jobs.driver import AnalysisDriver, AnalysisDriverError
 
     sent: list[str] = []
     options: list[dict[str, object]] = []
@@ -176,7 +176,7 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
     )
     standby = AnalysisDriver.__new__(AnalysisDriver)
     standby.name = "tierflow-analysis-standby"
-    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", JobsError)
+    standby._pair = a_standby_pair(standby.name, "tierflow-analysis", AnalysisDriverError)
     monkeypatch.setattr(standby._pair, "peer_handle", lambda: peer)
     monkeypatch.setattr(warm_pair, "actor_state", lambda handle: state)
     monkeypatch.setattr(warm_pair.ray, "get", lambda ref, timeout: {"answered": ref})
@@ -185,6 +185,8 @@ def test_a_standby_hands_a_call_on_only_to_a_peer_that_is_up(
         assert sent == ["local_status"]
         assert options == [{"max_task_retries": 0}]  # a peer dying under it: no wait
     else:
-        with pytest.raises(JobsError, match=f"is {state.lower()}: no driver is active yet"):
+        with pytest.raises(
+            AnalysisDriverError, match=f"is {state.lower()}: no driver is active yet"
+        ):
             standby._forward("local_status", (), {})
         assert sent == []

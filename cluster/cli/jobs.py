@@ -51,7 +51,7 @@ def _call(fn_name: str, config: Path | None, *args: Any) -> list[dict[str, Any]]
     cfg = load_config(config)
     try:
         return getattr(analysis, fn_name)(cfg, *args)
-    except analysis.JobsError as err:
+    except analysis.AnalysisDriverError as err:
         err_console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
