@@ -89,7 +89,7 @@ class StatusMetrics:
         self.replication_kicks = Gauge(
             "tierflow_replication_source_kicks",
             "Leader changes this runtime asked of its site's copies stalled on nats-server's "
-            "source retry backoff (runtime/geo.py SourceWatch)",
+            "source retry backoff (runtime/geo/replication.py SourceWatch)",
             registry=self.registry,
         )
         self.replication_up = Gauge(

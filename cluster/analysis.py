@@ -18,8 +18,8 @@ from cluster.deploy.analysis import start_driver
 from jobs.driver import DRIVER_NAME, AnalysisDriverError
 from runtime import runstate
 from runtime.config import Config
+from runtime.engines.services import join_ray
 from runtime.job_specs import JobSpec, decode_spec, parse_job
-from runtime.services import join_ray
 
 
 def connect_ray(cfg: Config) -> None:

@@ -1,5 +1,5 @@
 """The decision behind `tierflow site promote SITE` (docs/geo.md): pure, from the config,
-the sites' state file and the replication rows (runtime/geo.py `replication_lag`).
+the sites' state file and the replication rows (runtime/geo/replication.py `replication_lag`).
 
 Promotion changes nothing in JetStream's replication, which needs no command: every copy
 takes writes all along and sources the others as they come and go. What promotion decides
@@ -31,7 +31,7 @@ class Promotion:
 
 
 def site_url(state: Mapping[str, Any] | None, site: str) -> str:
-    """SITE's comma-joined client URLs from a sites.json (runtime/sites.py), or ''."""
+    """SITE's comma-joined client URLs from a sites.json (runtime/geo/sites.py), or ''."""
     for s in (state or {}).get("sites") or []:
         if s.get("name") == site:
             return ",".join(s.get("urls") or [])

@@ -19,9 +19,9 @@ from jobs.copies import CopyError, acurrent_copy, current_copy, read_copy
 from jobs.sql import SqlResult, StreamTable, run_sql, tables_for
 from runtime import runstate
 from runtime.config import Config
+from runtime.data.sql_check import check_select
 from runtime.errors import TierflowError
-from runtime.nats import NatsEndpoint
-from runtime.sql_check import check_select
+from runtime.nats.server import NatsEndpoint
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -76,7 +76,7 @@ def query(
 ) -> SqlResult:
     """Run one query (SqlRefused / SqlTimeout say why not) in `spark` or a local session."""
     from jobs.jetstream import register
-    from runtime.services import spark_session
+    from runtime.engines.services import spark_session
 
     tables = sql_tables(cfg)
     check_select(text, tables)  # a refusal costs no Spark start

@@ -32,13 +32,13 @@ from cluster.pipeline import start_collection_tier
 from cluster.replay import ReplayServer
 from cluster.roles import RoleView, load, rates, scalars
 from runtime import runstate
-from runtime.autoscaling import Controller, Sample
 from runtime.config import Config, SourceConfig
-from runtime.geo import SourceWatch, local_site, replication_lag
+from runtime.engines.services import Services, connect_nats, ensure_streams
+from runtime.geo.replication import SourceWatch, local_site, replication_lag
 from runtime.job_specs import decode_spec
 from runtime.roles import SCALABLE_ROLES
-from runtime.services import Services, connect_nats, ensure_streams
-from runtime.supervision import Intensity
+from runtime.supervision.autoscaling import Controller, Sample
+from runtime.supervision.policy import Intensity
 from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Runtime:
         self.driver: Any = None
         self._scaling = asyncio.Lock()
         self.roles: Any = None  # cluster.roles.RoleView
-        self.autoscaler: Any = None  # runtime.autoscaling.Controller
+        self.autoscaler: Any = None  # runtime.supervision.autoscaling.Controller
         self._auto_stop = threading.Event()
         self._auto_thread: threading.Thread | None = None
         self._snap: tuple[float, dict[str, list[dict[str, Any]]]] = (0.0, {})
@@ -107,7 +107,7 @@ class Runtime:
 
     async def _start_geo_watch(self) -> None:
         """This site's stream copies kicked off nats-server's source retry backoff once a
-        lost origin answers again (runtime/geo.py `SourceWatch`)."""
+        lost origin answers again (runtime/geo/replication.py `SourceWatch`)."""
         groups = [s.replicate for s in self.cfg.streams.values() if s.replicate is not None]
         if not groups:
             return

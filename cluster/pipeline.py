@@ -40,9 +40,9 @@ from cluster.deploy.logger import logger_role
 from cluster.deploy.stream_ingest import ingest_role
 from runtime.binding import url_host
 from runtime.config import Config
-from runtime.nats import free_port
-from runtime.placement import actor_nodes, next_index
-from runtime.supervision import ChildSpec
+from runtime.nats.server import free_port
+from runtime.state.placement import actor_nodes, next_index
+from runtime.supervision.policy import ChildSpec
 from runtime.tls import http_scheme
 from runtime.waiting import wait_until
 

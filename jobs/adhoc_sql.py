@@ -22,14 +22,14 @@ from jobs.read_lease import HistoryGap
 from jobs.spark_session import SQL_POOL
 from jobs.sql import SqlTimeout, StreamTable, json_result, run_sql, tables_for
 from jobs.sql_admission import SqlAdmission, sql_slots
-from runtime.sql_check import SqlRefused, check_select
+from runtime.data.sql_check import SqlRefused, check_select
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from jobs.copies import CopyId
     from runtime.config import Config
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 log = logging.getLogger(__name__)
 

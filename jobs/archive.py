@@ -63,8 +63,8 @@ from jobs.copies import CopyId, current_copy, read_copy
 from runtime.clock import now_ms
 from runtime.config import Config
 from runtime.errors import TierflowError
-from runtime.files import write_atomic
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
+from runtime.state.files import write_atomic
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

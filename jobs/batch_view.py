@@ -39,8 +39,8 @@ from jobs.copies import MERGEABLE, CopyId
 from jobs.sketches import Distinct
 from jobs.topn import TopBase
 from runtime.errors import JobError
-from runtime.files import write_atomic
 from runtime.job_specs import JobSpec
+from runtime.state.files import write_atomic
 
 VIEWS_DIR = "views"
 

@@ -1,4 +1,4 @@
-"""Build the Spark driver's class-data-sharing archive (runtime/class_archive.py).
+"""Build the Spark driver's class-data-sharing archive (runtime/engines/class_archive.py).
 
 The archive holds the classes one run loaded, so the run has to be the analysis tier's
 own: a SparkSession with the driver's settings (RocksDB state, the checkpoint file
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.jetstream_options import SCHEMA_DDL
-from runtime.class_archive import (
+from runtime.engines.class_archive import (
     DRIVER_OPTIONS,
     archive_path,
     dump_options,
@@ -145,7 +145,7 @@ def train(out: Path, work: Path) -> None:
     from jobs.jetstream import register
     from jobs.spark_session import analysis_conf
     from runtime.config import load
-    from runtime.services import spark_session
+    from runtime.engines.services import spark_session
 
     conf = analysis_conf({DRIVER_OPTIONS: dump_options(out), "spark.ui.showConsoleProgress": False})
     spark_cfg = {"conf": conf, "class_archive": False}

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from runtime.errors import TierflowError
-from runtime.files import write_atomic
+from runtime.state.files import write_atomic
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 __all__ = [
     "COPY_FILE",

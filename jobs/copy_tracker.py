@@ -27,7 +27,7 @@ from runtime.clock import now_ms
 
 if TYPE_CHECKING:
     from jobs.queries import Query
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 log = logging.getLogger(__name__)
 

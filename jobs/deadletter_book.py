@@ -18,7 +18,7 @@ from jobs.checkpoints import committed
 
 if TYPE_CHECKING:
     from jobs.sink import BatchReport
-    from runtime.checkpoint import Namespace
+    from runtime.state.checkpoint import Namespace
 
 __all__ = ["DeadLetterBook", "DeadLetterCount", "deadletter_position"]
 

@@ -35,7 +35,7 @@ from jobs.jetstream_options import SeqRange, SourceOptions
 from jobs.jetstream_read import StreamControl, read_range
 from jobs.sink import BatchReport, ResultSink
 from runtime.job_specs import deadletter_query_name
-from runtime.nats_endpoint import NatsEndpoint
+from runtime.nats.endpoint import NatsEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -83,14 +83,14 @@ from jobs.warm_pair import WarmPair, own_wait, warm_up
 from runtime.config import Config, validate
 from runtime.errors import JobError, TierflowError
 from runtime.job_specs import decode_spec
-from runtime.nats import NatsEndpoint
-from runtime.ray_supervisor import SupervisedActor
+from runtime.nats.server import NatsEndpoint
 from runtime.roles import ANALYSIS_DRIVER
+from runtime.supervision.ray_actors import SupervisedActor
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from runtime.checkpoint import CheckpointStore
+    from runtime.state.checkpoint import CheckpointStore
 
 log = logging.getLogger(__name__)
 

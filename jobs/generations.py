@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from jobs.sql import StreamTable
     from runtime.job_specs import JobSpec
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 __all__ = ["Generations", "stream_end"]
 

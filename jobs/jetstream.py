@@ -19,7 +19,7 @@ Options (names are case-insensitive):
 url                  NATS URL, or several comma-joined (required)
 user, password       credentials; or ``token``; or ``creds`` (a .creds file); ``tlsCa`` a CA file
 tlsCert, tlsKey      the client certificate and key (for a server that verifies clients)
-                     (these are `runtime.nats.NatsEndpoint.to_options`)
+                     (these are `runtime.nats.server.NatsEndpoint.to_options`)
 stream               the JetStream stream (required)
 subject              subject filter; several comma-joined (default: every subject)
 startingOffset       ``earliest`` (default), ``latest``, or a stream sequence; a new query only

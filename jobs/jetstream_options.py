@@ -48,7 +48,7 @@ def websocket_ready(url: str) -> None:
 
 _nats_without_aiohttp()
 
-from runtime.nats_endpoint import NatsEndpoint  # noqa: E402  (after the guard above)
+from runtime.nats.endpoint import NatsEndpoint  # noqa: E402  (after the guard above)
 
 log = logging.getLogger(__name__)
 

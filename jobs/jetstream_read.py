@@ -45,9 +45,9 @@ from jobs.jetstream_options import (
     websocket_ready,
 )
 from runtime.loop_thread import LoopThread
-from runtime.nats_endpoint import NatsEndpoint
-from runtime.nats_wire import Take, install
-from runtime.publisher import MSG_ID_HEADER
+from runtime.nats.endpoint import NatsEndpoint
+from runtime.nats.publisher import MSG_ID_HEADER
+from runtime.nats.wire import Take, install
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -644,7 +644,7 @@ def take_deliveries(nc: Client, take: Take) -> None:
 
     Relies on two internals of the pinned nats-py (2.16): the protocol parser `nc._ps` and
     `nc._process_msg`, which the parser calls per message. The parser keeps its state; only
-    its class changes, to `runtime.nats_wire.FastLaneParser`, whose fast lane reads whole
+    its class changes, to `runtime.nats.wire.FastLaneParser`, whose fast lane reads whole
     ``MSG``/``HMSG`` frames with a few byte operations and leaves every other operation to
     nats-py.
     """

@@ -24,8 +24,8 @@ from jobs.copies import MERGEABLE, CopyError
 from jobs.copy_tracker import CopyTracker, archive_copy_error
 from jobs.deadletter_scan import DeadLetterScan
 from jobs.running import start_job
+from runtime.engines.services import spark_session
 from runtime.errors import JobError
-from runtime.services import spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from jobs.sink import BatchReport
     from runtime.config import Config
     from runtime.job_specs import JobSpec
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 __all__ = ["QueryStarts", "start_spark"]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import TierflowError
-from runtime.files import write_atomic
+from runtime.state.files import write_atomic
 
 __all__ = [
     "READERS_DIR",

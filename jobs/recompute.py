@@ -23,7 +23,7 @@ from jobs.sql import StreamTable, stream_events
 from jobs.topn import TopBase
 from runtime.clock import now_ms
 from runtime.job_specs import JobSpec, check_spec
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

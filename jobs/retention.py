@@ -1,7 +1,7 @@
 """Retention of an archived stream: JetStream drops only what the archive already holds.
 
 With `[streams.X.archive]` the archive is the system of record (book ch. 6), so the stream
-is made with no `max_age` and ``discard: new`` (runtime/services.py `ensure_streams`), and
+is made with no `max_age` and ``discard: new`` (runtime/engines/services.py `ensure_streams`), and
 its configured limits are kept here instead, by purging from the front:
 
 - events older than `max_age_s` go, once archived;

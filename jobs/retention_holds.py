@@ -3,8 +3,8 @@
 
 - **Copies on other sites** (`[streams.X.replicate]`, docs/geo.md): each other site's copy
   sources this copy's local writes; its hold is the first of them it has not stored
-  (runtime/geo.py `sourced_next`). A site that does not answer (down, or the link cut) holds
-  at the last position it confirmed, kept per copy in ``<checkpoint
+  (runtime/geo/replication.py `sourced_next`). A site that does not answer (down, or the
+  link cut) holds at the last position it confirmed, kept per copy in ``<checkpoint
   root>/.retention-floors/<stream>.json`` so that a restarted driver holds there too; a
   site never heard from holds everything. A site's floor only moves forward (`confirm`).
 - **Readers** (jobs/read_lease.py): each live lease holds from the sequence it reads from.
@@ -25,8 +25,8 @@ import msgspec
 from jobs.copies import CopyId
 from jobs.read_lease import live_floor, read_leases
 from jobs.retention import Hold, Purge, enforce
-from runtime.files import write_atomic
-from runtime.geo import local_site, sourced_next
+from runtime.geo.replication import local_site, sourced_next
+from runtime.state.files import write_atomic
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from jobs.retention import Purge
     from runtime.config import Config
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
 log = logging.getLogger(__name__)
 

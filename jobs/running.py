@@ -25,7 +25,7 @@ from jobs.sink import BatchReport, DeadLetterBatch, ResultSink, check_fence
 from jobs.spark_session import POOL_PROPERTY, query_pool
 from jobs.topn import BatchRows
 from runtime.job_specs import JobSpec, check_spec, deadletter_query_name
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

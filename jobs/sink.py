@@ -4,7 +4,7 @@
 ``<prefix>.<query>`` with ``Nats-Msg-Id = "<query>:<batchId>:<key>"`` and puts the row into
 the KV bucket under the key (``<kv_prefix>.<key>`` when `kv_prefix` is set: the analysis jobs
 set it to the query name, as docs/contracts.md asks). The results go out through the
-pipelined-ack publisher of runtime/publisher.py (up to `max_in_flight` acks pending, a failed
+pipelined-ack publisher of runtime/nats/publisher.py (up to `max_in_flight` acks pending, a failed
 publish resent with the same id up to `attempts` times) and every ack is awaited before
 `write` returns, so Spark records the batch as done only once its results are durable. A
 batch Spark replays after a crash publishes the same ids, which JetStream's duplicate window
@@ -55,8 +55,8 @@ import msgspec
 
 from runtime.errors import FencedError, TierflowError
 from runtime.loop_thread import LoopThread
-from runtime.nats import NatsEndpoint, js_publish
-from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
+from runtime.nats.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing, Published
+from runtime.nats.server import NatsEndpoint, js_publish
 from runtime.waiting import WaitTimeout, await_until
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class LeaseFenced(FencedError, SinkError):
 
 
 class WriteFence(Protocol):
-    """A lease guarding this process's writes (runtime.lease.LeaseKeeper)."""
+    """A lease guarding this process's writes (runtime.nats.lease.LeaseKeeper)."""
 
     @property
     def epoch(self) -> int: ...

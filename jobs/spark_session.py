@@ -1,6 +1,6 @@
 """Spark settings for the analysis driver's micro-batches: latency on a small machine.
 
-`runtime.services.spark_session` builds the session (partitions, RocksDB state); the
+`runtime.engines.services.spark_session` builds the session (partitions, RocksDB state); the
 analysis driver adds these under the config's own ``[spark] conf`` (which wins on every key
 it sets), measured with the Meetup queries on local[2] (docs/benchmarks.md):
 

@@ -10,7 +10,7 @@ Columns are the events' JSON fields, by a Spark DDL schema declared in config
 envelope: ``_seq``, ``_subject``, ``_ts`` and ``_id``. Malformed events are left out
 (they are in ``deadletter``).
 
-Queries pass `runtime.sql_check.check_select` first; only the tables a query names are
+Queries pass `runtime.data.sql_check.check_select` first; only the tables a query names are
 built. A query that names no table is run only for a caller allowed on every table: it reads
 no stream, so no stream's permission covers it. Each query reads its tables through temp
 views of its own and runs under its own Spark job tag, cancelled when it overruns its
@@ -35,9 +35,9 @@ from jobs.archive import ARCHIVE_COLUMNS, archive_position, read_archive
 from jobs.read_lease import HistoryGap, ReadLease
 from jobs.spark_session import POOL_PROPERTY
 from runtime.config import Config
+from runtime.data.sql_check import CheckedQuery, SqlRefused, check_select
 from runtime.errors import TierflowError
-from runtime.nats import NatsEndpoint
-from runtime.sql_check import CheckedQuery, SqlRefused, check_select
+from runtime.nats.server import NatsEndpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, DataFrameReader, SparkSession

@@ -6,7 +6,7 @@ registered before its first query can start (about 17 s of a 34-s recovery on an
 2-core machine, docs/benchmarks.md). A standby has done all of that already.
 
 Who is active is decided by a lease all hosts see: a key per driver pair (`lease_key`) in
-tierflow's internal lease bucket (runtime/lease.py), holding the active driver's identity
+tierflow's internal lease bucket (runtime/nats/lease.py), holding the active driver's identity
 and its epoch (the revision of its term's first write). The active driver takes it before
 it starts any query and renews it every ttl/3 (`LEASE_TTL_S`); a standby takes it only
 when it is free: expired on the server (its holder stopped renewing `LEASE_TTL_S` ago:
@@ -42,8 +42,8 @@ from typing import Any, NoReturn
 
 import psutil
 
-from runtime.checkpoint import CheckpointLockedError, CheckpointStore
-from runtime.lease import LeaseState
+from runtime.nats.lease import LeaseState
+from runtime.state.checkpoint import CheckpointLockedError, CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ YIELD_MAX_S = 120.0  # the longest a standby waits for its peer before starting 
 WARM_UP_BATCHES = 3
 JVM_GRACE_S = 10.0  # how long a killed JVM may take to be gone
 # The pair's lease: a paused or partitioned active driver keeps the queries this long after
-# its last renewal (every ttl/3), and stops writing after 2/3 of it (runtime/lease.py)
+# its last renewal (every ttl/3), and stops writing after 2/3 of it (runtime/nats/lease.py)
 LEASE_TTL_S = 10
 EXIT_FENCED = 71  # a driver's exit status when it lost the pair's lease (`step_down`)
 _KEY_TOKEN = re.compile(r"[^-_A-Za-z0-9]")

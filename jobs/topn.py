@@ -43,8 +43,8 @@ from jobs.event_time import window_column, windowed_events
 from jobs.paths import extract_values
 from jobs.sketch_state import pane_windows
 from runtime.errors import JobError
-from runtime.files import write_atomic
 from runtime.job_specs import JobSpec, duration_ms
+from runtime.state.files import write_atomic
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

@@ -17,7 +17,7 @@ from runtime.errors import JobError
 from runtime.job_specs import JobSpec, decode_spec, encode_spec
 
 if TYPE_CHECKING:
-    from runtime.checkpoint import CheckpointStore
+    from runtime.state.checkpoint import CheckpointStore
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ keeper, what the lease was last seen as, `took_over`) instead of being spread ov
 driver's methods: the driver (jobs/driver.py) asks it whether to yield, to stand by and to
 take over from its reconcile thread, and hands it the Ray calls a standby cannot answer
 itself (`forward`, `forward_sql`). The rules it follows (when to wait, when a holder is
-gone, ending the old JVM) are jobs/standby.py's; the lease is runtime/lease.py's.
+gone, ending the old JVM) are jobs/standby.py's; the lease is runtime/nats/lease.py's.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from jobs.standby import (
     takeover_action,
     try_take,
 )
-from runtime.lease import LeaseKeeper
-from runtime.ray_supervisor import actor_state
+from runtime.nats.lease import LeaseKeeper
+from runtime.supervision.ray_actors import actor_state
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from runtime.checkpoint import CheckpointStore
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
+    from runtime.state.checkpoint import CheckpointStore
 
 log = logging.getLogger(__name__)
 

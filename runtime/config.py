@@ -22,22 +22,22 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from runtime.autoscaling import AutoscalingConfig
-from runtime.autoscaling import validate as validate_autoscaling
 from runtime.binding import check_host
 from runtime.browsers import ANY, host_name, parse_origin
-from runtime.class_archive import CACHE_ENV
-from runtime.compaction import CompactConfig
+from runtime.data.compaction import CompactConfig
+from runtime.data.logic import LogicConfig, compile_logic
+from runtime.data.query import FilterError, compile_filter
+from runtime.engines.class_archive import CACHE_ENV
 from runtime.errors import ConfigError, JobError
-from runtime.geo_config import ReplicateConfig
+from runtime.geo.config import ReplicateConfig
 from runtime.job_specs import JobSpec, check_spec
-from runtime.logic import LogicConfig, compile_logic
-from runtime.query import FilterError, compile_filter
+from runtime.supervision.autoscaling import AutoscalingConfig
+from runtime.supervision.autoscaling import validate as validate_autoscaling
 
 ENV_PREFIX = "TIERFLOW_"
 # variables under the prefix that name no config key: the config file, the cache dir
 # not settings: the config file's path, the class archive's cache dir, and the free-port
-# share of a test worker (runtime/nats.py PORT_SLICE_ENV)
+# share of a test worker (runtime/nats/server.py PORT_SLICE_ENV)
 NOT_CONFIG_KEYS = frozenset({"TIERFLOW_CONFIG", CACHE_ENV, "TIERFLOW_PORT_SLICE"})
 DEFAULT_FILE = "tierflow.toml"
 
@@ -139,7 +139,7 @@ class SparkConfig(_Strict):
     # process and JVM (at most once per 5 minutes; jobs/escalation.py)
     restart_after_failures: Positive = 5
     # map the driver JVM's class-data-sharing archive when `tierflow check` has built one
-    # (runtime/class_archive.py): a SparkSession ~4.5 s sooner here
+    # (runtime/engines/class_archive.py): a SparkSession ~4.5 s sooner here
     class_archive: bool = True
     # a second driver with its Spark up on the same node, which takes the queries over
     # when the active driver's process dies (jobs/standby.py): seconds instead of a new
@@ -221,8 +221,8 @@ class StreamConfig(_Strict):
     logic: LogicConfig = msgspec.field(default_factory=LogicConfig)
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
     archive: ArchiveConfig | None = None
-    compact: CompactConfig | None = None  # the latest event per key (runtime/compaction.py)
-    replicate: ReplicateConfig | None = None  # copies on other sites (runtime/geo.py)
+    compact: CompactConfig | None = None  # the latest event per key (runtime/data/compaction.py)
+    replicate: ReplicateConfig | None = None  # copies on other sites (runtime/geo/replication.py)
     # the events' JSON fields as a Spark DDL (`city STRING, n INT`) for `tierflow sql`;
     # empty: inferred from a sample of the newest events
     schema: str = ""

@@ -15,31 +15,31 @@ runtime (the foundation)
     ConfigError             a bad configuration value [here; also ValueError]
     FencedError             a writer whose epoch or lease was superseded: refused, nothing
                             written [here]; `except FencedError` catches every kind:
-      EpochFenced           a replica refused an older epoch's write [runtime.replication]
+      EpochFenced           a replica refused an older epoch's write [runtime.state.replication]
       LeaderFenced          a buffer writer no longer leads its stream
                             [actors.collection.buffer; also RuntimeError]
       LeaseFenced           a driver lost the lease its result writes need [jobs.sink; also
                             a SinkError]
     WaitTimeout             a bounded wait's condition did not hold by its deadline
                             [runtime.waiting; also TimeoutError]
-    CheckpointError         a LevelDB checkpoint store failed [runtime.checkpoint]
+    CheckpointError         a LevelDB checkpoint store failed [runtime.state.checkpoint]
       CheckpointLockedError   another process holds the store's lock
       CheckpointCorruptError  LevelDB found corruption in the store
-    NoKey                   an event has no usable compaction key [runtime.compaction;
+    NoKey                   an event has no usable compaction key [runtime.data.compaction;
                             also ValueError]
     ScanIncomplete          a scan could not read its whole range: absence is not proven
-                            [runtime.publisher]
-    FilterError             a filter that does not compile [runtime.query; also ValueError]
-    SqlRefused              a SQL query this system does not run [runtime.sql_check; also
+                            [runtime.nats.publisher]
+    FilterError             a filter that does not compile [runtime.data.query; also ValueError]
+    SqlRefused              a SQL query this system does not run [runtime.data.sql_check; also
                             ValueError]
-    PlacementError          a replica group was not placed in time [runtime.replication;
+    PlacementError          a replica group was not placed in time [runtime.state.replication;
                             also RuntimeError]
     ReplicaGroupError       replicas did not start or acknowledge an epoch in time
-                            [runtime.replication; also RuntimeError]
-    EngineError             an engine could not be started or reached [runtime.services;
+                            [runtime.state.replication; also RuntimeError]
+    EngineError             an engine could not be started or reached [runtime.engines.services;
                             also RuntimeError]
     NatsServerError         nats-server could not be found, started or made ready
-                            [runtime.nats; also RuntimeError]
+                            [runtime.nats.server; also RuntimeError]
 actors.queue (the message log)
     LogFull                 the log is at its bound: the whole batch refused, nothing written
     LogUnavailable          a log replica did not take a write
@@ -98,7 +98,7 @@ class ConfigError(TierflowError, ValueError):
     """A bad configuration value; the message names the key and the expected form.
 
     Here, not in `runtime.config`, so the compilers the config validates with
-    (`runtime.query`, `runtime.logic`) can raise it without importing the config.
+    (`runtime.data.query`, `runtime.data.logic`) can raise it without importing the config.
     """
 
 

@@ -1,6 +1,6 @@
 """The one way a config, a job spec or a supervisor spec names code: ``"package.module:attr"``.
 
-Stream logic hooks (`runtime/logic.py`), custom jobs' functions (`jobs/plans.py`) and actor
+Stream logic hooks (`runtime/data/logic.py`), custom jobs' functions (`jobs/plans.py`) and actor
 starts in supervision specs all resolve through `load_hook`, so a user writes one form and
 gets one error: a `ConfigError` that names the key holding the reference and what is wrong
 with it. The module is imported by its full name; nothing is guessed (no package prefix

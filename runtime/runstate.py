@@ -18,7 +18,7 @@ import msgspec
 import psutil
 
 from runtime.config import Config
-from runtime.files import write_atomic
+from runtime.state.files import write_atomic
 
 
 def state_file(cfg: Config) -> Path:

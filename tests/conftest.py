@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 
 from runtime.config import Config, load
-from runtime.nats import PORT_SLICE_ENV, NatsServer, quiet_ports
-from runtime.services import local_ray, spark_session
+from runtime.engines.services import local_ray, spark_session
+from runtime.nats.server import PORT_SLICE_ENV, NatsServer, quiet_ports
 from tests.ordering import costliest_first, load_costs, module_of
 from tests.support import NatsFactory
 
 
 def _port_slice(environ: dict[str, str], ports: range | None = None) -> str | None:
-    """This pytest-xdist worker's share of the free-port range (runtime/nats.py
+    """This pytest-xdist worker's share of the free-port range (runtime/nats/server.py
     `quiet_ports` unless `ports`) as `$TIERFLOW_PORT_SLICE` takes it, "LOW-HIGH": the i-th
     of n equal parts for gw<i> of n, so two workers never choose the same port in the
     moment between choosing and binding it. None outside xdist, or with no room to share."""

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config, load
-from runtime.nats import NatsServer
-from runtime.services import local_ray, start_nats
+from runtime.engines.services import local_ray, start_nats
+from runtime.nats.server import NatsServer
 
 
 class NatsFactory:
@@ -23,7 +23,7 @@ class NatsFactory:
 
     `factory(**opts)` takes NatsServer's fields (sync_interval, user/password, users, TLS,
     max_payload...); `factory.from_config(cfg)` starts one the way `tierflow up` does
-    (runtime.services.start_nats). A server is returned started; a test that wants it gone
+    (runtime.engines.services.start_nats). A server is returned started; a test that wants it gone
     before the module ends uses it as a context manager (`with factory() as server:`).
     """
 
@@ -104,7 +104,7 @@ def with_nats(fn: Any, url: str) -> Any:
     drive Spark, where no event loop is running)."""
     import asyncio
 
-    from runtime.nats import connect
+    from runtime.nats.server import connect
 
     async def main() -> Any:
         nc = await connect(url)
@@ -225,7 +225,7 @@ async def assert_all_landed(t: Any, server: Any, report: Any) -> None:
     """Once the loggers hold nothing JetStream lacks, every acknowledged id is in the
     `meetup` stream exactly once."""
     from cluster.verify import judge, stream_ids
-    from runtime.nats import connect
+    from runtime.nats.server import connect
     from runtime.waiting import await_until
 
     async def drained() -> bool:

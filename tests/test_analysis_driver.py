@@ -44,8 +44,8 @@ from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
 from jobs.sketches import Distinct
 from jobs.standby import standby_name
 from runtime.config import Config, load
+from runtime.engines.services import ensure_streams
 from runtime.job_specs import deadletter_query_name
-from runtime.services import ensure_streams
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 

@@ -19,8 +19,8 @@ from jobs.jetstream_read import stream_bounds
 from jobs.sink import ResultSink
 from runtime.certs import make_dev_certs
 from runtime.config import Config, load
-from runtime.nats import NatsEndpoint
-from runtime.services import connect_nats, ensure_streams
+from runtime.engines.services import connect_nats, ensure_streams
+from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory
 
 pytestmark = pytest.mark.timeout(120)

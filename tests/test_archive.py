@@ -22,7 +22,7 @@ from jobs.archive import (
     read_archive,
     start_archive,
 )
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.support import with_nats
 from tests.test_jetstream_source import add_stream, nats_url, publish, sp
 

@@ -25,7 +25,7 @@ import ray
 from jobs.archive import read_archive
 from jobs.jetstream import register
 from runtime.config import Config, load
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 from tests.test_analysis_driver import java_children

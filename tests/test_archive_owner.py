@@ -36,8 +36,8 @@ from jobs.archive import (
 from jobs.copies import CopyId, current_copy
 from jobs.sql import StreamTable, stream_events
 from runtime.config import Config, load
-from runtime.nats import NatsEndpoint
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsEndpoint
 from runtime.waiting import wait_until
 from tests.support import running_driver, with_nats
 from tests.test_jetstream_source import add_stream, publish, sp
@@ -207,7 +207,7 @@ def _cfg(state: Path, url: str, root: Path) -> Config:
 
 
 async def _state(url: str, stream: str) -> tuple[int, int]:
-    from runtime.nats import connect
+    from runtime.nats.server import connect
 
     nc = await connect(url)
     try:

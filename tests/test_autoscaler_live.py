@@ -20,7 +20,7 @@ from cluster.launcher import Runtime
 from cluster.loadgen import drive, known_events
 from cluster.verify import judge, stream_ids
 from runtime.config import load
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.slow

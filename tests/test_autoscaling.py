@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from runtime.autoscaling import (
+from runtime.supervision.autoscaling import (
     AutoscalingConfig,
     Controller,
     PolicyState,

@@ -33,8 +33,8 @@ from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.config import Config, ConfigError
-from runtime.nats import NatsServer, connect, free_port
-from runtime.query import MAX_FILTER_CHARS, FilterError, compile_filter, compile_where
+from runtime.data.query import MAX_FILTER_CHARS, FilterError, compile_filter, compile_where
+from runtime.nats.server import NatsServer, connect, free_port
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -39,9 +39,9 @@ from jobs.sink import results_by_query
 from jobs.sketches import Distinct
 from jobs.topn import COUNT, ITEM, TopBase, TopState, apply_batch, rank
 from runtime.config import Config, load
+from runtime.engines.services import ensure_streams
 from runtime.errors import JobError
 from runtime.job_specs import JobSpec, decode_spec
-from runtime.services import ensure_streams
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 
@@ -339,7 +339,7 @@ def test_windowed_jobs_merge_per_window(
     from jobs.recompute import recompute, serve_view
     from jobs.running import start_job
     from jobs.sql import StreamTable
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
     register(spark)
     stream = "ticks"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.queue.logger import PARKED_MS, LogStore
-from runtime.events import Event
+from runtime.data.events import Event
 
 TIERFLOW = str(Path(sys.executable).with_name("tierflow"))
 BIG = 1 << 40

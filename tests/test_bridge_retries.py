@@ -23,11 +23,11 @@ from actors.queue.logger import LoggerGroup, LogUnavailable
 from cluster.deploy.logger import start_logger_group
 from cluster.verify import stream_ids
 from runtime.config import load
-from runtime.events import Event, encode_batch, new_event_id
+from runtime.data.events import Event, encode_batch, new_event_id
+from runtime.engines.services import ensure_streams
 from runtime.inline import inline_parts
-from runtime.nats import NatsServer, connect
-from runtime.publisher import MSG_ID_HEADER
-from runtime.services import ensure_streams
+from runtime.nats.publisher import MSG_ID_HEADER
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(240)

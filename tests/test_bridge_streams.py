@@ -16,9 +16,9 @@ import pytest
 
 from actors.queue.bridge import BrokerBridge
 from cluster.verify import stream_ids
-from runtime.events import Event, new_event_id
-from runtime.nats import NatsServer, connect
-from runtime.publisher import Failed, JetStreamPublisher, Outgoing, Published
+from runtime.data.events import Event, new_event_id
+from runtime.nats.publisher import Failed, JetStreamPublisher, Outgoing, Published
+from runtime.nats.server import NatsServer, connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -37,8 +37,8 @@ from cluster.chaos.schedule import (
     plan,
 )
 from cluster.verify import judge
-from runtime.checkpoint import CheckpointError
-from runtime.events import Event
+from runtime.data.events import Event
+from runtime.state.checkpoint import CheckpointError
 
 # --------------------------------------------------------------------------- schedule
 
@@ -322,7 +322,7 @@ async def _tamper(d: Any, stream: str, forged: bytes | None) -> str:
     """Delete the 18th message of `stream`; with `forged`, store those bytes under its id
     again (past the stream's duplicate window, shortened here). Returns `stream/id`."""
     from cluster.verify import MSG_ID
-    from runtime.nats import connect
+    from runtime.nats.server import connect
     from runtime.waiting import await_until
 
     nc = await connect(d.nats.url)

@@ -27,7 +27,7 @@ from cluster.chaos.proxy import (
     SlowClose,
     latency_sampler,
 )
-from runtime.nats import NatsServer, connect
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 
 # --------------------------------------------------------------------------- echo server

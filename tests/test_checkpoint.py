@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.checkpoint import (
+from runtime.state.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLockedError,
@@ -260,7 +260,7 @@ def test_open_locked_by_other_process(tmp_path: pathlib.Path) -> None:
     path, ready = tmp_path / "db", tmp_path / "ready"
     code = f"""
         import pathlib, sys
-        from runtime.checkpoint import CheckpointStore
+        from runtime.state.checkpoint import CheckpointStore
         s = CheckpointStore({str(path)!r})
         pathlib.Path({str(ready)!r}).write_text("ok")
         sys.stdin.read()  # hold the store until the parent closes our stdin
@@ -288,7 +288,7 @@ def test_child_crash_without_close_keeps_synced_batch(tmp_path: pathlib.Path) ->
     path = tmp_path / "db"
     code = f"""
         import os
-        from runtime.checkpoint import CheckpointStore, SnapshotLog
+        from runtime.state.checkpoint import CheckpointStore, SnapshotLog
         s = CheckpointStore({str(path)!r})
         with s.write_batch(sync=True) as b:
             for i in range(1000):

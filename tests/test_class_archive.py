@@ -1,4 +1,4 @@
-"""Spark's class archive (runtime/class_archive.py, jobs/class_training.py): named by what
+"""Spark's class archive (runtime/engines/class_archive.py, jobs/class_training.py): named by what
 makes it valid, appended to the user's JVM options, only ever put in place whole, and
 really mapped by a fresh Spark driver JVM."""
 
@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from jobs import class_training
-from runtime import class_archive
-from runtime.class_archive import (
+from runtime.config import load
+from runtime.engines import class_archive
+from runtime.engines.class_archive import (
     DRIVER_OPTIONS,
     STDOUT_CLEAN,
     archive_key,
@@ -26,8 +27,7 @@ from runtime.class_archive import (
     use_option,
     with_java_option,
 )
-from runtime.config import load
-from runtime.services import driver_class_archive
+from runtime.engines.services import driver_class_archive
 
 JAVA = "/usr/lib/jvm/java-17/bin/java"
 
@@ -70,7 +70,7 @@ def test_the_session_conf_maps_an_archive_only_when_allowed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     archive = tmp_path / "spark-driver-k.jsa"
-    monkeypatch.setattr("runtime.services.archive_path", lambda: archive)
+    monkeypatch.setattr("runtime.engines.services.archive_path", lambda: archive)
     cfg = load(environ={})
     assert driver_class_archive(cfg, {"a": "b"}) == {"a": "b"}  # none built yet
     archive.write_bytes(b"x")
@@ -139,7 +139,7 @@ def test_a_fresh_spark_driver_loads_sparks_classes_from_the_archive(tmp_path: Pa
     script = textwrap.dedent(
         f"""
         from runtime.config import load
-        from runtime.services import spark_session
+        from runtime.engines.services import spark_session
         cfg = load(environ={{}}, overrides={{
             "state_dir": {str(tmp_path / "state")!r},
             "spark": {{"master": "local[1]", "conf": {{
@@ -249,7 +249,7 @@ def test_an_archive_the_jvm_refuses_keeps_stdout_clean(
     script = textwrap.dedent(
         f"""
         from runtime.config import load
-        from runtime.services import spark_session
+        from runtime.engines.services import spark_session
         cfg = load(environ={{}}, overrides={{
             "state_dir": {str(tmp_path / "state")!r}, "spark": {{"master": "local[1]"}}}})
         spark = spark_session(cfg)

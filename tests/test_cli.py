@@ -185,7 +185,7 @@ def test_nats_up_three_nodes_serves_jetstream_then_stops(cli_env: dict[str, str]
     import signal
     import time
 
-    from runtime.nats import connect
+    from runtime.nats.server import connect
 
     proc = subprocess.Popen(
         [TIERFLOW, "nats", "up", "--nodes", "3"],

@@ -34,10 +34,10 @@ from actors.access.client import (
     resume_frame_from,
     ws_url,
 )
-from runtime.checkpoint import Batch, CheckpointStore
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect, free_port
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
+from runtime.state.checkpoint import Batch, CheckpointStore
 from runtime.waiting import await_until
 
 # --------------------------------------------------------------------------- fake gateway

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from runtime.nats import PORT_ATTEMPTS, connect, free_ports, nats_server_binary, taken_ports
+from runtime.nats.server import PORT_ATTEMPTS, connect, free_ports, nats_server_binary, taken_ports
 from runtime.waiting import await_until, wait_until
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"

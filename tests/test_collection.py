@@ -23,7 +23,7 @@ from cluster.loadgen import drive, known_events
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 
 NS = "tf-collection"

@@ -24,7 +24,7 @@ from cluster.loadgen import drive, known_events
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.config import load
-from runtime.nats import NatsServer, connect
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from actors.collection.handoff import BridgeHandoff
-from runtime.events import Event
+from runtime.data.events import Event
 
 
 def _events(tag: str, n: int) -> list[Event]:

@@ -20,7 +20,7 @@ import pytest
 from actors.collection.ingest import HEADER_RESERVE, wire_overhead
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
-from runtime.nats import NatsServer, connect
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -16,7 +16,7 @@ from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Ov
 from actors.collection.handoff import BridgeHandoff
 from actors.collection.ingest import COUNTERS, IngestPath
 from runtime.config import validate
-from runtime.events import Event
+from runtime.data.events import Event
 
 
 def _events(tag: str, n: int) -> list[Event]:

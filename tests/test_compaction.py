@@ -1,4 +1,4 @@
-"""Per-key compaction, the pure parts (runtime/compaction.py): key tokens, subjects, the
+"""Per-key compaction, the pure parts (runtime/data/compaction.py): key tokens, subjects, the
 config table and the logic that derives each event's subject."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.compaction import (
+from runtime.config import ConfigError, dumps_toml, load
+from runtime.data.compaction import (
     MAX_TOKEN,
     CompactingLogic,
     KeyReader,
@@ -28,9 +29,8 @@ from runtime.compaction import (
     token_key,
     token_of,
 )
-from runtime.config import ConfigError, dumps_toml, load
-from runtime.events import Event
-from runtime.nats_roles import role_permissions
+from runtime.data.events import Event
+from runtime.nats.roles import role_permissions
 from tests.strategies import json_value
 
 pytestmark = pytest.mark.unit

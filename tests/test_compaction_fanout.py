@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from actors.access.fanout import Feed, _Ring
 from actors.access.messages import StreamMessage
-from runtime.query import compile_filter
+from runtime.data.query import compile_filter
 from runtime.waiting import await_until
 from tests.test_fanout import INLINE, Client, MemStream, finish, run
 

@@ -26,11 +26,11 @@ from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.loadgen import drive
 from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.clock import now_ms
-from runtime.compaction import CompactConfig, key_token, stream_logic
 from runtime.config import ConfigError
-from runtime.events import Event
-from runtime.nats import NatsServer, connect, free_port
-from runtime.services import ensure_streams
+from runtime.data.compaction import CompactConfig, key_token, stream_logic
+from runtime.data.events import Event
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -27,8 +27,8 @@ from cluster.demo.rsvps import RsvpGenerator
 from jobs.event_time import iso_ms
 from jobs.sink import ResultSink
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

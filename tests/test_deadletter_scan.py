@@ -17,8 +17,8 @@ from jobs.deadletter_book import DeadLetterCount, deadletter_position
 from jobs.deadletter_scan import DeadLetterScan, next_range
 from jobs.jetstream_options import SeqRange
 from jobs.sink import SOURCE_SEQ_HEADER, BatchReport
-from runtime.nats_endpoint import NatsEndpoint
-from runtime.publisher import MSG_ID_HEADER
+from runtime.nats.endpoint import NatsEndpoint
+from runtime.nats.publisher import MSG_ID_HEADER
 from runtime.waiting import wait_until
 from tests.support import NatsFactory, with_nats
 from tests.test_sink import add_stream, stream_msgs

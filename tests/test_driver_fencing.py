@@ -1,5 +1,5 @@
 """A warm pair of analysis drivers is fenced by a NATS KV lease (jobs/standby.py,
-runtime/lease.py), and the result sink writes only under it (jobs/sink.py).
+runtime/nats/lease.py), and the result sink writes only under it (jobs/sink.py).
 
 Across nodes the checkpoint store's file lock sees nothing, and a busy active driver looks
 dead to a peer that asks it with a 2-s timeout. The drivers here are made to be on two
@@ -41,9 +41,9 @@ from jobs.standby import (
     takeover_action,
 )
 from runtime.config import Config, load
-from runtime.lease import LeaseKeeper, LeaseState
-from runtime.nats import connect
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.lease import LeaseKeeper, LeaseState
+from runtime.nats.server import connect
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, NatsFactory, acked_publish, with_nats
 

@@ -22,10 +22,10 @@ from jobs.driver_status import behind, query_rows
 from jobs.queries import Query, QuerySet, keep_running
 from jobs.sink import BatchReport
 from jobs.wanted import WantedJobs
-from runtime.checkpoint import CheckpointStore
 from runtime.config import load
 from runtime.job_specs import JobSpec, deadletter_query_name, decode_spec
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
+from runtime.state.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.unit
 

@@ -108,8 +108,8 @@ def test_one_except_catches_each_idea_and_the_old_bases_still_hold() -> None:
     from actors.collection.buffer import LeaderFenced
     from jobs.sink import LeaseFenced, SinkError
     from runtime.errors import ConfigError, FencedError, JobError, TierflowError
-    from runtime.replication import EpochFenced
-    from runtime.replication import FencedError as ReplicationFencedError
+    from runtime.state.replication import EpochFenced
+    from runtime.state.replication import FencedError as ReplicationFencedError
     from runtime.waiting import WaitTimeout
 
     assert ReplicationFencedError is FencedError  # the name its callers import from there

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.events import (
+from runtime.data.events import (
     Event,
     decode_batch,
     decode_event,

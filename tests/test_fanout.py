@@ -16,7 +16,7 @@ import pytest
 
 from actors.access.fanout import Feed, LagPolicy, Subscriber, TokenBucket, judge_lag
 from actors.access.messages import StreamMessage
-from runtime.query import compile_filter
+from runtime.data.query import compile_filter
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.unit

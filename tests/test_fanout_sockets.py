@@ -28,7 +28,7 @@ from actors.access import websocket
 from actors.access.fanout import Feed, LagPolicy, Subscriber
 from actors.access.messages import MAX_SHAPES, StreamMessage
 from actors.access.websocket import EventFrames, WsSink, ws_frame
-from runtime.query import compile_filter
+from runtime.data.query import compile_filter
 from runtime.waiting import await_until
 from tests.test_fanout import MemStream
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.query import MATCH_ALL, FilterError, compile_filter, compile_named
+from runtime.data.query import MATCH_ALL, FilterError, compile_filter, compile_named
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,7 @@ from cluster.pipeline import CollectionTier, start_collection_tier
 from jobs.archive import ArchiveSettings, archive_position, read_archive, start_archive
 from jobs.jetstream import register
 from jobs.sql import SqlResult, StreamTable, run_sql
-from runtime.nats import NatsEndpoint, NatsServer, connect
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from actors.collection.group_commit import take_batches
 from actors.queue.forgetter import Forgetter
 from runtime.config import atomic_batches_enabled, load
-from runtime.events import Event
+from runtime.data.events import Event
 
 
 class FakeGroup:

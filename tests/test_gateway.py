@@ -56,9 +56,9 @@ from runtime.config import (
     load,
     validate,
 )
-from runtime.nats import NatsServer, connect, free_port
-from runtime.ray_supervisor import supervised_options
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
+from runtime.supervision.ray_actors import supervised_options
 from runtime.waiting import await_until, wait_until
 
 NS = "tf-gateway"
@@ -884,7 +884,7 @@ async def test_cursor_store_batches_writes_and_reads_them_back(js: Any) -> None:
 
 async def test_cursor_bucket_takes_three_replicas_on_a_cluster(tmp_path: Path) -> None:
     from actors.access.cursors import open_bucket
-    from runtime.nats import NatsCluster
+    from runtime.nats.server import NatsCluster
 
     with NatsCluster(tmp_path, nodes=3).start() as cluster:
         nc = await connect(cluster.url)

@@ -22,11 +22,11 @@ import pytest
 from actors.access.gateway import Gateway
 from runtime.browsers import BrowserGuard
 from runtime.config import Config, GatewayOptions, WebhookOptions, load
+from runtime.engines.services import ensure_streams
 from runtime.errors import ConfigError
-from runtime.lease import LEASE_BUCKET
-from runtime.nats import NatsServer, connect, free_port
-from runtime.ray_supervisor import supervised_options
-from runtime.services import ensure_streams
+from runtime.nats.lease import LEASE_BUCKET
+from runtime.nats.server import NatsServer, connect, free_port
+from runtime.supervision.ray_actors import supervised_options
 from runtime.waiting import await_until, wait_until
 from tests.test_gateway import events_of, publish, read_until
 from tests.test_gateway_security import receiver

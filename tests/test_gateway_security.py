@@ -25,9 +25,9 @@ from aiohttp import web
 from actors.access.gateway import Gateway
 from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
 from runtime.config import Config, GatewayOptions, WebhookOptions, load
-from runtime.nats import NatsServer, connect, free_port
-from runtime.ray_supervisor import supervised_options
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
+from runtime.supervision.ray_actors import supervised_options
 from runtime.waiting import wait_until
 from tests.test_gateway import _dead_letters, events_of, publish, read_until, recv_json
 

@@ -19,7 +19,9 @@ import pytest
 
 from cluster.chaos.site_loss import judge, read_copy, run_site_loss
 from runtime.config import ConfigError, validate
-from runtime.geo import (
+from runtime.engines.services import ensure_streams
+from runtime.geo.config import ReplicateConfig
+from runtime.geo.replication import (
     SourceWatch,
     copy_config,
     kick_copy,
@@ -31,10 +33,8 @@ from runtime.geo import (
     stalled_copies,
     stream_copy_info,
 )
-from runtime.geo_config import ReplicateConfig
-from runtime.nats import connect, nats_server_binary
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites, leaf_block, site_names
+from runtime.geo.sites import NatsSites, leaf_block, site_names
+from runtime.nats.server import connect, nats_server_binary
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(180)

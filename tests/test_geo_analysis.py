@@ -4,7 +4,7 @@ positions (sequences of A's copy) to B. Jobs that merge are recomputed over B's 
 on from there; the others start over on it; the archive refuses.
 
 Pure: the copy comparison and the decision (jobs/copies.py). Real parts: two NATS sites
-(runtime/sites.py, JetStream domains joined by a leaf link, one node each), a local Ray, the
+(runtime/geo/sites.py, JetStream domains joined by a leaf link, one node each), a local Ray, the
 AnalysisDriver actor with Spark local[2]; B's copy is read independently with nats-py.
 """
 
@@ -38,11 +38,11 @@ from jobs.copies import (
 from jobs.copy_tracker import archive_copy_error
 from jobs.sink import results_by_query
 from runtime.config import Config, load
-from runtime.geo import link_deny
+from runtime.engines.services import ensure_streams
+from runtime.geo.replication import link_deny
+from runtime.geo.sites import NatsSites
 from runtime.job_specs import deadletter_query_name, decode_spec
-from runtime.nats import connect
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites
+from runtime.nats.server import connect
 from runtime.waiting import await_until, wait_until
 from tests.support import running_driver, with_nats
 

@@ -25,12 +25,12 @@ from actors.access.compacted import (
     read_subjects,
 )
 from actors.access.protocol import StreamRef
-from runtime.compaction import key_token
 from runtime.config import validate
-from runtime.geo import link_deny, origin_transform
-from runtime.nats import connect
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites
+from runtime.data.compaction import key_token
+from runtime.engines.services import ensure_streams
+from runtime.geo.replication import link_deny, origin_transform
+from runtime.geo.sites import NatsSites
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(90)

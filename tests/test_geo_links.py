@@ -19,9 +19,9 @@ import pytest
 
 from runtime.certs import make_dev_certs
 from runtime.config import validate
-from runtime.nats import NatsEndpoint, NatsServer, connect
-from runtime.services import ensure_streams
-from runtime.sites import LEAF_AUTH_FILE, LeafAuth, NatsSites, leaf_block, read_leaf_auth
+from runtime.engines.services import ensure_streams
+from runtime.geo.sites import LEAF_AUTH_FILE, LeafAuth, NatsSites, leaf_block, read_leaf_auth
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from runtime.tls import tls_files
 from runtime.waiting import await_until
 
@@ -190,7 +190,7 @@ def test_real_host_site_configs_are_valid_and_authenticate_their_links(tmp_path:
     import re
     import subprocess
 
-    from runtime.nats import nats_server_binary
+    from runtime.nats.server import nats_server_binary
 
     certs = make_dev_certs(tmp_path / "certs")
     env = {

@@ -76,7 +76,7 @@ async def _status_on_live_sites(p: GeoPipeline, rep: SiteLossReport) -> None:
         (STREAM, "site-b", "site-a"),
     }, rows
     assert all(r["up"] and r["lag"] == 0 and r["messages"] == rep.acked for r in rows), rows
-    # the runtime watches its site's copies (runtime/geo.py SourceWatch) and counts the
+    # the runtime watches its site's copies (runtime/geo/replication.py SourceWatch) and counts the
     # leader changes it asked for (0 when nats-server's own retry came first)
     assert isinstance(snap.get("replication_kicks"), int), snap.get("replication_kicks")
     geo = [t for t in status_tables(snap, wide=True, width=200) if t.title == "geo"]

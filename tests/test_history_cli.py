@@ -18,8 +18,8 @@ import pytest
 from jobs.archive import ArchiveSettings, queries_root, start_archive
 from jobs.jetstream import register
 from runtime.config import Config, load
-from runtime.nats import NatsEndpoint
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory, with_nats
 from tests.test_jetstream_source import publish
 

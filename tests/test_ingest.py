@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from actors.collection.group_commit import GroupCommitPolicy, GroupCommitter, Overloaded
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body
 from runtime.config import ConfigError
-from runtime.events import Event
-from runtime.logic import LogicConfig, StreamLogic, compile_logic, dead_letters
-from runtime.query import compile_where
+from runtime.data.events import Event
+from runtime.data.logic import LogicConfig, StreamLogic, compile_logic, dead_letters
+from runtime.data.query import compile_where
 from runtime.waiting import await_until
 from tests.strategies import json_value
 

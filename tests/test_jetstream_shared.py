@@ -17,7 +17,7 @@ from nats.js.api import StreamConfig
 from jobs import jetstream_read
 from jobs.jetstream_options import SeqRange, SourceOptions, schema
 from jobs.jetstream_read import _arrow_schema, _process, close_shared_clients, read_range
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,9 +120,9 @@ def test_the_source_imports_neither_the_config_nor_the_server_side() -> None:
     """Spark starts a fresh Python process per streaming query for the source's offsets:
     what jobs.jetstream imports is paid before every query's first batch."""
     code = (
-        "import sys, jobs.jetstream, runtime.nats_endpoint; "
-        "heavy = ['runtime.config', 'runtime.tls', 'runtime.nats', 'sqlglot', 'cryptography', "
-        "'pandas']; print([m for m in heavy if m in sys.modules])"
+        "import sys, jobs.jetstream, runtime.nats.endpoint; "
+        "heavy = ['runtime.config', 'runtime.tls', 'runtime.nats.server', 'sqlglot', "
+        "'cryptography', 'pandas']; print([m for m in heavy if m in sys.modules])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

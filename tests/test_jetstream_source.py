@@ -27,7 +27,7 @@ from jobs.jetstream_options import (
     starting_sequence,
 )
 from jobs.jetstream_read import _parse_reply, check_payload, read_range
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(180)

@@ -32,7 +32,7 @@ from jobs.windows import late_count
 from runtime.errors import ConfigError, JobError
 from runtime.job_specs import JobSpec, WindowSpec, decode_spec, duration_ms, interval, parse_job
 from runtime.json_paths import Step, parse_path
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.oracles import sliding_reference
 from tests.support import NatsFactory, with_nats
 

@@ -26,7 +26,7 @@ from cluster.lab.cluster import LabCluster, pipeline_lab
 from cluster.lab.hosts import lab_unavailable
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import WaitTimeout, await_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

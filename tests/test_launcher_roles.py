@@ -15,9 +15,9 @@ from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node
 from cluster.deploy.stream_ingest import ingest_role
 from cluster.launcher import root_role
 from runtime.config import Config, load
-from runtime.placement import NODE_HINT
 from runtime.roles import NATS_ROLES, SCALABLE_ROLES
-from runtime.supervision import ChildSpec, Intensity, Strategy
+from runtime.state.placement import NODE_HINT
+from runtime.supervision.policy import ChildSpec, Intensity, Strategy
 
 pytestmark = pytest.mark.unit
 

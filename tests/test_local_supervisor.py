@@ -9,8 +9,8 @@ from typing import Any
 import pykka
 import pytest
 
-from runtime.local_supervisor import LocalSupervisor, Supervised
-from runtime.supervision import Backoff, ChildSpec, Intensity, Restart, Strategy
+from runtime.supervision.local import LocalSupervisor, Supervised
+from runtime.supervision.policy import Backoff, ChildSpec, Intensity, Restart, Strategy
 from runtime.waiting import wait_until
 
 pytestmark = pytest.mark.unit

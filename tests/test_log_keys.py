@@ -23,8 +23,8 @@ from actors.queue.logger.records import (
     _enc,
     _key,
 )
-from runtime.checkpoint import CheckpointStore
-from runtime.events import Event, encode_event
+from runtime.data.events import Event, encode_event
+from runtime.state.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.unit
 

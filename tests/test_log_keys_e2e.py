@@ -22,8 +22,8 @@ from actors.queue.logger import LoggerGroup
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import stream_ids
 from runtime.config import Config
-from runtime.events import decode_batch, encode_batch
-from runtime.nats import NatsServer, connect
+from runtime.data.events import decode_batch, encode_batch
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 

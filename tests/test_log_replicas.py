@@ -28,8 +28,8 @@ from actors.queue.logger import (
 )
 from cluster.deploy.logger import start_logger_group
 from cluster.pipeline import _wait_logger_empty
-from runtime.events import Event
-from runtime.replication import ReplicaGroup
+from runtime.data.events import Event
+from runtime.state.replication import ReplicaGroup
 from runtime.waiting import WaitTimeout, await_until
 from tests.support import fresh_ray
 

@@ -22,10 +22,10 @@ from actors.queue.logger import (
 )
 from actors.queue.logger.records import _key
 from actors.queue.logger.writer import WriterOp, _Crash
-from runtime.checkpoint import CheckpointError, CheckpointStore
 from runtime.clock import now_ms
-from runtime.events import Event, encode_batch, encode_event
-from runtime.supervision import Intensity
+from runtime.data.events import Event, encode_batch, encode_event
+from runtime.state.checkpoint import CheckpointError, CheckpointStore
+from runtime.supervision.policy import Intensity
 from runtime.waiting import wait_until
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,7 @@ CHILD = textwrap.dedent(
     import sys
     from actors.queue.logger import LogStore
     from actors.queue.logger.records import _key
-    from runtime.events import Event, encode_batch
+    from runtime.data.events import Event, encode_batch
     s = LogStore(sys.argv[1], max_events=10**6, max_bytes=1 << 40)
     for n in range(10**6):
         events = [Event(f"e{n}-{i}", "s", "s.raw", b"x" * 300, n) for i in range(50)]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from actors.queue.logger.in_sync import Config, extra_replicas, members, newest, with_, without
-from runtime.replication import Fence, FencedError
+from runtime.state.replication import Fence, FencedError
 
 pytestmark = pytest.mark.unit
 

@@ -18,8 +18,8 @@ import pytest
 
 from actors.queue.logger import FAULT_SUFFIX, LoggerGroup, LogUnavailable
 from cluster.deploy.logger import start_logger_group
-from runtime.events import Event
-from runtime.replication import ReplicaGroup
+from runtime.data.events import Event
+from runtime.state.replication import ReplicaGroup
 from runtime.waiting import await_until
 from tests.support import fresh_ray
 

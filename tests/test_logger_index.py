@@ -19,8 +19,8 @@ from actors.queue.logger import LogFull, LogStore
 from actors.queue.logger.records import NS_TRANSIENT, _Head, _key
 from actors.queue.logger.replica import _answers
 from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp
-from runtime.checkpoint import CheckpointError
-from runtime.events import Event, encode_batch, encode_event
+from runtime.data.events import Event, encode_batch, encode_event
+from runtime.state.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.unit
 

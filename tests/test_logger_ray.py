@@ -25,8 +25,8 @@ from actors.queue.logger import (
 )
 from actors.queue.logger.group import PUT_ONCE_BYTES
 from cluster.deploy.logger import start_logger_group
-from runtime.events import Event, encode_batch
-from runtime.replication import FencedError, ReplicaGroup
+from runtime.data.events import Event, encode_batch
+from runtime.state.replication import FencedError, ReplicaGroup
 from runtime.waiting import await_until
 from tests.support import fresh_ray
 

@@ -24,7 +24,7 @@ from jobs.jetstream import register
 from jobs.running import start_job
 from jobs.sink import MSG_ID_HEADER, results_by_query
 from jobs.sketches import Distinct
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 from actors.queue.logger.in_sync import members, newest
 from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import load
-from runtime.nats import NatsServer
+from runtime.nats.server import NatsServer
 from runtime.waiting import wait_until
 from tests.support import NatsFactory, assert_all_landed, under_load
 
@@ -77,7 +77,7 @@ def pipeline(
 
 
 def gateway_nodes(names: list[str]) -> dict[str, str | None]:
-    from runtime.placement import actor_nodes
+    from runtime.state.placement import actor_nodes
 
     return actor_nodes({n: ray.get_actor(n, namespace=NAMESPACE) for n in names})
 

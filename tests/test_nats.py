@@ -1,4 +1,4 @@
-"""runtime/nats.py against a real nats-server: lifecycle, durability, clustering, auth."""
+"""runtime/nats/server.py against a real nats-server: lifecycle, durability, clustering, auth."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nats.js.client import JetStreamContext
 
 from runtime.certs import make_dev_certs
 from runtime.config import load
-from runtime.nats import (
+from runtime.nats.server import (
     NatsCluster,
     NatsEndpoint,
     NatsServer,

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from nats.js.api import StreamConfig
 
-import runtime.nats as rn
-from runtime.nats import NatsCluster, NatsServer, NatsServerError, connect, free_ports
-from runtime.sites import NatsSites
+import runtime.nats.server as rn
+from runtime.geo.sites import NatsSites
+from runtime.nats.server import NatsCluster, NatsServer, NatsServerError, connect, free_ports
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -302,7 +302,7 @@ def test_free_ports_come_from_below_the_ephemeral_range_or_the_configured_one(
 def test_the_sites_stable_ports_keep_to_the_configured_range(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from runtime.sites import stable_ports
+    from runtime.geo.sites import stable_ports
 
     low = free_ports(1)[0]
     monkeypatch.setenv(rn.PORT_SLICE_ENV, f"{low}-{low + 60}")

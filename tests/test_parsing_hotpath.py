@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body, parse_events
-from runtime.events import Event, new_event_ids
-from runtime.logic import LogicConfig, compile_logic
+from runtime.data.events import Event, new_event_ids
+from runtime.data.logic import LogicConfig, compile_logic
 from tests.strategies import json_value
 
 pytestmark = pytest.mark.unit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.placement import NODE_HINT, affinity, plan, resolve, spread_node, strategy
+from runtime.state.placement import NODE_HINT, affinity, plan, resolve, spread_node, strategy
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
-"""runtime/publisher.py against a real nats-server: pipelined acked publishing, dedup, failures."""
+"""runtime/nats/publisher.py against a real nats-server: pipelined acked publishing, dedup and
+failures."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
-from runtime.publisher import (
+from runtime.engines.services import ensure_streams
+from runtime.nats.publisher import (
     MSG_ID_HEADER,
     JetStreamPublisher,
     LatencyReservoir,
@@ -31,7 +32,7 @@ from runtime.publisher import (
     duplicate_window_for,
     jittered,
 )
-from runtime.services import ensure_streams
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -521,7 +522,7 @@ async def test_poison_over_max_payload_with_headers_fails_alone_and_keeps_connec
 @on_session_loop
 async def test_message_exactly_at_max_payload_with_headers_is_sent(nc: Client, stream: str) -> None:
     """The size check counts headers as the server does: one byte under is sent and stored."""
-    from runtime.publisher import header_bytes
+    from runtime.nats.publisher import header_bytes
 
     ev_id = "fit-exact"
     size = nc.max_payload - header_bytes({MSG_ID_HEADER: ev_id})

@@ -13,8 +13,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
 from runtime.config import Config
-from runtime.nats import NatsServer
-from runtime.publisher import (
+from runtime.nats.publisher import (
     MAX_ATOMIC_BATCH,
     Failed,
     JetStreamPublisher,
@@ -24,6 +23,7 @@ from runtime.publisher import (
     batch_limit_from,
     batch_wire,
 )
+from runtime.nats.server import NatsServer
 from runtime.waiting import await_until
 from tests.test_publisher import by_id, cfg, events, fresh_stream, nc, stream_ids
 

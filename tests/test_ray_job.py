@@ -32,7 +32,7 @@ from cluster.demo.rsvps import RsvpGenerator
 from cluster.lab.services import ray_cli
 from cluster.loadgen import drive
 from cluster.verify import judge, stream_ids
-from runtime.nats import PORT_ATTEMPTS, NatsServer, connect, free_port, free_ports
+from runtime.nats.server import PORT_ATTEMPTS, NatsServer, connect, free_port, free_ports
 from runtime.waiting import await_until, wait_until
 
 pytestmark = pytest.mark.slow

@@ -18,14 +18,14 @@ import ray
 from ray import cloudpickle
 from ray.exceptions import ActorDiedError, RayActorError
 
-from runtime.checkpoint import CheckpointStore
-from runtime.ray_supervisor import (
+from runtime.state.checkpoint import CheckpointStore
+from runtime.supervision.policy import Backoff, ChildSpec, Exit, Intensity, Restart, Strategy
+from runtime.supervision.ray_actors import (
     SupervisedActor,
     exit_from_death,
     start_supervisor,
     supervised_options,
 )
-from runtime.supervision import Backoff, ChildSpec, Exit, Intensity, Restart, Strategy
 from runtime.waiting import wait_until
 from tests.support import fresh_ray
 
@@ -184,7 +184,7 @@ def test_exceeding_intensity_escalates_to_the_parent(
 ) -> None:
     inner = ChildSpec(
         "sup-c",
-        "runtime.ray_supervisor:RaySupervisor",
+        "runtime.supervision.ray_actors:RaySupervisor",
         args=([counter_spec("counter-c", tmp_path)],),
         kwargs={
             "state_dir": str(tmp_path),

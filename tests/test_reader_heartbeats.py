@@ -24,7 +24,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from actors.access.reader import ConsumerLost, JetStreamReader
-from runtime.nats import NatsCluster, NatsServer
+from runtime.nats.server import NatsCluster, NatsServer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -134,10 +134,10 @@ def test_a_reader_whose_consumer_server_stops_answering_raises_and_reopens_elsew
 def test_a_client_whose_server_stops_answering_moves_to_another_within_its_ping_window(
     cluster: NatsCluster,
 ) -> None:
-    """runtime.nats.connect's pings: two missed (3 s apart) and the client reconnects to
+    """runtime.nats.server.connect's pings: two missed (3 s apart) and the client reconnects to
     another server of its list, well inside the 30 s a partition's cut server held a
     client with pings every 10 s and three missed."""
-    from runtime.nats import connect
+    from runtime.nats.server import connect
 
     async def run() -> None:
         nc = await connect(cluster.url)

@@ -31,9 +31,9 @@ from jobs.recompute import recompute
 from jobs.retention_holds import reader_holds, trim
 from jobs.sql import StreamTable, run_sql
 from runtime.config import validate
+from runtime.engines.services import ensure_streams
 from runtime.job_specs import decode_spec
-from runtime.nats import NatsEndpoint
-from runtime.services import ensure_streams
+from runtime.nats.server import NatsEndpoint
 from runtime.waiting import wait_until
 from tests.support import BackgroundLoad, with_nats
 from tests.test_jetstream_source import nats_url, sp

@@ -16,7 +16,8 @@ import ray
 from ray import cloudpickle
 from ray.cluster_utils import Cluster
 
-from runtime.replication import (
+from runtime.engines.services import local_ray as start_local_ray
+from runtime.state.replication import (
     SPREAD,
     STRICT_SPREAD,
     EpochFenced,
@@ -30,7 +31,6 @@ from runtime.replication import (
     count_fitting_nodes,
     placement_plan,
 )
-from runtime.services import local_ray as start_local_ray
 
 # Workers cannot import this test module: ship the replica class by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -339,7 +339,7 @@ class TestSingleNode:
     def test_k1_starts_with_spread_and_warns(
         self, local_ray: None, caplog: pytest.LogCaptureFixture
     ) -> None:
-        with caplog.at_level("WARNING", logger="runtime.replication"):
+        with caplog.at_level("WARNING", logger="runtime.state.replication"):
             group = ReplicaGroup("solo", 1, Register, ("t",), namespace=NAMESPACE)
         try:
             assert group.plan.strategy == SPREAD

@@ -17,9 +17,9 @@ from nats.js.errors import APIError, NotFoundError
 
 from jobs.retention import HIGH_WATER, LOW_WATER, Usage, enforce, first_since, purge_below, warning
 from runtime.config import load
-from runtime.nats import NatsServer, connect
-from runtime.publisher import api_error_retryable
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.publisher import api_error_retryable
+from runtime.nats.server import NatsServer, connect
 
 pytestmark = pytest.mark.timeout(120)
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

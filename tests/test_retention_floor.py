@@ -1,5 +1,5 @@
 """Retention never purges what a replicating copy on another site has not sourced
-(jobs/retention.py, jobs/retention_holds.py, runtime/geo.py `sourced_next`).
+(jobs/retention.py, jobs/retention_holds.py, runtime/geo/replication.py `sourced_next`).
 
 The policy alone first; then two real sites (one nats-server each, joined by a leaf link),
 an archived and replicated stream whose archive is taken as caught up (the archive's
@@ -35,11 +35,11 @@ from jobs.retention import (
 )
 from jobs.retention_holds import SiteFloors, confirm, reader_holds, trim
 from runtime.config import validate
-from runtime.geo import link_deny, source_header_seq, sourced_next
-from runtime.nats import connect
-from runtime.publisher import api_error_retryable
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites
+from runtime.engines.services import ensure_streams
+from runtime.geo.replication import link_deny, source_header_seq, sourced_next
+from runtime.geo.sites import NatsSites
+from runtime.nats.publisher import api_error_retryable
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from cluster.pipeline import CollectionTier, start_collection_tier
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 from tests.support import NatsFactory, assert_all_landed, tier_config, under_load
 

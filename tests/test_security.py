@@ -29,10 +29,10 @@ from cluster.replay import ReplayServer
 from cluster.verify import stream_ids
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import Config, ConfigError, load
+from runtime.engines.services import connect_nats, ensure_streams
 from runtime.loop_thread import LoopThread
-from runtime.nats import NatsEndpoint, NatsServer, connect
-from runtime.nats_roles import credentials, role_permissions, secrets_path
-from runtime.services import connect_nats, ensure_streams
+from runtime.nats.roles import credentials, role_permissions, secrets_path
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from runtime.tls import client_ssl_context, server_ssl_context
 from runtime.waiting import await_until, wait_until
 from tests.support import NatsFactory
@@ -430,7 +430,8 @@ async def test_analysis_jobs_write_results_as_their_role_over_tls(
 def test_permission_names_match_the_modules_that_use_them() -> None:
     from actors.access import cursors, webhooks
     from actors.collection import buffer
-    from runtime import lease, nats_roles
+    from runtime.nats import lease
+    from runtime.nats import roles as nats_roles
 
     assert nats_roles.BUFFER_STREAM == buffer.BUFFER_STREAM
     assert nats_roles.LEASE_BUCKET == lease.LEASE_BUCKET
@@ -534,8 +535,8 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
     import ray
 
     from actors.access.gateway import Gateway
-    from runtime.nats import free_port
-    from runtime.ray_supervisor import supervised_options
+    from runtime.nats.server import free_port
+    from runtime.supervision.ray_actors import supervised_options
 
     cfg, server = secured
     await admin_js.publish("raw.guarded", b'{"for": "readers"}')

@@ -1,4 +1,4 @@
-"""The engines through runtime.services: Spark session, Java check, embedded services."""
+"""The engines through runtime.engines.services: Spark session, Java check, embedded services."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from runtime.config import Config
-from runtime.services import EngineError, java_major_version, require_java, spark_checkpoint_dir
+from runtime.engines.services import (
+    EngineError,
+    java_major_version,
+    require_java,
+    spark_checkpoint_dir,
+)
 from tests.support import NatsFactory
 
 
@@ -85,7 +90,7 @@ async def test_external_nats_with_credentials_is_used_not_started(
     import nats.errors
 
     from runtime.config import load
-    from runtime.services import Services, connect_nats, ensure_streams
+    from runtime.engines.services import Services, connect_nats, ensure_streams
 
     with nats_factory(user="app", password="pw") as ext:
         over = {"state_dir": str(tmp_path / "s"), "nats": {"url": ext.url}}
@@ -119,7 +124,7 @@ def test_embedded_services_start_and_stop_their_nats(tmp_path: Path) -> None:
     import psutil
 
     from runtime.config import load
-    from runtime.services import Services
+    from runtime.engines.services import Services
 
     cfg = load(environ={}, overrides={"state_dir": str(tmp_path)})
     svc = Services.start(cfg, with_ray=False)

@@ -388,7 +388,7 @@ import json, pathlib, sys, time
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["tests_dir"])
 from runtime.config import load
-from runtime.services import spark_session
+from runtime.engines.services import spark_session
 from jobs.jetstream import register
 from jobs.sink import ResultSink
 import test_sink

@@ -26,8 +26,8 @@ from actors.collection.sources import (
 )
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.replay import GeneratorSource, ReplayServer
-from runtime.nats import free_port
-from runtime.supervision import Backoff
+from runtime.nats.server import free_port
+from runtime.supervision.policy import Backoff
 from runtime.waiting import await_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]

@@ -12,8 +12,8 @@ import pytest
 
 from jobs.archive import ArchiveSettings
 from jobs.sql import SqlResult, SqlTimeout, StreamTable, run_sql
-from runtime.nats import NatsEndpoint
-from runtime.sql_check import SqlRefused
+from runtime.data.sql_check import SqlRefused
+from runtime.nats.server import NatsEndpoint
 from tests.support import with_nats
 from tests.test_archive import run_once
 from tests.test_jetstream_source import add_stream, nats_url, publish, sp

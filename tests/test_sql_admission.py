@@ -26,8 +26,8 @@ import ray
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from jobs.sink import results_by_query
 from runtime.config import Config, load
-from runtime.nats import free_port
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import free_port
 from runtime.waiting import await_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 

@@ -1,4 +1,4 @@
-"""runtime/sql_check.py: one read-only query over named streams passes; everything that could
+"""runtime/data/sql_check.py: one read-only query over named streams passes; everything that could
 read files, call Java, run a command or change state is refused with a reason."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sqlglot
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.sql_check import MAX_SQL_CHARS, SqlRefused, check_select
+from runtime.data.sql_check import MAX_SQL_CHARS, SqlRefused, check_select
 
 pytestmark = pytest.mark.unit
 

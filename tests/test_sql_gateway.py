@@ -23,8 +23,8 @@ from cluster.deploy.analysis import DriverConflict, start_driver, stop_driver, w
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from jobs.archive import queries_root
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect, free_port
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
 from runtime.waiting import await_until
 from tests.test_dashboard import browser, open_page  # noqa: F401 - the browser fixture
 

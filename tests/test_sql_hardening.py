@@ -1,7 +1,7 @@
 """Ad-hoc SQL cannot read the driver's secrets nor blow the driver up: Spark's `${...}`
 substitution is off in every session tierflow makes and `${` is refused in the checker;
 size-amplifying calls, hints and joins without a condition are refused before Spark plans
-them; the answer has a byte limit. Unit tests for runtime/sql_check.py and the admission
+them; the answer has a byte limit. Unit tests for runtime/data/sql_check.py and the admission
 policy, and real Spark for the substitution and the SQL session's settings.
 """
 
@@ -15,15 +15,15 @@ import pytest
 
 from jobs.sql import SqlResult, run_sql
 from jobs.sql_admission import SqlAdmission
-from runtime.nats import NatsEndpoint
-from runtime.sql_check import SqlRefused, check_select
+from runtime.data.sql_check import SqlRefused, check_select
+from runtime.nats.server import NatsEndpoint
 
 KNOWN = ["meetup", "results", "flights"]
 SECRET_CONF = "spark.tierflow.test.secret"
 SECRET = "s3cr3t-from-spark-conf"
 
 # What substitution would read: the JVM's environment (it inherits PYSPARK_PYTHON from
-# runtime.services.spark_session), a Java system property and a Spark setting.
+# runtime.engines.services.spark_session), a Java system property and a Spark setting.
 SUBSTITUTED = [
     "SELECT '${env:PYSPARK_PYTHON}' AS p",
     "SELECT '${system:java.home}' AS p",

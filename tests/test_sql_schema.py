@@ -16,7 +16,7 @@ from jobs.sql import (
     stream_events,
     table_frame,
 )
-from runtime.nats import NatsEndpoint
+from runtime.nats.server import NatsEndpoint
 from tests.support import with_nats
 from tests.test_jetstream_source import add_stream, nats_url, publish, sp
 

@@ -22,7 +22,7 @@ from jobs.standby import (
     standby_name,
     takeover,
 )
-from runtime.checkpoint import CheckpointStore
+from runtime.state.checkpoint import CheckpointStore
 from runtime.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def a_standby_pair(name: str, peer: str, error: Any) -> Any:
     """A standby's `WarmPair` (jobs/warm_pair.py) with nothing behind it: no NATS, no store,
     no JVM; its peer's handle is the test's to give."""
     from jobs.warm_pair import WarmPair
-    from runtime.nats import NatsEndpoint
+    from runtime.nats.server import NatsEndpoint
 
     return WarmPair(
         name=name,

@@ -1,5 +1,5 @@
 """The stream pattern against a real nats-server, a real local Ray and a real ReplayServer:
-buffer writes and positions (actors/collection/buffer.py), lease fencing (runtime/lease.py),
+buffer writes and positions (actors/collection/buffer.py), lease fencing (runtime/nats/lease.py),
 the shared buffer consumer (buffer_consumer.py), and the acceptance test of the ingest node
 (stream_ingest.py): the active node is SIGKILLed mid-stream and every event still lands
 exactly once.
@@ -42,9 +42,9 @@ from actors.collection.stream_ingest import lease_key
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.deploy.stream_ingest import start_stream_ingest
 from cluster.replay import GeneratorSource, ReplayServer
-from runtime.lease import KvLease, Leadership, ensure_lease_bucket
-from runtime.nats import NatsServer, connect
-from runtime.publisher import MSG_ID_HEADER
+from runtime.nats.lease import KvLease, Leadership, ensure_lease_bucket
+from runtime.nats.publisher import MSG_ID_HEADER
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import WaitTimeout, await_until
 from tests.support import fresh_ray
 

@@ -21,7 +21,7 @@ from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.replay import ReplayServer
 from cluster.verify import stream_ids
 from runtime.config import load
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 from tests.support import NatsFactory
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.errors import ConfigError
-from runtime.supervision import (
+from runtime.supervision.policy import (
     Backoff,
     ChildSpec,
     Exit,
@@ -40,7 +40,7 @@ NO_JITTER = Backoff(base_s=1.0, factor=2.0, cap_s=10.0, jitter=0.0)
 
 def _specs(**restarts: Restart) -> dict[str, ChildSpec]:
     return index_specs(
-        [ChildSpec(i, "runtime.supervision:Exit", restart=r) for i, r in restarts.items()]
+        [ChildSpec(i, "runtime.supervision.policy:Exit", restart=r) for i, r in restarts.items()]
     )
 
 
@@ -80,10 +80,12 @@ def test_index_specs_keeps_order_and_rejects_duplicates() -> None:
 
 
 def test_load_start_imports_dotted_attributes_and_passes_callables_through() -> None:
-    assert load_start("runtime.supervision:Restart.PERMANENT") is Restart.PERMANENT
+    assert load_start("runtime.supervision.policy:Restart.PERMANENT") is Restart.PERMANENT
     assert load_start(math.floor) is math.floor
-    with pytest.raises(ConfigError, match="start: 'runtime.supervision' has no attribute 'Nope'"):
-        load_start("runtime.supervision:Nope")
+    with pytest.raises(
+        ConfigError, match="start: 'runtime.supervision.policy' has no attribute 'Nope'"
+    ):
+        load_start("runtime.supervision.policy:Nope")
 
 
 # --------------------------------------------------------------------------- restart types

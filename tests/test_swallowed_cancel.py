@@ -1,5 +1,5 @@
 """A cancellation that nats-py's publish swallowed (its `_flush_pending` catches
-`CancelledError`) is raised again by runtime/nats.py's wrappers, so a loop around a
+`CancelledError`) is raised again by runtime/nats/server.py's wrappers, so a loop around a
 publish ends when its task is cancelled; the lease notes the revision it wrote first."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from runtime.lease import KvLease
-from runtime.nats import js_publish, publish
+from runtime.nats.lease import KvLease
+from runtime.nats.server import js_publish, publish
 
 pytestmark = pytest.mark.unit
 

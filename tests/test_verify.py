@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from cluster.verify import StreamTally, judge, stream_ids
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 from tests.support import NatsFactory
 

@@ -24,7 +24,7 @@ from actors.access.messages import KV_PREFIX
 from actors.access.protocol import Problem, StreamRef
 from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
 from runtime.config import GatewayOptions
-from runtime.lease import LEASE_BUCKET
+from runtime.nats.lease import LEASE_BUCKET
 
 __all__ = ["Access", "internal_buckets", "request_token"]
 

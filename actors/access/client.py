@@ -44,9 +44,9 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import msgspec
 
-from runtime.checkpoint import Batch, CheckpointStore
 from runtime.errors import TierflowError
-from runtime.publisher import jittered
+from runtime.nats.publisher import jittered
+from runtime.state.checkpoint import Batch, CheckpointStore
 
 __all__ = [
     "ClientStats",

@@ -1,4 +1,4 @@
-"""Reads of compacted streams (`[streams.X.compact]`, runtime/compaction.py) by key.
+"""Reads of compacted streams (`[streams.X.compact]`, runtime/data/compaction.py) by key.
 
 - `GET /v1/streams/{stream}/latest?key=K` (K a string) or `?key_json=V` (V a JSON scalar,
   for numbers and booleans: `?key_json=42`): the stream's latest event for that key, as
@@ -14,7 +14,7 @@ Same token and stream rules as every other stream read (`plane.stream`: 401, 403
 Listing keys asks JetStream for the stream's subjects (`STREAM.INFO` with a subject
 filter, 100,000 subjects a response): it costs what the stream's key count is, per page.
 
-A replicated stream (`[streams.X.replicate]`, runtime/geo.py) holds the keys written on
+A replicated stream (`[streams.X.replicate]`, runtime/geo/replication.py) holds the keys written on
 other sites under `geo.<origin>.<subject>`: both routes read every origin as well as the
 local subjects (`read_subjects`, `list_filters`), so each site answers for every site's
 writes. `latest_message` says which one is the latest (the last stored in this copy).
@@ -36,7 +36,8 @@ from actors.access.messages import StreamMessage
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, StreamRef, int_param, refusal
 from actors.access.reader import stored_message
-from runtime.compaction import (
+from runtime.config import StreamConfig
+from runtime.data.compaction import (
     Scalar,
     decode_exact,
     key_filters,
@@ -45,8 +46,7 @@ from runtime.compaction import (
     token_key,
     token_of,
 )
-from runtime.config import StreamConfig
-from runtime.geo import origin_patterns
+from runtime.geo.replication import origin_patterns
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

@@ -53,7 +53,7 @@ import msgspec
 
 from actors.access.messages import OpenReader, Reader, StreamMessage
 from runtime.config import Overflow
-from runtime.query import Filter
+from runtime.data.query import Filter
 
 log = logging.getLogger(__name__)
 

@@ -58,8 +58,8 @@ from runtime.binding import resolve, url_host
 from runtime.browsers import BrowserGuard, cors_headers
 from runtime.config import Config, GatewayOptions, validate
 from runtime.loop_thread import LoopThread
-from runtime.ray_supervisor import SupervisedActor, node_ip
 from runtime.roles import ANALYSIS_DRIVER
+from runtime.supervision.ray_actors import SupervisedActor, node_ip
 from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)

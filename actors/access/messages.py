@@ -6,7 +6,7 @@ filter that needs them (and built once then), it is rendered once per distinct f
 and each protocol's frame is built once per distinct frame shape (`frame`), so a
 thousand clients with one filter cost one render and one frame.
 A `Reader` yields them in sequence order (actors/access/reader.py reads JetStream; the
-fan-out tests read memory). Not the collection tier's envelope (runtime/events.py): this
+fan-out tests read memory). Not the collection tier's envelope (runtime/data/events.py): this
 is what a stream holds, as a client is sent it.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from runtime.events import skippable_json
-from runtime.query import Filter
+from runtime.data.events import skippable_json
+from runtime.data.query import Filter
 
 __all__ = [
     "KV_OP_HEADER",
@@ -145,7 +145,7 @@ def surely_json(raw: bytes) -> bool:
 
     The raw decode checks the syntax (strings, escapes, numbers' grammar, nesting); what
     the full decode checks on top when it builds values (UTF-8 inside strings, numbers past
-    a double's range) is the collector's rule, `runtime.events.skippable_json`."""
+    a double's range) is the collector's rule, `runtime.data.events.skippable_json`."""
     try:
         _skim.decode(raw)
     except (msgspec.DecodeError, RecursionError):

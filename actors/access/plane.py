@@ -36,8 +36,8 @@ from actors.access.reader import jetstream_opener
 from actors.access.webhooks import Registration, Webhooks
 from runtime.clock import now_ms
 from runtime.config import Config, GatewayOptions, Overflow
-from runtime.query import Filter, compile_filter, compile_named
-from runtime.services import connect_nats
+from runtime.data.query import Filter, compile_filter, compile_named
+from runtime.engines.services import connect_nats
 
 log = logging.getLogger(__name__)
 

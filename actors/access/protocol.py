@@ -18,8 +18,8 @@ from aiohttp import web
 
 from actors.access.messages import KV_PREFIX
 from runtime.config import Overflow
+from runtime.data.query import FilterError
 from runtime.errors import TierflowError
-from runtime.query import FilterError
 
 __all__ = [
     "CLOSE_BAD_MESSAGE",

@@ -24,7 +24,7 @@ from nats.js.errors import APIError
 from actors.access.messages import KV_PREFIX, OpenReader, Reader, StreamMessage, kv_message
 from actors.access.wire import tap
 from runtime.errors import TierflowError
-from runtime.nats import publish
+from runtime.nats.server import publish
 
 __all__ = [
     "ConsumerLost",

@@ -41,7 +41,7 @@ from actors.access.protocol import (
 )
 from actors.access.reader import JetStreamReader, stored_message
 from actors.access.webhooks import Registration, WebhookError
-from runtime.query import Filter, FilterError
+from runtime.data.query import Filter, FilterError
 
 __all__ = ["RestRoutes"]
 

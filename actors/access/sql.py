@@ -1,7 +1,7 @@
 """`POST /v1/sql`: ad-hoc SQL for consumers (book ch. 8), run by the analysis tier's Spark.
 
 The gateway holds no Spark: it checks the request here (the token, one read-only SELECT
-parsed with sqlglot by `runtime.sql_check`, the token allowed on every stream the query
+parsed with sqlglot by `runtime.data.sql_check`, the token allowed on every stream the query
 names) and hands the query to the analysis driver, which runs it over each stream's
 archive plus live tail (jobs/sql.py) and checks it again. Every refusal is a 400/401/403
 naming the problem, before anything is read; an unknown table's refusal lists only the
@@ -30,7 +30,7 @@ from aiohttp import web
 from actors.access.auth import request_token
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, refusal, reply, stream_ref
-from runtime.sql_check import MAX_SQL_CHARS, SqlRefused, check_select
+from runtime.data.sql_check import MAX_SQL_CHARS, SqlRefused, check_select
 
 __all__ = ["MAX_ROWS", "MAX_TIMEOUT_S", "SqlRequest", "SqlRoutes"]
 

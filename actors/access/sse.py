@@ -29,7 +29,7 @@ from actors.access.auth import request_token
 from actors.access.messages import StreamMessage
 from actors.access.plane import DataPlane
 from actors.access.protocol import CLOSE_TOO_SLOW, Problem, filter_problem, int_param, refusal
-from runtime.query import FilterError
+from runtime.data.query import FilterError
 
 __all__ = ["SseRoutes", "sse_event"]
 

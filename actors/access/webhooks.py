@@ -3,7 +3,7 @@
 A registration (url, stream, filter, secret, start position) is stored in the KV bucket
 `tierflow_webhooks`, so it survives any gateway restart, and every replica watches that
 bucket. Exactly one replica delivers a given webhook at a time: the one holding the webhook's
-lease, key `webhook.<id>` of the lease bucket (runtime/lease.py: revision-checked renewals, a
+lease, key `webhook.<id>` of the lease bucket (runtime/nats/lease.py: revision-checked renewals, a
 server-side TTL of `lease_s` rounded up to whole seconds, so the lease of a replica that was
 SIGKILLed lapses by itself and another takes over). A sender checks that its lease is fresh
 before each POST.
@@ -61,11 +61,11 @@ from actors.access.cursors import CursorRecord, CursorStore, open_bucket
 from actors.access.messages import OpenReader, StreamMessage
 from runtime.clock import now_ms
 from runtime.config import WebhookOptions
+from runtime.data.query import Filter
 from runtime.errors import TierflowError
-from runtime.lease import KvLease, Leadership, Term, ensure_lease_bucket
-from runtime.nats import js_publish
-from runtime.query import Filter
-from runtime.supervision import backoff_delay
+from runtime.nats.lease import KvLease, Leadership, Term, ensure_lease_bucket
+from runtime.nats.server import js_publish
+from runtime.supervision.policy import backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 BUCKET = "tierflow_webhooks"
-LEASE_PREFIX = "webhook"  # lease keys `webhook.<id>` in runtime.lease.LEASE_BUCKET
+LEASE_PREFIX = "webhook"  # lease keys `webhook.<id>` in runtime.nats.lease.LEASE_BUCKET
 DEADLETTER_SUBJECT = "deadletter.webhooks"
 CURSOR_CLIENT = "webhook"
 SIGNATURE_HEADER = "X-Tierflow-Signature"

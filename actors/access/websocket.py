@@ -60,7 +60,7 @@ from actors.access.protocol import (
     no_cursor,
 )
 from actors.access.reader import stored_message
-from runtime.query import Filter, FilterError, compile_filter
+from runtime.data.query import Filter, FilterError, compile_filter
 
 log = logging.getLogger(__name__)
 

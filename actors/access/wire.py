@@ -8,7 +8,7 @@ to `take(subject, reply, headers, payload)` first, in wire order, straight from 
 parser; what `take` declines (returns False for), and every frame of any other
 subscription, goes on through nats-py's own parsing unchanged.
 
-The fast lane itself is `runtime.nats_wire.FastLaneParser`, shared with the Spark source
+The fast lane itself is `runtime.nats.wire.FastLaneParser`, shared with the Spark source
 (jobs/jetstream_read.py); it relies on internals of the pinned nats-py (see there).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.nats_wire import install
+from runtime.nats.wire import install
 
 __all__ = ["Take", "Tap", "tap"]
 

@@ -28,9 +28,9 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from actors.collection.sources import Frame
+from runtime.data.events import new_event_id
 from runtime.errors import FencedError, TierflowError
-from runtime.events import new_event_id
-from runtime.publisher import JetStreamPublisher, Outgoing, jittered
+from runtime.nats.publisher import JetStreamPublisher, Outgoing, jittered
 
 __all__ = [
     "BUFFER_STREAM",

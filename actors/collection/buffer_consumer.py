@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from actors.collection.buffer import BUFFER_STREAM, POS_HEADER, buffer_subject
-from runtime.publisher import MSG_ID_HEADER
+from runtime.nats.publisher import MSG_ID_HEADER
 
 __all__ = [
     "BufferConsumer",

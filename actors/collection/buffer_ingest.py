@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from actors.collection.buffer import ensure_buffer_stream
 from actors.collection.buffer_consumer import BufferConsumer, BufferedFrame
 from actors.collection.ingest import IngestPath, is_system_stream
-from runtime.services import connect_nats
+from runtime.engines.services import connect_nats
 
 log = logging.getLogger(__name__)
 

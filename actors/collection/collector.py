@@ -61,7 +61,7 @@ from runtime.binding import resolve, url_host
 from runtime.browsers import BrowserGuard
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
-from runtime.ray_supervisor import SupervisedActor, node_ip
+from runtime.supervision.ray_actors import SupervisedActor, node_ip
 from runtime.tls import http_scheme, server_ssl_context
 
 log = logging.getLogger(__name__)

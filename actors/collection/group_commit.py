@@ -13,8 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from runtime.data.events import Event
 from runtime.errors import TierflowError
-from runtime.events import Event
 
 __all__ = [
     "GroupCommitPolicy",

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from actors.collection.group_commit import take_batches
-from runtime.events import Event, encode_batch
+from runtime.data.events import Event, encode_batch
 from runtime.inline import inline_parts
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from actors.collection.ingest import IngestPath
 from actors.collection.parsing import BadInput
 from actors.queue.logger import LogUnavailable
 from runtime.browsers import BrowserGuard
-from runtime.events import Event
+from runtime.data.events import Event
 
 __all__ = ["RETRY_AFTER_S", "HttpProducers", "ack_token", "bearer", "error", "reply"]
 

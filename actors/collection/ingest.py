@@ -32,13 +32,13 @@ from actors.collection.handoff import BridgeHandoff
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, parse_events
 from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
-from runtime.compaction import CompactingLogic, stream_logic
 from runtime.config import Config, system_streams
+from runtime.data.compaction import CompactingLogic, stream_logic
+from runtime.data.events import Event
+from runtime.data.logic import StreamLogic
 from runtime.errors import TierflowError
-from runtime.events import Event
-from runtime.logic import StreamLogic
-from runtime.publisher import MSG_ID_HEADER, header_bytes
-from runtime.replication import FencedError
+from runtime.nats.publisher import MSG_ID_HEADER, header_bytes
+from runtime.state.replication import FencedError
 
 log = logging.getLogger(__name__)
 

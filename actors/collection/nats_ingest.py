@@ -18,8 +18,8 @@ import msgspec
 
 from actors.collection.ingest import IngestPath
 from actors.collection.parsing import BadInput
-from runtime.events import Event
-from runtime.services import connect_nats
+from runtime.data.events import Event
+from runtime.engines.services import connect_nats
 
 __all__ = ["NatsIngest"]
 

@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from runtime.data.events import Event, json_kind, new_event_ids, skippable_json
 from runtime.errors import TierflowError
-from runtime.events import Event, json_kind, new_event_ids, skippable_json
 
 __all__ = [
     "BadInput",
@@ -286,7 +286,7 @@ _decode_head = msgspec.json.Decoder(_Head).decode
 _UNSET = msgspec.UNSET
 _DECODE_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
 
-# Skipping a value checks less than decoding it; `skippable_json` (runtime/events.py) says
+# Skipping a value checks less than decoding it; `skippable_json` (runtime/data/events.py) says
 # when a skip accepts exactly what a decode would. Anything else takes the dict-based path.
 _skippable = skippable_json
 

@@ -22,7 +22,7 @@ reconnect loses cannot be known, so it is measured instead: frames per connectio
 disconnected, and an estimate of the frames missed (the last connection's rate times the
 downtime). `stats()` reports all of it.
 
-Reconnects use `runtime.supervision.backoff_delay`: the attempt count grows with each
+Reconnects use `runtime.supervision.policy.backoff_delay`: the attempt count grows with each
 connection that fails or ends without a frame and falls back to zero after one that
 delivered; with `max_attempts` set, that many failures in a row end the iteration with
 `SourceUnreachable`.
@@ -46,7 +46,7 @@ import msgspec
 from yarl import URL
 
 from runtime.errors import TierflowError
-from runtime.supervision import Backoff, backoff_delay
+from runtime.supervision.policy import Backoff, backoff_delay
 
 __all__ = [
     "Frame",

@@ -13,7 +13,7 @@ The pieces, each usable alone:
 
 - `actors/collection/buffer.py`: `BufferWriter` (frames -> `buffer.{stream}`, batched, with
   `{source_id}:{pos}` dedup ids) and `resume_position` (where a new active node resumes).
-- `runtime/lease.py`: one active node among k+1, by a `KvLease` on `ingest.{stream}` in the
+- `runtime/nats/lease.py`: one active node among k+1, by a `KvLease` on `ingest.{stream}` in the
   KV bucket `tierflow_leases` (per-key TTL). The holder renews every ttl/3 with a
   revision-checked write; a standby tries to create the key every ttl/6. A failed renewal
   (another holder, or any error) stops the ingest work at once, and the writer refuses to
@@ -51,11 +51,11 @@ from actors.collection.buffer import (
 )
 from actors.collection.sources import StreamSource, source_from_url
 from runtime.config import Config, validate
-from runtime.lease import KvLease, Leadership, Term, ensure_lease_bucket
+from runtime.engines.services import connect_nats
 from runtime.loop_thread import LoopThread
-from runtime.ray_supervisor import SupervisedActor
-from runtime.services import connect_nats
-from runtime.supervision import backoff_delay
+from runtime.nats.lease import KvLease, Leadership, Term, ensure_lease_bucket
+from runtime.supervision.policy import backoff_delay
+from runtime.supervision.ray_actors import SupervisedActor
 
 __all__ = [
     "IngestTerm",

@@ -21,7 +21,7 @@ from aiohttp import web
 from actors.collection.http_routes import RETRY_AFTER_S, error
 from actors.collection.ingest import IngestPath
 from actors.collection.parsing import BadInput
-from runtime.events import Event
+from runtime.data.events import Event
 
 __all__ = ["WebSocketProducers"]
 

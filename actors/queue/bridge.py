@@ -20,7 +20,7 @@ stream's duplicate window (`blind_retry_horizon`, measured from `received_ms`, w
 precedes any publish of it). Older, an earlier copy may be stored with its id
 already forgotten by the window, so the bridge first proves the id absent: it reads the
 `Nats-Msg-Id` of every message the stream stored since `received_ms - clock_skew_s`
-(`runtime.publisher.find_stored`, bounded by `verify_max_messages` and
+(`runtime.nats.publisher.find_stored`, bounded by `verify_max_messages` and
 `verify_timeout_s`). Found: the entry is forgotten as published, with its sequence.
 Absent: resent. Not provable because the server did not answer: stays failed and is
 checked again at its next retry, never resent blind. Not provable because the range is
@@ -53,13 +53,14 @@ import msgspec
 from actors.queue.forgetter import Forgetter
 from actors.queue.logger import LoggerGroup, key_of
 from runtime.clock import now_ms
-from runtime.compaction import CompactingLogic, stream_logic, target_subject
 from runtime.config import Config, atomic_batches_enabled, validate
-from runtime.events import Event, decode_batch
+from runtime.data.compaction import CompactingLogic, stream_logic, target_subject
+from runtime.data.events import Event, decode_batch
+from runtime.data.logic import LogicResult, StreamLogic
+from runtime.engines.services import connect_nats, ensure_streams
 from runtime.inline import join_parts
-from runtime.logic import LogicResult, StreamLogic
 from runtime.loop_thread import LoopThread
-from runtime.publisher import (
+from runtime.nats.publisher import (
     MSG_ID_HEADER,
     Failed,
     JetStreamPublisher,
@@ -70,8 +71,7 @@ from runtime.publisher import (
     find_stored,
     header_bytes,
 )
-from runtime.ray_supervisor import SupervisedActor
-from runtime.services import connect_nats, ensure_streams
+from runtime.supervision.ray_actors import SupervisedActor
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ _STREAM_CACHE_S = 30.0
 class BrokerBridge(SupervisedActor):
     """Ray actor: publishes logged batches to JetStream and completes them in the logger."""
 
-    # compacted streams (runtime/compaction.py): one stream lookup for all their keys
+    # compacted streams (runtime/data/compaction.py): one stream lookup for all their keys
     _compacted: frozenset[str] = frozenset()
 
     def __init__(

@@ -25,7 +25,7 @@ import ray
 
 from cluster.chaos import schedule as s
 from cluster.chaos.proxy import Blackhole, Latency, ResetPeer
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 
 log = logging.getLogger(__name__)

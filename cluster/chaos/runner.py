@@ -58,8 +58,8 @@ from cluster.verify import judge_streams, stream_records
 from jobs.sink import results_by_query
 from jobs.sketches import Distinct
 from runtime.config import default_streams, load
-from runtime.nats import NatsCluster, NatsServer, connect
-from runtime.services import local_ray
+from runtime.engines.services import local_ray
+from runtime.nats.server import NatsCluster, NatsServer, connect
 from runtime.waiting import WaitTimeout, await_until
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Chaos scenario `site-loss`: a whole NATS site killed under load, with a zero-loss verdict.
 
-Two sites (runtime/sites.py), each an N-node JetStream cluster (streams R3 at N=3, so k=1
+Two sites (runtime/geo/sites.py), each an N-node JetStream cluster (streams R3 at N=3, so k=1
 inside a site), one replicated stream (`[streams.geo.replicate] to = ["site-b"]`). Two
 producers publish events with known ids: one on site A, one on site B; every 50th event
 of A's producer is also sent to B by B's producer (a client that writes both sites). At
@@ -38,10 +38,10 @@ import msgspec
 
 from cluster.chaos.proxy import Blackhole, FaultProxy
 from runtime.config import Config, validate
-from runtime.geo import SourceWatch, link_deny, replication_lag
-from runtime.nats import connect, js_publish
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites
+from runtime.engines.services import ensure_streams
+from runtime.geo.replication import SourceWatch, link_deny, replication_lag
+from runtime.geo.sites import NatsSites
+from runtime.nats.server import connect, js_publish
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 1.0  # the longest pause between a producer's rounds of resends
@@ -298,7 +298,7 @@ async def read_copy(
 
 def converged(rows: list[dict[str, Any]]) -> bool:
     """Every copy answers, lags no origin, and all copies hold the same number of events
-    (`rows`: runtime/geo.py `replication_lag`)."""
+    (`rows`: runtime/geo/replication.py `replication_lag`)."""
     ok = all(r["up"] and r["lag"] == 0 and not r.get("error") for r in rows)
     return bool(rows) and ok and len({r["messages"] for r in rows}) == 1
 

@@ -1,7 +1,7 @@
 """Chaos scenario `site-loss` through the tierflow pipeline: a whole NATS site killed under
 HTTP load, with a zero-loss verdict on both sites' copies.
 
-Two sites (runtime/sites.py), each a 3-node JetStream cluster (the stream R3: k=1 inside a
+Two sites (runtime/geo/sites.py), each a 3-node JetStream cluster (the stream R3: k=1 inside a
 site), one stream copied both ways (`[streams.geo.replicate] to = ["site-b"]`). On one
 local Ray, a tierflow runtime per site (cluster/launcher.py `Runtime`: collector, message
 logger group with k=1, bridge, gateway, admin endpoint), each in its own Ray namespace and
@@ -49,10 +49,10 @@ from cluster.chaos.site_loss import (
 from cluster.loadgen import LoadReport, drive
 from cluster.verify import payload_digest
 from runtime.config import Config, load
-from runtime.geo import link_deny, replication_lag
-from runtime.nats import connect
-from runtime.services import local_ray
-from runtime.sites import NatsSites
+from runtime.engines.services import local_ray
+from runtime.geo.replication import link_deny, replication_lag
+from runtime.geo.sites import NatsSites
+from runtime.nats.server import connect
 from runtime.waiting import WaitTimeout, await_until
 
 log = logging.getLogger(__name__)

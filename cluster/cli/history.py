@@ -42,7 +42,7 @@ def sql(
     from cluster.history import NoNats
     from cluster.history import query as run
     from jobs.sql import SqlTimeout, plain
-    from runtime.sql_check import SqlRefused
+    from runtime.data.sql_check import SqlRefused
 
     cfg = load_config(config)
     try:

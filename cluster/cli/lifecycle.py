@@ -16,8 +16,8 @@ import typer
 
 from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from runtime import runstate
-from runtime.compaction import describe
 from runtime.config import Config
+from runtime.data.compaction import describe
 
 
 def where(info: dict[str, Any], cfg: Config | None = None) -> None:

@@ -17,11 +17,11 @@ from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from cluster.replay import run_replay
 from jobs.class_training import build as build_class_archive
 from runtime.certs import make_dev_certs, server_names
-from runtime.class_archive import archive_path
 from runtime.config import dumps_toml, redact
-from runtime.nats import NatsCluster, nats_server_binary
-from runtime.services import EngineError, nats_store_dir, require_java, start_nats
-from runtime.sites import LEAF_AUTH_FILE, NatsSites
+from runtime.engines.class_archive import archive_path
+from runtime.engines.services import EngineError, nats_store_dir, require_java, start_nats
+from runtime.geo.sites import LEAF_AUTH_FILE, NatsSites
+from runtime.nats.server import NatsCluster, nats_server_binary
 from runtime.tls import certs_dir
 
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)

@@ -21,9 +21,9 @@ from cluster.cli.status import REPLICATION_COLUMNS, replication_rows
 from cluster.failover import Promotion, plan_promotion, site_url
 from cluster.tables import build, print_tables
 from runtime.config import Config
-from runtime.geo import replication_lag
-from runtime.services import connect_nats, ensure_streams, nats_store_dir
-from runtime.sites import SITES_FILE
+from runtime.engines.services import connect_nats, ensure_streams, nats_store_dir
+from runtime.geo.replication import replication_lag
+from runtime.geo.sites import SITES_FILE
 
 app = typer.Typer(help="Sites of geo replication: lag and failover.", no_args_is_help=True)
 

@@ -139,7 +139,7 @@ REPLICATION_COLUMNS = (
 
 
 def replication_rows(snap: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per stream copy and origin site (runtime/geo.py `lag_rows`)."""
+    """One row per stream copy and origin site (runtime/geo/replication.py `lag_rows`)."""
     return [
         {**r, "error": r.get("error") or ("" if r.get("up") else "copy does not answer")}
         for r in snap.get("replication") or []

@@ -20,7 +20,7 @@ from cluster.cli.common import (
     running_state,
 )
 from cluster.tables import Column, build, print_tables
-from runtime.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
+from runtime.state.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
 
 logger_app = typer.Typer(help="The MessageLogger's stores.", no_args_is_help=True)
 checkpoint_app = typer.Typer(help="LevelDB checkpoints of actors.", no_args_is_help=True)

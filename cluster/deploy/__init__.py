@@ -2,7 +2,7 @@
 
 The design, in three layers:
 
-1. **A role is data.** `spec.RoleSpec` is to a role what `runtime.supervision.ChildSpec`
+1. **A role is data.** `spec.RoleSpec` is to a role what `runtime.supervision.policy.ChildSpec`
    is to one actor: the role's name, its replicas' `ChildSpec`s in start order (ids are
    the actors' names, ``<role>-<i>``), how they start (`spec.Start`), the supervisor that
    watches them (`spec.SupervisorSpec`: name, strategy, restart intensity) and the method
@@ -32,7 +32,7 @@ The design, in three layers:
 3. **One path starts, resizes and stops them**: `deployer`.
 
    - `deploy(specs)`: places each SUPERVISED role's children one per node while nodes
-     last (`runtime.placement.plan`, a hint the supervisor turns into a hard affinity),
+     last (`runtime.state.placement.plan`, a hint the supervisor turns into a hard affinity),
      starts each supervisor once with all the children of the roles that share it,
      starts DETACHED actors (named, detached, restarted by Ray) and replica groups
      (`logger.start_group`: k+1 copies on distinct nodes, the empty ones caught up), then

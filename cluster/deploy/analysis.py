@@ -28,9 +28,9 @@ from jobs.standby import standby_name
 from runtime.config import Config
 from runtime.errors import JobError
 from runtime.job_specs import JobSpec, decode_spec
-from runtime.nats_endpoint import NatsEndpoint
-from runtime.ray_supervisor import supervised_options
-from runtime.supervision import ChildSpec
+from runtime.nats.endpoint import NatsEndpoint
+from runtime.supervision.policy import ChildSpec
+from runtime.supervision.ray_actors import supervised_options
 
 ROLE = "analysis"
 START = "jobs.driver:AnalysisDriver"

@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, replica_name
 from runtime.config import Config
-from runtime.supervision import ChildSpec
+from runtime.supervision.policy import ChildSpec
 
 SUPERVISOR = "collection"
 COLLECTION = SupervisorSpec(SUPERVISOR)  # one for one, 20 restarts a minute

@@ -21,9 +21,9 @@ import ray
 
 from cluster.deploy.logger import start_group
 from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node
-from runtime.placement import actor_nodes, alive_nodes, plan
-from runtime.ray_supervisor import start_supervisor, supervised_options
-from runtime.supervision import ChildSpec, load_start
+from runtime.state.placement import actor_nodes, alive_nodes, plan
+from runtime.supervision.policy import ChildSpec, load_start
+from runtime.supervision.ray_actors import start_supervisor, supervised_options
 from runtime.waiting import wait_until
 
 log = logging.getLogger(__name__)

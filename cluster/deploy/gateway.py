@@ -20,9 +20,9 @@ from cluster.deploy.deployer import (
 )
 from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node, replica_name
 from runtime.config import Config, GatewayOptions, gateway_options
-from runtime.nats import free_port
-from runtime.placement import next_index
-from runtime.supervision import ChildSpec
+from runtime.nats.server import free_port
+from runtime.state.placement import next_index
+from runtime.supervision.policy import ChildSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from actors.queue.logger import LoggerGroup, catch_up_all
 from actors.queue.logger.in_sync import extra_replicas, newest
 from cluster.deploy.spec import RoleSpec, Start, replica_name
 from runtime.config import Config
-from runtime.placement import alive_nodes
-from runtime.replication import ReplicaGroup
-from runtime.supervision import ChildSpec, load_start
+from runtime.state.placement import alive_nodes
+from runtime.state.replication import ReplicaGroup
+from runtime.supervision.policy import ChildSpec, load_start
 
 ROLE = "logger"
 REPLICA = "actors.queue.logger:LoggerReplica"

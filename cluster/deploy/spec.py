@@ -1,5 +1,5 @@
 """A role as data: which actors it runs, how they are started and supervised, and when a
-replica counts as serving. `RoleSpec` is to a role what `runtime.supervision.ChildSpec`
+replica counts as serving. `RoleSpec` is to a role what `runtime.supervision.policy.ChildSpec`
 is to one actor; `cluster.deploy.deployer` is the one place that starts, resizes and stops
 what it describes.
 """
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.placement import affinity
-from runtime.supervision import ChildSpec, Intensity, Strategy, index_specs
+from runtime.state.placement import affinity
+from runtime.supervision.policy import ChildSpec, Intensity, Strategy, index_specs
 
 
 class Start(enum.Enum):
@@ -26,7 +26,7 @@ class Start(enum.Enum):
     # spreads them), the analysis driver.
     DETACHED = "detached"
     # Each child a replica group: k+1 copies on distinct nodes, fenced by epoch and caught
-    # up from a copy with data (`runtime.replication`): the MessageLogger.
+    # up from a copy with data (`runtime.state.replication`): the MessageLogger.
     REPLICA_GROUPS = "replica_groups"
 
 

@@ -8,8 +8,8 @@ from typing import Any
 from actors.collection.buffer import check_stream_name
 from cluster.deploy.deployer import deploy
 from cluster.deploy.spec import RoleSpec, Start
-from runtime.ray_supervisor import DEFAULT_NAMESPACE
-from runtime.supervision import ChildSpec
+from runtime.supervision.policy import ChildSpec
+from runtime.supervision.ray_actors import DEFAULT_NAMESPACE
 
 ROLE = "ingest"
 START = "actors.collection.stream_ingest:StreamIngest"

@@ -30,7 +30,7 @@ from cluster.lab.nemesis import (
 )
 from cluster.loadgen import drive
 from cluster.verify import StreamTally, Verdict, judge
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.roles import ANALYSIS_DRIVER
 from runtime.waiting import WaitTimeout, await_until
 

@@ -24,7 +24,7 @@ from cluster.demo.meetup import meetup_jobs
 from cluster.lab.hosts import Lab, LabError
 from cluster.lab.services import RayNodes, lab_nats, ray_cli, ray_env
 from runtime.config import toml_text
-from runtime.nats import NatsServer
+from runtime.nats.server import NatsServer
 
 __all__ = ["LabCluster", "REPO"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.lab.hosts import Lab, LabError
-from runtime.nats import PORT_SLICE_ENV, NatsServer
+from runtime.nats.server import PORT_SLICE_ENV, NatsServer
 
 __all__ = ["NATS_PORT", "RAY_PORT", "RayNodes", "lab_nats", "ray_cli", "ray_env"]
 

@@ -59,9 +59,9 @@ from jobs.deadletter_scan import DeadLetterScan
 from jobs.jetstream import register
 from jobs.running import start_deadletters, start_job
 from runtime.config import load
+from runtime.engines.services import spark_session
 from runtime.job_specs import JobSpec
-from runtime.nats import NatsEndpoint, NatsServer, connect
-from runtime.services import spark_session
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from runtime.waiting import wait_until
 from tests.bench.common import Profiler, print_profile, write_report
 

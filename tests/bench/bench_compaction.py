@@ -36,9 +36,9 @@ import pytest
 from cluster.deploy.gateway import start_gateways, stop_gateways
 from cluster.loadgen import drive
 from cluster.pipeline import CollectionTier, start_collection_tier
-from runtime.compaction import key_token
 from runtime.config import load
-from runtime.nats import NatsServer, connect, free_port
+from runtime.data.compaction import key_token
+from runtime.nats.server import NatsServer, connect, free_port
 from runtime.waiting import await_until
 from tests.bench.common import summary, write_report
 

@@ -50,7 +50,7 @@ import pytest
 
 from actors.access.client import TierflowClient
 from cluster.verify import judge, stream_ids
-from runtime.nats import connect
+from runtime.nats.server import connect
 from runtime.waiting import WaitTimeout, await_until
 from tests.bench.common import (
     BirthProfiler,

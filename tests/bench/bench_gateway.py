@@ -37,9 +37,9 @@ import ray
 
 from actors.access.gateway import Gateway
 from runtime.config import load
-from runtime.nats import NatsServer, connect, free_port
-from runtime.ray_supervisor import supervised_options
-from runtime.services import ensure_streams
+from runtime.engines.services import ensure_streams
+from runtime.nats.server import NatsServer, connect, free_port
+from runtime.supervision.ray_actors import supervised_options
 from runtime.waiting import await_until
 from tests.bench.common import GcPauses, Profiler, print_profile, write_report
 

@@ -2,7 +2,7 @@
 `site-loss` scenario at 20,000 events (kill to the first acknowledgement on the surviving
 site; acknowledged events lost or duplicated).
 
-Two sites of 3 nodes (runtime/sites.py), a stream R3 replicated from site A to site B.
+Two sites of 3 nodes (runtime/geo/sites.py), a stream R3 replicated from site A to site B.
 Lag: a producer on A publishes 1,000 events/s with ids, each one's acknowledgement time
 kept; a push consumer on B's copy, on the subject A's events are sourced to, takes each
 event's arrival time. The lag of an event is its arrival on B minus its acknowledgement on
@@ -32,10 +32,10 @@ import pytest
 from cluster.chaos.site_loss import run_site_loss
 from cluster.chaos.site_loss_pipeline import run_site_loss_pipeline
 from runtime.config import validate
-from runtime.geo import link_deny, origin_subject, replication_lag
-from runtime.nats import connect
-from runtime.services import ensure_streams
-from runtime.sites import NatsSites
+from runtime.engines.services import ensure_streams
+from runtime.geo.replication import link_deny, origin_subject, replication_lag
+from runtime.geo.sites import NatsSites
+from runtime.nats.server import connect
 from runtime.waiting import await_until
 from tests.bench.common import summary, write_report
 from tests.support import acked_publish

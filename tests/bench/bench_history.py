@@ -44,10 +44,10 @@ from jobs.running import start_job
 from jobs.sink import results_by_query
 from jobs.sql import StreamTable, run_sql
 from runtime.config import load
+from runtime.engines.services import spark_session
 from runtime.job_specs import JobSpec
-from runtime.nats import NatsEndpoint, NatsServer, connect
-from runtime.publisher import JetStreamPublisher, Outgoing
-from runtime.services import spark_session
+from runtime.nats.publisher import JetStreamPublisher, Outgoing
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from tests.bench.common import summary, write_report
 
 EVENTS = int(os.environ.get("TIERFLOW_BENCH_HISTORY_EVENTS", "1000000"))

@@ -26,8 +26,8 @@ import msgspec
 
 from actors.collection import parsing
 from cluster.demo.rsvps import RsvpGenerator
-from runtime.events import Event
-from runtime.logic import LogicConfig, StreamLogic, compile_logic
+from runtime.data.events import Event
+from runtime.data.logic import LogicConfig, StreamLogic, compile_logic
 from tests.bench.common import write_report
 
 BATCH = 100

@@ -48,7 +48,7 @@ from nats.js.api import StreamConfig
 from cluster.loadgen import LoadReport, drive, known_events
 from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import load
-from runtime.nats import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect, free_port
 from runtime.waiting import await_until
 from tests.bench.common import Profiler, print_profile, summary, write_report
 

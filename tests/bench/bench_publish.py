@@ -33,8 +33,8 @@ from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from runtime.nats import NatsServer, connect
-from runtime.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
+from runtime.nats.publisher import MSG_ID_HEADER, JetStreamPublisher, Outgoing
+from runtime.nats.server import NatsServer, connect
 
 EVENTS = 10_000  # per run; the fsync-per-message rows take ~5 s each at this size
 PAYLOAD = 500

@@ -24,7 +24,7 @@ import pytest
 from cluster.loadgen import drive, known_events
 from cluster.pipeline import start_collection_tier
 from runtime.config import load
-from runtime.nats import NatsServer
+from runtime.nats.server import NatsServer
 from tests.bench.common import Profiler, print_profile, summary, write_report
 
 EVENTS = int(os.environ.get("TIERFLOW_BENCH_EVENTS", "20000"))

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from runtime.services import local_ray
+from runtime.engines.services import local_ray
 
 NAMESPACE = "tierflow-bench"
 

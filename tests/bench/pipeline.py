@@ -18,7 +18,7 @@ import msgspec
 
 from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import Config, load
-from runtime.nats import NatsServer, connect
+from runtime.nats.server import NatsServer, connect
 
 TOPN_SUBJECT = "results.meetup_topn"
 
@@ -279,7 +279,7 @@ def pipeline(
     from cluster.deploy.analysis import start_driver, stop_driver, wait_running
     from cluster.deploy.gateway import start_gateways, stop_gateways
     from jobs.driver import DEFAULT_MASTER
-    from runtime.services import ensure_streams
+    from runtime.engines.services import ensure_streams
 
     # TIERFLOW_BENCH_SPARK_CONF: extra Spark settings as JSON, TIERFLOW_BENCH_SPARK_MASTER
     # another master than the analysis driver's default (to compare settings A/B)

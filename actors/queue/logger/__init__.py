@@ -13,7 +13,7 @@ one module each:
   the Ray actor's event loop; a `LocalSupervisor` restarts it (reopening the store) when it
   fails.
 - `replica.LoggerReplica`: the Ray actor of one replica; every mutating call carries the
-  writer's epoch and is fenced (`runtime.replication`); the fence is persisted in the
+  writer's epoch and is fenced (`runtime.state.replication`); the fence is persisted in the
   store's `meta`.
 - `group.LoggerGroup`: the picklable client Collector and Bridge hold: writes go to every
   replica and succeed only when all acknowledged; reads go to the primary.

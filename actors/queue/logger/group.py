@@ -24,9 +24,9 @@ from actors.queue.logger.errors import LogFull, LogUnavailable
 from actors.queue.logger.in_sync import Config, members, newest, with_, without
 from actors.queue.logger.records import LogKey, _split_key, encode_forget
 from runtime import clock
-from runtime.events import Event, decode_batch, encode_batch
+from runtime.data.events import Event, decode_batch, encode_batch
 from runtime.inline import inline_parts
-from runtime.replication import EpochFenced, FencedError, ReplicaGroup
+from runtime.state.replication import EpochFenced, FencedError, ReplicaGroup
 
 log = logging.getLogger(__name__)
 

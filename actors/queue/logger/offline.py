@@ -30,8 +30,8 @@ from actors.queue.logger.records import (
 )
 from actors.queue.logger.store import LogStore
 from runtime import clock
-from runtime.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
-from runtime.replication import Fence
+from runtime.state.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
+from runtime.state.replication import Fence
 
 
 def settle_parked(

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.events import Event, decode_event
+from runtime.data.events import Event, decode_event
 
 
 class FailedEntry(msgspec.Struct, frozen=True, array_like=True):

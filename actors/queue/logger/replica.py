@@ -1,6 +1,6 @@
 """`LoggerReplica`: the Ray actor of one replica of a logger group.
 
-Every mutating call carries the writer's epoch and is fenced (`runtime.replication`); the
+Every mutating call carries the writer's epoch and is fenced (`runtime.state.replication`); the
 fence is persisted in the store's `meta`, handed to the `LogWriter` ahead of the write.
 """
 
@@ -27,11 +27,11 @@ from actors.queue.logger.records import (
     decode_forget,
 )
 from actors.queue.logger.writer import WakingFuture, WriterClient, WriterOp, _Crash
-from runtime.events import decode_batch, encode_batch
+from runtime.data.events import decode_batch, encode_batch
 from runtime.inline import join_parts
-from runtime.ray_supervisor import SupervisedActor
-from runtime.replication import Fence, ReplicaMixin
-from runtime.supervision import backoff_delay
+from runtime.state.replication import Fence, ReplicaMixin
+from runtime.supervision.policy import backoff_delay
+from runtime.supervision.ray_actors import SupervisedActor
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from actors.queue.logger.records import (
     _token_dec,
 )
 from actors.queue.logger.txn import _Txn
-from runtime.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
-from runtime.events import Event, decode_batch, decode_event, encode_event
+from runtime.data.events import Event, decode_batch, decode_event, encode_event
+from runtime.state.checkpoint import CheckpointError, CheckpointLockedError, CheckpointStore
 from runtime.waiting import poll
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ COMPRESSION: str | None = None
 
 
 class LogStore:
-    """The durable log of one replica on LevelDB (`runtime.checkpoint.CheckpointStore`).
+    """The durable log of one replica on LevelDB (`runtime.state.checkpoint.CheckpointStore`).
 
     Not thread-safe: one owner (the `LogWriter` thread) calls it. Every mutating call is one
     synced write batch that also carries the counters, so `counts()` is O(1), survives a

@@ -34,7 +34,7 @@ from actors.queue.logger.records import (
 
 if TYPE_CHECKING:  # the store hands itself in; importing it would be a cycle
     from actors.queue.logger.store import LogStore
-    from runtime.checkpoint import Batch
+    from runtime.state.checkpoint import Batch
 
 _MISSING: Any = object()
 

@@ -19,9 +19,9 @@ import pykka
 
 from actors.queue.logger.errors import LogUnavailable
 from actors.queue.logger.store import LogStore
-from runtime.checkpoint import CheckpointError
-from runtime.local_supervisor import LocalSupervisor, Supervised
-from runtime.supervision import Backoff, ChildSpec, Intensity
+from runtime.state.checkpoint import CheckpointError
+from runtime.supervision.local import LocalSupervisor, Supervised
+from runtime.supervision.policy import Backoff, ChildSpec, Intensity
 from runtime.waiting import poll
 
 log = logging.getLogger(__name__)

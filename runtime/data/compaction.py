@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from runtime.data.events import Event, json_kind
+from runtime.data.logic import LogicResult, StreamLogic, compile_logic
+from runtime.data.query import getter
 from runtime.errors import ConfigError, TierflowError
-from runtime.events import Event, json_kind
-from runtime.logic import LogicResult, StreamLogic, compile_logic
-from runtime.query import getter
 
 if TYPE_CHECKING:
     from runtime.config import StreamConfig

@@ -2,9 +2,9 @@
 and heartbeat deadlines.
 
 Everything here is a pure function of its arguments (the clock and the random draw are passed
-in), so the supervisors that apply it (`runtime.local_supervisor` for pykka actors inside one
-process, `runtime.ray_supervisor` for Ray actors) hold no policy of their own and tests drive
-every branch without sleeping.
+in), so the supervisors that apply it (`runtime.supervision.local` for pykka actors inside
+one process, `runtime.supervision.ray_actors` for Ray actors) hold no policy of their own
+and tests drive every branch without sleeping.
 
 Example:
     ```py

@@ -1,7 +1,7 @@
 """Queries over one event's JSON (book chs. 2 and 7): the WHERE compiler and consumer filters.
 
 Both are compiled once and evaluated per event, and both live in the foundation because
-three floors use them: the config validates them at load, stream logic (`runtime.logic`)
+three floors use them: the config validates them at load, stream logic (`runtime.data.logic`)
 keeps a stream's events by a WHERE clause, and the access tier (gateway, fan-out,
 webhooks) hands each client the events and fields its filter selects.
 

@@ -58,7 +58,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from runtime.errors import TierflowError
-from runtime.nats_publish import publish, raise_swallowed_cancel
+from runtime.nats.publish import publish, raise_swallowed_cancel
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 _STATUS_HEADER = "Status"
@@ -486,7 +486,7 @@ async def _send_raw(nc: Client, data: bytes, messages: int, payload_bytes: int) 
     await nc._send_command(data)
     if nc._flush_queue is not None and nc._flush_queue.empty():
         await nc._flush_pending()
-    raise_swallowed_cancel()  # as `runtime.nats_publish.publish`: the flush swallows a cancel
+    raise_swallowed_cancel()  # as `runtime.nats.publish.publish`: the flush swallows a cancel
 
 
 def batch_limit_from(description: str) -> int | None:

@@ -17,9 +17,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from runtime.compaction import stream_subjects
 from runtime.config import Config, NatsUser
-from runtime.lease import LEASE_BUCKET
+from runtime.data.compaction import stream_subjects
+from runtime.nats.lease import LEASE_BUCKET
 from runtime.roles import NATS_ROLES
 
 SECRETS_FILE = "nats-users.json"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.nats import (
+from runtime.nats.server import (
     PORT_ATTEMPTS,
     NatsServer,
     NatsServerError,
@@ -77,7 +77,7 @@ def stable_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> li
     inside the ephemeral range can be given that very port as its own source port (a TCP
     self-connect), which then holds it: the restart fails with "address already in use"
     (seen in the site-loss scenario). Ports outside the range are never handed out that way.
-    A configured range (`$TIERFLOW_PORT_SLICE`, runtime/nats.py) is used instead.
+    A configured range (`$TIERFLOW_PORT_SLICE`, runtime/nats/server.py) is used instead.
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -203,7 +203,7 @@ class Site:
 
     @property
     def url(self) -> str:
-        """Comma-joined client URLs (runtime.nats.connect splits them)."""
+        """Comma-joined client URLs (runtime.nats.server.connect splits them)."""
         return ",".join(self.urls)
 
     @property
@@ -259,7 +259,8 @@ class NatsSites:
     sync_interval: str = "always"
     host: str = "127.0.0.1"
     # subjects the sites never exchange over the leaf links: every replicated stream's
-    # subjects (see `leaf_block`); runtime/geo.py `link_deny` derives them from the config
+    # subjects (see `leaf_block`); runtime/geo/replication.py `link_deny` derives them
+    # from the config
     deny: list[str] = field(default_factory=list)
     auth: LeafAuth | None = field(default_factory=LeafAuth)
     tls: TlsFiles | None = None
@@ -282,7 +283,7 @@ class NatsSites:
     def from_config(cls, cfg: Config, base_dir: Path, sites: int = 2, nodes: int = 3) -> NatsSites:
         """The sites `tierflow nats up --sites` runs for `cfg`: its streams' subjects kept
         off the links, leaf auth generated, and with `[tls]` on TLS for clients and links."""
-        from runtime.geo import link_deny
+        from runtime.geo.replication import link_deny
 
         return cls(
             base_dir=base_dir,
@@ -514,7 +515,7 @@ def leaf_tls(cfg: Config) -> TlsFiles | None:
 def site_server_options(cfg: Config) -> dict[str, Any]:
     """The client-facing `NatsServer` fields every site's server gets: what `start_nats`
     gives the single embedded server (users or role users, TLS, encryption at rest)."""
-    from runtime.nats_roles import server_users
+    from runtime.nats.roles import server_users
     from runtime.tls import tls_files
 
     tls = tls_files(cfg)

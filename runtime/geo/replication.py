@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from runtime.geo_config import ReplicateConfig
+from runtime.geo.config import ReplicateConfig
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -117,7 +117,7 @@ def link_deny(cfg: Config) -> list[str]:
     """Subjects the leaf links between sites must not carry: every configured stream's
     subjects, as configured and as JetStream captures them (a compacted stream's have one
     more token, the key); a stream would otherwise also capture the other site's publishes."""
-    from runtime.compaction import stream_subjects
+    from runtime.data.compaction import stream_subjects
 
     out: list[str] = []
     for name, stream in cfg.streams.items():

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.class_archive import (
+from runtime.config import Config
+from runtime.data.compaction import check_update, max_msgs_per_subject, stream_subjects
+from runtime.engines.class_archive import (
     DRIVER_OPTIONS,
     STDOUT_CLEAN,
     archive_path,
@@ -25,12 +27,10 @@ from runtime.class_archive import (
     use_option,
     with_java_option,
 )
-from runtime.compaction import check_update, max_msgs_per_subject, stream_subjects
-from runtime.config import Config
 from runtime.errors import TierflowError
-from runtime.geo import ensure_copies, with_local_sources
-from runtime.nats import NatsEndpoint, NatsServer
-from runtime.nats_roles import server_users
+from runtime.geo.replication import ensure_copies, with_local_sources
+from runtime.nats.roles import server_users
+from runtime.nats.server import NatsEndpoint, NatsServer
 from runtime.tls import tls_files
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ async def connect_nats(
     cfg: Config, url: str | None = None, name: str = "tierflow", role: str = "admin"
 ) -> Client:
     """A nats-py client for the configured (or given) URL, as `role`, over TLS when `[tls]`
-    is on: `runtime.nats.NatsEndpoint.from_config` opened with `runtime.nats.connect`."""
+    is on: `runtime.nats.endpoint.NatsEndpoint.from_config` opened with
+    `runtime.nats.endpoint.connect`."""
     return await NatsEndpoint.from_config(cfg, role, url=url or "", name=name).connect()
 
 
@@ -312,7 +313,8 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
 
 def driver_class_archive(cfg: Config, conf: dict[str, str]) -> dict[str, str]:
     """`conf` with the driver JVM mapping this machine's class archive, when there is one
-    and neither the config nor `conf`'s own JVM options say otherwise (runtime/class_archive.py)."""
+    and neither the config nor `conf`'s own JVM options say otherwise
+    (runtime/engines/class_archive.py)."""
     options = conf.get(DRIVER_OPTIONS, "")
     if not cfg.spark.class_archive or "SharedArchiveFile" in options or "ArchiveClasses" in options:
         return conf

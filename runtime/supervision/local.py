@@ -1,7 +1,7 @@
 """Supervision of pykka actors inside one process (pykka has none of its own).
 
 Blocking work inside a Ray actor (a LevelDB writer, a source reader, a webhook sender) runs
-in pykka actors; a `LocalSupervisor` restarts them by the policy in `runtime.supervision`
+in pykka actors; a `LocalSupervisor` restarts them by the policy in `runtime.supervision.policy`
 and escalates a crash loop to its `on_escalate` callback and to its own supervisor.
 
 How pykka 4.5 ends an actor, and what the supervisor makes of it:
@@ -44,7 +44,7 @@ from typing import Any
 
 import pykka
 
-from runtime.supervision import (
+from runtime.supervision.policy import (
     Backoff,
     ChildSpec,
     Exit,
@@ -136,7 +136,7 @@ class Supervised:
 class LocalSupervisor(Supervised, pykka.ThreadingActor):
     """A pykka actor that starts, watches and restarts child actors.
 
-    Decisions come from `runtime.supervision.decide`; restarts wait for the backoff on a
+    Decisions come from `runtime.supervision.policy.decide`; restarts wait for the backoff on a
     timer, never in the actor loop, so the supervisor keeps answering `get_child`/`status`
     meanwhile. Past the restart intensity it stops its children, calls `on_escalate(reason)`,
     reports an ABNORMAL exit to its own supervisor (if it is a child of one) and stops.

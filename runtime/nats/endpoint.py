@@ -1,6 +1,6 @@
 """Reaching NATS as a client: `connect` and `NatsEndpoint`, with nothing heavier than nats-py.
 
-Split from runtime/nats.py (which re-exports both) so a process that only connects, such as
+Split from runtime/nats/server.py (which re-exports both) so a process that only connects, such as
 a Spark Python worker or the streaming source's runner, which Spark starts fresh for every
 query, does not import the server side, the config schema and its query parser, or the
 certificate tooling. `NatsEndpoint.from_config` imports those when it is called.
@@ -21,7 +21,7 @@ from nats.aio.client import Client
 if TYPE_CHECKING:
     from runtime.config import Config
 
-_log = logging.getLogger("runtime.nats")
+_log = logging.getLogger("runtime.nats.server")
 
 
 def _server_list(servers: str | list[str]) -> list[str]:
@@ -140,7 +140,7 @@ class NatsEndpoint:
         `[nats.users.<role>]` say so, else the shared credentials. With `[tls]` on it trusts
         `tls.ca` and presents the client pair when there is one (a server with
         `tls.verify_clients` needs it); otherwise it trusts `nats.tls_ca` when set."""
-        from runtime.nats_roles import credentials
+        from runtime.nats.roles import credentials
         from runtime.tls import tls_files
 
         who = credentials(cfg, role)

@@ -57,8 +57,8 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from runtime.loop_thread import LoopThread
-from runtime.nats_publish import raise_swallowed_cancel
-from runtime.supervision import Backoff, backoff_delay
+from runtime.nats.publish import raise_swallowed_cancel
+from runtime.supervision.policy import Backoff, backoff_delay
 
 __all__ = [
     "LEASE_BUCKET",

@@ -3,7 +3,7 @@
 Ray restarts a dead actor process (`max_restarts=-1`) and retries its calls
 (`max_task_retries=-1`); it has no restart strategies, no restart intensity, no backoff, no
 escalation and no notion of a hung actor. A `RaySupervisor` adds those, OTP style, deciding
-only through the pure functions of `runtime.supervision`:
+only through the pure functions of `runtime.supervision.policy`:
 
 - it pings each child's `heartbeat()` every `heartbeat_interval_s`, each ping bounded by
   `heartbeat_deadline_s`;
@@ -61,9 +61,9 @@ from ray.exceptions import (
     RayActorError,
 )
 
-from runtime import placement
-from runtime.checkpoint import CheckpointLockedError, CheckpointStore
-from runtime.supervision import (
+from runtime.state import placement
+from runtime.state.checkpoint import CheckpointLockedError, CheckpointStore
+from runtime.supervision.policy import (
     Backoff,
     ChildSpec,
     Exit,
@@ -264,7 +264,7 @@ class RaySupervisor(SupervisedActor):
     """A supervisor for Ray actors; itself an async, detached, named Ray actor.
 
     Start it with `start_supervisor(...)` (or as a child of another supervisor with
-    ``start="runtime.ray_supervisor:RaySupervisor"``). Each `ChildSpec.id` is also the Ray
+    ``start="runtime.supervision.ray_actors:RaySupervisor"``). Each `ChildSpec.id` is also the Ray
     actor name of the child, in the supervisor's namespace; `spec.ray_options` are merged
     into `supervised_options`, and a TEMPORARY child gets no Ray restarts at all.
 
@@ -275,7 +275,7 @@ class RaySupervisor(SupervisedActor):
     Args:
         children: the child specs, in start order.
         state_dir: root of the checkpoint stores (`<state_dir>/checkpoints/<name>`).
-        strategy, intensity, backoff: the policy, see `runtime.supervision`.
+        strategy, intensity, backoff: the policy, see `runtime.supervision.policy`.
         heartbeat_interval_s: pause between monitoring rounds.
         heartbeat_deadline_s: how long one heartbeat may take before the child counts as
             hung (if Ray reports it ALIVE); keep it above the child's longest blocking call.

@@ -1,7 +1,7 @@
 """Stream logic (book ch. 2): validate, enrich, filter and route a stream's events.
 
 `compile_logic` builds a stream's `StreamLogic` once from its `[streams.NAME.logic]`
-table (a `filter` that is not a hook is a WHERE clause, `runtime.query.compile_where`);
+table (a `filter` that is not a hook is a WHERE clause, `runtime.data.query.compile_where`);
 `StreamLogic.apply` never raises for bad events: they come back as `invalid` with a
 reason, for `deadletter.{stream}` (see `dead_letters`). It is pure and lives in the
 foundation because three floors use it: the config validates it at load, the Collector
@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
+from runtime.data.events import Event, json_kind
+from runtime.data.query import Data, Getter, compile_where, getter
 from runtime.errors import ConfigError
-from runtime.events import Event, json_kind
 from runtime.hooks import is_hook, load_hook
-from runtime.query import Data, Getter, compile_where, getter
 
 __all__ = [
     "LogicConfig",

@@ -7,7 +7,7 @@ supervisor turns the hint into a hard node affinity when it creates the actor
 of three; and a hint, because a hard affinity to a node that died makes the actor
 unschedulable: the supervisor then re-plans onto a live node (`resolve` again), so a node
 loss costs a restart, never a replica that cannot run. Loggers do not use this; their
-k+1 copies get a STRICT_SPREAD placement group (`runtime/replication.py`).
+k+1 copies get a STRICT_SPREAD placement group (`runtime/state/replication.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 nats-py flushes through `_flush_pending`, which catches `CancelledError` and carries on, so a
 cancel landing there is lost (`raise_swallowed_cancel`). A leaf module (asyncio only), so the
-lease and the Spark source's processes can use it without importing runtime/nats.py.
+lease and the Spark source's processes can use it without importing runtime/nats/server.py.
 """
 
 from __future__ import annotations
