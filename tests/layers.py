@@ -18,15 +18,73 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runtime", "actors", "jobs", "cluster")
 
+# Inside the foundation, its subsystems in the order they stack: the shared core at the
+# bottom (errors, hooks, waiting, ...), pure data and durable state on it, supervision over
+# state, the config (which names every subsystem's settings) above those, then NATS, geo
+# replication and the engines that start them all.
+RUNTIME_FLOORS: Mapping[str, frozenset[str]] = {
+    "runtime": frozenset(),
+    "runtime.data": frozenset({"runtime"}),
+    "runtime.state": frozenset({"runtime"}),
+    "runtime.supervision": frozenset({"runtime", "runtime.state"}),
+    "runtime.geo.config": frozenset({"runtime"}),
+    "runtime.engines.class_archive": frozenset({"runtime"}),
+    "runtime.config": frozenset(
+        {
+            "runtime",
+            "runtime.data",
+            "runtime.state",
+            "runtime.supervision",
+            "runtime.geo.config",
+            "runtime.engines.class_archive",
+        }
+    ),
+    "runtime.tls": frozenset({"runtime", "runtime.config"}),
+    "runtime.roles": frozenset({"runtime", "runtime.config"}),
+    "runtime.runstate": frozenset({"runtime", "runtime.config", "runtime.state"}),
+    "runtime.nats": frozenset(
+        {
+            "runtime",
+            "runtime.config",
+            "runtime.tls",
+            "runtime.roles",
+            "runtime.data",
+            "runtime.supervision",
+        }
+    ),
+    "runtime.geo": frozenset(
+        {
+            "runtime",
+            "runtime.config",
+            "runtime.tls",
+            "runtime.data",
+            "runtime.nats",
+            "runtime.geo.config",
+        }
+    ),
+    "runtime.engines": frozenset(
+        {
+            "runtime",
+            "runtime.config",
+            "runtime.tls",
+            "runtime.data",
+            "runtime.nats",
+            "runtime.geo",
+            "runtime.engines.class_archive",
+        }
+    ),
+}
+RUNTIME = frozenset(RUNTIME_FLOORS)
+
 # floor -> the floors it may import (besides itself). Longest prefix decides a module's floor.
 FLOORS: Mapping[str, frozenset[str]] = {
-    "runtime": frozenset(),
+    **RUNTIME_FLOORS,
     "actors": frozenset(),  # the bare package: its floors are the tiers below
-    "actors.queue": frozenset({"runtime"}),
-    "actors.collection": frozenset({"runtime", "actors.queue"}),
-    "jobs": frozenset({"runtime"}),
-    "actors.access": frozenset({"runtime"}),
-    "cluster": frozenset({"runtime", "actors.queue", "actors.collection", "jobs", "actors.access"}),
+    "actors.queue": RUNTIME,
+    "actors.collection": RUNTIME | {"actors.queue"},
+    "jobs": RUNTIME,
+    "actors.access": RUNTIME,
+    "cluster": RUNTIME | {"actors.queue", "actors.collection", "jobs", "actors.access"},
 }
 
 

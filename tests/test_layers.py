@@ -74,3 +74,16 @@ def test_type_checking_imports_are_not_edges(tmp_path: Path) -> None:
         },
     )
     assert layers.check(root) == []
+
+
+def test_a_foundation_subsystem_importing_one_above_it_fails(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "runtime/data/events.py": "from runtime.nats.server import s\n",
+            "runtime/nats/server.py": "from runtime.data.events import e\ns = 1\n",
+        },
+    )
+    errors = layers.check(root)
+    assert any("runtime.data may not import runtime.nats" in e for e in errors), errors
+    assert not any("runtime.nats may not" in e for e in errors), errors  # downward is fine
