@@ -138,7 +138,8 @@ def default_master(cfg: Config) -> str:
 
 class AnalysisDriver(SupervisedActor):
     """Spark and the streaming queries in one supervised Ray actor: the reconcile loop,
-    and a thin Ray front over its parts (the module's docstring names them).
+    and a thin Ray front over its parts (the module's docstring names them). One concept
+    at some length: the loop and the Ray methods it answers, each a few lines over a part.
 
     Args:
         state_dir: root of the actor's LevelDB checkpoint and (by default) Spark checkpoints.

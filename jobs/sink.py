@@ -323,6 +323,8 @@ def _as_dict(row: Any) -> dict[str, Any]:
 class ResultSink:
     """Idempotent results for one query: results stream + latest value per key in KV.
 
+    One concept: a batch's results made durable once, whichever writer replays it.
+
     `nats` is where the streams are: an endpoint (credentials, TLS), or a plain URL.
     """
 

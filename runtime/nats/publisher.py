@@ -507,6 +507,9 @@ def _classify_send_error(err: Exception) -> tuple[str, bool]:
 class JetStreamPublisher:
     """Publishes batches to JetStream with many acks in flight; see the module docstring.
 
+    One concept at some length: the window of acks in flight, the atomic-batch and
+    event-by-event paths and their retries share one ordering and one set of counters.
+
     Counters: `published` (acks that stored a new message), `duplicates` (acks JetStream
     flagged duplicate), `failed`, `in_flight` (now), and `latency` (recent ack latencies).
     An optional prometheus `registry` also gets an ack-latency histogram named

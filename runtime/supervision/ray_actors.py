@@ -263,6 +263,9 @@ class _Child:
 class RaySupervisor(SupervisedActor):
     """A supervisor for Ray actors; itself an async, detached, named Ray actor.
 
+    One concept: OTP's supervisor (the policy is `runtime.supervision.policy`; this applies
+    it to Ray actors and checkpoints what it decided).
+
     Start it with `start_supervisor(...)` (or as a child of another supervisor with
     ``start="runtime.supervision.ray_actors:RaySupervisor"``). Each `ChildSpec.id` is also the Ray
     actor name of the child, in the supervisor's namespace; `spec.ray_options` are merged

@@ -54,10 +54,13 @@ class LoggerGroup:
     """Client of one logger group: plain data plus Ray handles, so it pickles into the
     Collector's and the Bridge's kwargs.
 
-    Writes (`append`, `forget`, `fail`) go to every replica concurrently and return only
-    when all acknowledged; a replica that fails or misses `deadline_s` makes the call raise
-    LogUnavailable naming it (the collector answers 503). LogFull and FencedError from any
-    replica propagate as themselves. Reads go to the primary.
+    Writes (`append`, `forget`, `fail`) go to every replica of the in-sync set concurrently
+    and return only when all of it acknowledged (in_sync.py: never fewer than k+1). A member
+    silent for `drop_after_s` while the others took the write is dropped by announcing the
+    next epoch without it, and the write stands; otherwise a replica that fails or misses
+    `deadline_s` makes the call raise LogUnavailable naming it (the collector answers 503).
+    LogFull and FencedError from any replica propagate as themselves. Reads go to the
+    primary; `heal` copies a dropped replica back in.
 
     The epoch is the one the group's controller announced when this client was made. After
     a promotion writes raise FencedError; the holder takes a new client from the controller

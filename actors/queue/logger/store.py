@@ -79,6 +79,9 @@ COMPRESSION: str | None = None
 class LogStore:
     """The durable log of one replica on LevelDB (`runtime.state.checkpoint.CheckpointStore`).
 
+    One concept at some length: the log's entries, their index and their counters change
+    together in one write batch, so they stay in one class.
+
     Not thread-safe: one owner (the `LogWriter` thread) calls it. Every mutating call is one
     synced write batch that also carries the counters, so `counts()` is O(1), survives a
     crash and always matches a full scan (`scan_counts()`).
