@@ -16,7 +16,9 @@ one module each:
   writer's epoch and is fenced (`runtime.state.replication`); the fence is persisted in the
   store's `meta`.
 - `group.LoggerGroup`: the picklable client Collector and Bridge hold: writes go to every
-  replica and succeed only when all acknowledged; reads go to the primary.
+  replica of the in-sync set and succeed only when all acknowledged; reads go to the
+  primary. `membership.Membership` keeps that set for it: drops a silent member under a
+  new epoch, follows newer configurations, heals and promotes (`in_sync`: the pure rules).
 - `offline`: `inspect` and `settle_parked`, the operator's tools on stopped stores.
 
 Entry state machine (one key; "gone" is also where a key never logged stays). Entries are

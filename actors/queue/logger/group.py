@@ -1,18 +1,15 @@
 """`LoggerGroup`: the picklable client of one logger group, as Collector and Bridge hold it.
 
-Writes go to every replica of the in-sync set (every replica unless the group has more
-than k+1, `in_sync.py`) and succeed only when all acknowledged; reads go to the primary.
-It also keeps the group whole: `heal` catches up replicas that came back empty, copies
-dropped ones back into the set, promotes a healthy one when the primary came back empty,
-and reconciles forgets a replica missed.
+The MessageLogger's data path on the holder's side: writes go to every replica of the
+in-sync set (every replica unless the group has more than k+1, `in_sync.py`) and succeed
+only when all acknowledged; reads go to the primary. Who is in that set, and keeping the
+group whole (`refresh`, `heal`, promotion, dropping a silent member) is `membership.py`'s;
+`LoggerGroup` delegates to it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +18,13 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from actors.queue.logger.errors import LogFull, LogUnavailable
-from actors.queue.logger.in_sync import Config, members, newest, with_, without
-from actors.queue.logger.records import LogKey, _split_key, encode_forget
+from actors.queue.logger.in_sync import Config, members
+from actors.queue.logger.membership import SKIPPED, Membership
+from actors.queue.logger.records import LogKey, encode_forget
 from runtime import clock
 from runtime.data.events import Event, decode_batch, encode_batch
 from runtime.inline import inline_parts
 from runtime.state.replication import EpochFenced, FencedError, ReplicaGroup
-
-log = logging.getLogger(__name__)
 
 # Ray sends a call's arguments up to 100 KiB inline (`max_direct_call_object_size`) and
 # copies bigger ones into the object store once per call; a write going to every replica
@@ -37,10 +33,6 @@ log = logging.getLogger(__name__)
 PUT_ONCE_BYTES = 100 * 1024
 # An append's batch travels instead as parts Ray sends inline (`runtime.inline`): no object
 # store at all, whose raylet work cost about 0.05 core-s per 10k events at HML k=1.
-
-
-# a replica outside the in-sync set: not written to, its answer not waited for
-SKIPPED = object()
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -60,7 +52,9 @@ class LoggerGroup:
     next epoch without it, and the write stands; otherwise a replica that fails or misses
     `deadline_s` makes the call raise LogUnavailable naming it (the collector answers 503).
     LogFull and FencedError from any replica propagate as themselves. Reads go to the
-    primary; `heal` copies a dropped replica back in.
+    primary; `heal` copies a dropped replica back in. Changes to the in-sync set (drops,
+    `refresh`, `heal`, promotion) are `Membership`'s (membership.py); this class keeps the
+    configuration it carries on every write (`epoch`, `primary`, `in_sync`).
 
     The epoch is the one the group's controller announced when this client was made. After
     a promotion writes raise FencedError; the holder takes a new client from the controller
@@ -90,13 +84,13 @@ class LoggerGroup:
     in_sync: tuple[int, ...] | None = None
     need: int | None = None
     drop_after_s: float | None = None
-    # per replica: forgets it missed while the others took them; keys absent from the
-    # primary -> when first seen; where the scan of its keys goes on
-    _missed: dict[int, dict[LogKey, None]] = field(default_factory=dict, init=False, repr=False)
-    _suspects: dict[int, dict[bytes, float]] = field(default_factory=dict, init=False, repr=False)
-    _scan_at: dict[int, bytes] = field(default_factory=dict, init=False, repr=False)
-    # replicas known to be catching up (never chosen to lead)
-    _behind: set[int] = field(default_factory=set, init=False, repr=False)
+    # what this holder learned of the in-sync set beyond its configuration (forgets a
+    # replica missed, replicas catching up): made per client (`dataclasses.replace` starts
+    # afresh), pickled along with the fields, left out of repr and ==
+    _membership: Membership = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._membership = Membership(self)
 
     @classmethod
     def of(
@@ -201,9 +195,9 @@ class LoggerGroup:
         if follow and await self.refresh() > args[0]:
             args = (self.epoch, *args[1:])
             results = await self._gather(method, args, deadline_s)
-        results = await self._drop_silent(results)
+        results = await self._membership.drop_silent(results)
         if method == "forget":
-            self._note_missed_forgets(results, forgotten)
+            self._membership.note_missed_forgets(results, forgotten)
         errors = [r for r in results if isinstance(r, BaseException)]
         for kind in (FencedError, LogFull, LogUnavailable):
             found = [e for e in errors if isinstance(e, kind)]
@@ -215,16 +209,6 @@ class LoggerGroup:
         if errors:
             raise errors[0]
         return results
-
-    def _without(self, lost: Sequence[int]) -> Config | None:
-        """The next configuration without replicas `lost`; None when dropping is off or
-        too few (or no caught-up leader) would remain."""
-        if self.drop_after_s is None:
-            return None
-        return without(self.config(), lost, self.size, self._needed(), sorted(self._behind))
-
-    def _droppable(self, silent: Sequence[int]) -> bool:
-        return self._without(silent) is not None
 
     async def _gather(
         self, method: str, args: tuple[Any, ...], deadline_s: float | None
@@ -255,7 +239,7 @@ class LoggerGroup:
         _, pending = await asyncio.wait(calls.values(), timeout=self.drop_after_s)
         silent = [i for i, c in calls.items() if c in pending]
         answered_ok = all(c.exception() is None for c in calls.values() if c not in pending)
-        if silent and answered_ok and self._droppable(silent):
+        if silent and answered_ok and self._membership.droppable(silent):
             for i in silent:
                 calls[i].cancel()
                 results[i] = LogUnavailable(
@@ -267,79 +251,6 @@ class LoggerGroup:
             if results[i] is SKIPPED:
                 results[i] = c.exception() or c.result()
         return results
-
-    async def _drop_silent(self, results: list[Any]) -> list[Any]:
-        """Drop the in-sync replicas that answered LogUnavailable from the set when every
-        other one took the write and enough remain; their answers become `SKIPPED`."""
-        silent = [i for i, r in enumerate(results) if isinstance(r, LogUnavailable)]
-        others_ok = all(
-            r is SKIPPED or not isinstance(r, BaseException)
-            for i, r in enumerate(results)
-            if i not in silent
-        )
-        if not silent or not others_ok or not self._droppable(silent):
-            return results
-        if not await self._drop(silent):
-            return results
-        return [SKIPPED if i in silent else r for i, r in enumerate(results)]
-
-    async def _drop(self, lost: Sequence[int]) -> bool:
-        """Announce the next epoch without replicas `lost`; True once every remaining
-        member accepted it (writes of the old epoch are refused from then on)."""
-        config = self._without(lost)
-        if config is None or not await self._announce(config):
-            return False
-        log.warning(
-            "%s: replicas %s dropped from the in-sync set under epoch %d (primary %d): "
-            "they did not answer; writes go on on %s",
-            self.name,
-            [self.replica_name(i) for i in lost],
-            config.epoch,
-            config.primary,
-            list(members(config, self.size)),
-        )
-        return True
-
-    async def _announce(self, config: Config) -> bool:
-        """`config` on every member of its set; adopted when all accepted it. Otherwise
-        (another holder decided the epoch, or a member did not answer) the newest whole
-        configuration is adopted instead and False returned."""
-        assert config.in_sync is not None
-        answers = await asyncio.gather(
-            *(
-                self._call(
-                    i,
-                    "set_epoch",
-                    config.epoch,
-                    config.primary,
-                    list(config.in_sync),
-                    deadline_s=None,
-                )
-                for i in config.in_sync
-            ),
-            return_exceptions=True,
-        )
-        if all(a == config.epoch for a in answers):
-            self._adopt(config)
-            return True
-        log.warning("%s: epoch %d %s not accepted: %r", self.name, config.epoch, config, answers)
-        try:
-            await self.refresh()
-        except LogUnavailable as err:
-            log.warning("%s: %s", self.name, err)
-        return False
-
-    def _note_missed_forgets(self, results: Sequence[Any], keys: Sequence[LogKey]) -> None:
-        """A replica that missed a forget the others took keeps entries already published;
-        `heal` sends it again. Bounded: past the bound the key scan of `heal` finds them."""
-        asked = [r for r in results if r is not SKIPPED]
-        if all(isinstance(r, BaseException) for r in asked):
-            return  # nothing dropped anywhere: the caller retries the whole forget
-        for i, r in enumerate(results):
-            if isinstance(r, BaseException):
-                missed = self._missed.setdefault(i, {})
-                room = self.max_missed_forgets - len(missed)
-                missed.update(dict.fromkeys(tuple(k) for k in list(keys)[: max(0, room)]))
 
     # -- writes ------------------------------------------------------------------------
 
@@ -422,7 +333,7 @@ class LoggerGroup:
             if not self.follow_epochs:
                 raise
             before = (self.epoch, self.primary)
-            await self._follow_primary(await self.status())
+            await self._membership.follow_primary(await self.status())
             if (self.epoch, self.primary) == before:
                 raise
         return await self._call(self.primary, method, *args, deadline_s=None)
@@ -436,19 +347,7 @@ class LoggerGroup:
 
     async def status(self) -> list[dict[str, Any]]:
         """Every replica's status, or {"replica", "error"} for one that did not answer."""
-
-        async def one(i: int) -> dict[str, Any]:
-            try:
-                answer: dict[str, Any] = await self._call(i, "status", deadline_s=None)
-            except Exception as exc:  # noqa: BLE001 - reported, not raised
-                return {"name": self.replica_name(i), "error": str(exc)}
-            if answer.get("catching_up"):
-                self._behind.add(i)
-            else:
-                self._behind.discard(i)
-            return answer
-
-        return list(await asyncio.gather(*(one(i) for i in range(self.size))))
+        return await self._membership.status()
 
     async def drained(self) -> bool:
         """True when every in-sync replica answers and holds nothing transient or failed: a
@@ -464,40 +363,13 @@ class LoggerGroup:
                 return False
         return True
 
-    # -- control -----------------------------------------------------------------------
+    # -- membership (membership.py) ---------------------------------------------------
 
     async def refresh(self) -> int:
         """Adopt the newest whole configuration (epoch, primary, in-sync set) the replicas
         accepted (`in_sync.newest`); returns its epoch. Answers are read as they come: a
         replica that does not answer delays it only while no whole configuration shows."""
-
-        async def one(i: int) -> tuple[int, dict[str, Any] | None]:
-            try:
-                return i, await self._call(i, "status", deadline_s=None)
-            except Exception:  # noqa: BLE001 - a replica down: the others decide
-                return i, None
-
-        calls = [asyncio.ensure_future(one(i)) for i in range(self.size)]
-        statuses: list[dict[str, Any]] = [{"error": "no answer yet"}] * self.size
-        found: Config | None = None
-        try:
-            for done in asyncio.as_completed(calls):
-                index, answer = await done
-                if answer is None:
-                    continue
-                statuses[index] = answer
-                found = newest(statuses, self.size)
-                answered = [s["epoch"] for s in statuses if "epoch" in s]
-                if found is not None and found.epoch >= max(answered):
-                    break
-        finally:
-            for c in calls:
-                c.cancel()
-        if found is None:
-            raise LogUnavailable(self.name, "no replica knows its primary")
-        if found.epoch >= self.epoch:
-            self._adopt(found)
-        return self.epoch
+        return await self._membership.refresh()
 
     async def catch_up(
         self,
@@ -513,174 +385,29 @@ class LoggerGroup:
         meanwhile. With `rejoin` (a replica dropped from the in-sync set) it is taken back
         into the set once emptied, so every write from then on reaches it, and the copy
         brings what came before. Returns the number of entries copied."""
-        src = self.primary if source is None else source
-        if src == index:
-            raise ValueError(f"replica {index} cannot catch up from itself")
-        for pending in (self._missed, self._suspects, self._scan_at):
-            pending.pop(index, None)
-        call_deadline = max(self.deadline_s, 30.0)
-        deadline = time.monotonic() + timeout_s
-        copy = uuid.uuid4().hex
-        self._behind.add(index)
-        await self._call(index, "begin_catch_up", self.epoch, copy, deadline_s=call_deadline)
-        if rejoin and not await self._announce(with_(self.config(), index, self.size)):
-            return 0
-        cursor: bytes | None = None
-        copied = 0
-        while True:
-            if time.monotonic() > deadline:
-                raise LogUnavailable(self.replica_name(index), f"catch-up over {timeout_s}s")
-            entries, cursor = await self._call(
-                src, "export", cursor, chunk, deadline_s=call_deadline
-            )
-            if entries:
-                await self._call(index, "import_", self.epoch, entries, deadline_s=call_deadline)
-                copied += len(entries)
-            if cursor is None:
-                break
-        await self._call(index, "finish_catch_up", self.epoch, copy, deadline_s=call_deadline)
-        self._behind.discard(index)
-        log.info("%s caught up from %s: %d entries", self.replica_name(index), src, copied)
-        return copied
+        return await self._membership.catch_up(
+            index, source=source, chunk=chunk, timeout_s=timeout_s, rejoin=rejoin
+        )
 
     async def heal(self) -> dict[int, int]:
         """Catch up every replica that came back empty (Ray restarted it on a fresh disk,
         or its directory was lost) from the primary, and every replica dropped from the
         in-sync set that answers again (taken back in); returns {index: entries copied}.
+        Promotes a healthy replica first when the primary came back empty, and reconciles
+        forgets the others missed.
 
         Cheap when all is well (one status call per replica), so a periodic loop (the
         bridge's replayer) can run it: a lost replica is replaced by Ray and caught up
         here without an operator.
         """
-        statuses = await self.status()
-        if await self._follow_primary(statuses):
-            statuses = await self.status()
-        primary = statuses[self.primary] if self.primary < len(statuses) else {}
-        if primary.get("error") or primary.get("catching_up"):
-            return {}  # nothing trustworthy to copy from (no healthy replica: logged)
-        healed: dict[int, int] = {}
-        inside = self.members()
-        for i, st in enumerate(statuses):
-            if i != self.primary and i in inside and st.get("catching_up"):
-                healed[i] = await self.catch_up(i)
-        for i, st in enumerate(statuses):
-            if i not in inside and not st.get("error"):
-                try:
-                    healed[i] = await self.catch_up(i, rejoin=True)
-                except (LogUnavailable, FencedError) as err:  # the next heal tries again
-                    log.warning("%s: taking %d back: %s", self.name, i, err)
-        for i, st in enumerate(statuses):
-            ok = not st.get("error") and not st.get("catching_up")
-            if ok and i != self.primary and i in inside and i not in healed:
-                await self._reconcile(i, primary, st)
-        return healed
-
-    async def _follow_primary(self, statuses: Sequence[Mapping[str, Any]]) -> bool:
-        """Adopt the newest whole configuration the replicas report; if its primary came
-        back empty (catching up), promote a healthy replica; if it does not answer and
-        may be dropped, drop it. Returns whether the primary changed."""
-        before = (self.epoch, self.primary)
-        found = newest(statuses, self.size)
-        if found is not None and found.epoch > self.epoch and self.follow_epochs:
-            self._adopt(found)
-        current = statuses[self.primary] if self.primary < len(statuses) else {}
-        if current.get("catching_up") and not current.get("error"):
-            await self.promote_healthy(statuses)
-        elif current.get("error") and self._droppable([self.primary]):
-            await self._drop([self.primary])
-        return (self.epoch, self.primary) != before
+        return await self._membership.heal()
 
     async def promote_healthy(self, statuses: Sequence[Mapping[str, Any]]) -> int | None:
         """Make the lowest-indexed replica that answers and is not catching up the primary
         under a new epoch (every holder picks the same one, so two promoting at once agree);
         returns it, or None (logged) when no replica can lead: reads then keep failing and
         writes keep needing every replica, so nothing is acknowledged on fewer copies."""
-        inside = self.members()
-        healthy = [
-            i
-            for i, s in enumerate(statuses)
-            if i in inside and not s.get("error") and not s.get("catching_up")
-        ]
-        if not healthy:
-            log.error("%s: no healthy replica to promote: %s", self.name, statuses)
-            return None
-        index = healthy[0]
-        epoch = 1 + max([self.epoch, *(s.get("epoch", 0) for s in statuses if not s.get("error"))])
-        in_sync = None if self.in_sync is None else list(self.in_sync)
-        results = await asyncio.gather(
-            *(
-                self._call(i, "set_epoch", epoch, index, in_sync, deadline_s=None)
-                for i in range(self.size)
-            ),
-            return_exceptions=True,
-        )
-        if results[index] != epoch:  # it went down, or another holder promoted further
-            log.warning("%s: promoting %d under epoch %d: %r", self.name, index, epoch, results)
-            await self.refresh()
-            return None
-        self.epoch, self.primary = epoch, index
-        log.warning(
-            "%s: replica %d promoted under epoch %d (the primary came back empty); "
-            "not acknowledged by %s",
-            self.name,
-            index,
-            epoch,
-            [i for i, r in enumerate(results) if r != epoch],
-        )
-        return index
-
-    async def _reconcile(
-        self, index: int, primary: Mapping[str, Any], status: Mapping[str, Any]
-    ) -> int:
-        """Drop from replica `index` the entries the primary no longer holds (forgets it
-        missed): first the ones this client saw it miss, then, when its counts differ from
-        the primary's, one page of a key scan compared with the primary. An entry absent
-        from the primary is dropped only when still absent `reconcile_grace_s` after it was
-        first seen (an append in flight may have reached this replica first). Returns the
-        entries dropped."""
-        dropped = 0
-        missed = self._missed.pop(index, None)
-        if missed:
-            try:
-                await self._call(index, "forget", self.epoch, list(missed), {}, deadline_s=None)
-            except (LogUnavailable, FencedError):
-                self._missed.setdefault(index, {}).update(missed)
-                return 0
-            dropped += len(missed)
-        now = time.monotonic()
-        suspects = self._suspects.setdefault(index, {})
-        ripe = [k for k, seen in suspects.items() if now - seen >= self.reconcile_grace_s]
-        if ripe:
-            held = await self._call(self.primary, "holds", ripe, deadline_s=None)
-            gone = [k for k, h in zip(ripe, held, strict=True) if not h]
-            if gone:
-                keys = [_split_key(k) for k in gone]
-                await self._call(index, "forget", self.epoch, keys, {}, deadline_s=None)
-                dropped += len(gone)
-            for k in ripe:
-                suspects.pop(k, None)
-        mine, theirs = status.get("counts", {}), primary.get("counts", {})
-        differ = any(mine.get(f) != theirs.get(f) for f in ("transient", "failed"))
-        if differ or index in self._scan_at:
-            page, cursor = await self._call(
-                index, "entry_keys", self._scan_at.get(index), self.reconcile_page, deadline_s=None
-            )
-            held = await self._call(self.primary, "holds", page, deadline_s=None) if page else []
-            for k, h in zip(page, held, strict=True):
-                if not h:
-                    suspects.setdefault(k, now)
-            if cursor is None:
-                self._scan_at.pop(index, None)
-            else:
-                self._scan_at[index] = cursor
-        if dropped:
-            log.warning(
-                "%s: replica %d reconciled: %d entries the primary dropped",
-                self.name,
-                index,
-                dropped,
-            )
-        return dropped
+        return await self._membership.promote_healthy(statuses)
 
 
 async def catch_up_all(client: LoggerGroup, indexes: Sequence[int]) -> None:
