@@ -174,7 +174,7 @@ async def test_past_horizon_unprovable_is_parked_not_resent(
     ev = event(b'{"n": 3}', age_s=10 * WINDOW_S)
     await nc.jetstream().publish("raw.s", b'{"n": 0}', headers={MSG_ID_HEADER: new_event_id()})
     await group.append([ev])
-    bridge.verify_max_messages = 0  # the stream holds something to read: over the bound
+    bridge.path.verify_max_messages = 0  # the stream holds something to read: over the bound
 
     async def parked() -> bool:
         await bridge.replay_now()
@@ -185,7 +185,7 @@ async def test_past_horizon_unprovable_is_parked_not_resent(
         await await_until(parked, timeout=30, interval=0.3, what="parked", swallow=True)
         await bridge.replay_now()  # parked: never due, so no pass resends it
     finally:
-        bridge.verify_max_messages = 200_000
+        bridge.path.verify_max_messages = 200_000
     assert (await stream_ids(nc, "s"))[ev.id] == 0
 
 
@@ -254,7 +254,7 @@ async def test_failing_dead_letters_move_to_failed_store_and_do_not_starve_orpha
     invalid = [event(b'{"x": %d}' % i, age_s=60, processed=False) for i in range(4)]
     orphans = [event(b'{"n": %d}' % i, age_s=50, processed=False) for i in range(2)]
     await group.append(invalid + orphans)
-    bridge.replay_batch = len(invalid)  # a pass sees only as many as the invalid ones
+    bridge.replayer.batch = len(invalid)  # a pass sees only as many as the invalid ones
     try:
 
         async def orphans_landed() -> bool:
@@ -267,7 +267,7 @@ async def test_failing_dead_letters_move_to_failed_store_and_do_not_starve_orpha
             fe = await failed_entry(group, e)
             assert fe is not None and "dead-letter publish failed" in fe["error"], fe
     finally:
-        bridge.replay_batch = 4096
+        bridge.replayer.batch = 4096
         await ensure_streams(nc, cfg)
     await drain(bridge, group, invalid)
     dead = await stream_ids(nc, "deadletter")
@@ -296,11 +296,12 @@ async def test_one_unreachable_logger_group_does_not_stop_the_others(
     bridge, group, _ = rig
     orphan = event(b'{"n": 7}', age_s=5)
     await group.append([orphan])
-    bridge.loggers = {"down": _DownGroup(), group.name: group}  # type: ignore[dict-item]
+    attached = bridge.replayer.loggers
+    bridge.replayer.loggers = {"down": _DownGroup(), group.name: group}  # type: ignore[dict-item]
     try:
         await bridge.replay_now()
     finally:
-        bridge.loggers = {group.name: group}
+        bridge.replayer.loggers = attached
     assert (await stream_ids(nc, "s"))[orphan.id] == 1
     assert (await bridge.stats())["replay_errors"] >= 1
 

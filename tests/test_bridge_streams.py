@@ -1,5 +1,5 @@
-"""BrokerBridge._publish_atomic with a group that spans streams: the streams' shares go out
-concurrently, each in its own order, each event stored once.
+"""The bridge's data path (`BridgePath._publish_atomic`) with a group that spans streams:
+the streams' shares go out concurrently, each in its own order, each event stored once.
 
 A unit test with a fake publisher (one stream's commit cannot finish before the other
 stream's share was handed over: sequential shares would wait forever) and one with a real
@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 
-from actors.queue.bridge import BrokerBridge
+from actors.queue.bridge_link import NatsLink
+from actors.queue.bridge_path import BridgePath
+from actors.queue.bridge_status import new_counters
 from cluster.verify import stream_ids
+from runtime.config import validate
 from runtime.data.events import Event, new_event_id
 from runtime.nats.publisher import Failed, JetStreamPublisher, Outgoing, Published
 from runtime.nats.server import NatsServer, connect
@@ -23,18 +26,18 @@ from runtime.nats.server import NatsServer, connect
 pytestmark = pytest.mark.timeout(60)
 
 
-def bridge_for(pub: Any, nc: Any = None, targets: dict[str, str] | None = None) -> BrokerBridge:
-    """A BrokerBridge with only what `_publish_atomic` uses (no Ray, no data-plane thread);
-    `targets` (subject -> stream) pre-fills its stream lookup cache."""
-    bridge = object.__new__(BrokerBridge)
-    bridge.name = "test-bridge"
-    bridge.atomic = True
-    bridge._pub = pub
-    bridge._nc = nc
-    bridge._fallback_window_s = 120.0
+def path_for(pub: Any, nc: Any = None, targets: dict[str, str] | None = None) -> BridgePath:
+    """A bridge's data path with only what `_publish_atomic` uses (no Ray, no data-plane
+    thread, no connection opened); `targets` (subject -> stream) pre-fills its stream
+    lookup cache."""
+    cfg = validate({})
+    link = NatsLink(cfg, "nats://unused", name="test-bridge", counters=new_counters())
+    link.pub, link.nc = pub, nc
     now = asyncio.get_running_loop().time()
-    bridge._targets = {subj: (s, 120.0, now) for subj, s in (targets or {}).items()}
-    return bridge
+    link._targets = {subj: (s, 120.0, now) for subj, s in (targets or {}).items()}
+    path = BridgePath(cfg, link, link.counters)
+    path.atomic = True
+    return path
 
 
 def ev(subject: str, n: int) -> Event:
@@ -64,11 +67,12 @@ class GatedPublisher:
         raise AssertionError("every subject has a stream: no per-event publishing")
 
 
+@pytest.mark.unit
 async def test_a_group_spanning_streams_publishes_the_shares_concurrently() -> None:
     pub = GatedPublisher()
-    bridge = bridge_for(pub, targets={"raw.a": "a", "raw.b": "b"})
+    path = path_for(pub, targets={"raw.a": "a", "raw.b": "b"})
     events = [ev("raw.a", 0), ev("raw.b", 1), ev("raw.a", 2), ev("raw.b", 3), ev("raw.a", 4)]
-    published, failed = await asyncio.wait_for(bridge._publish_atomic(events), 10.0)
+    published, failed = await asyncio.wait_for(path._publish_atomic(events), 10.0)
     assert failed == []
     assert sorted(p.id for p in published) == sorted(e.id for e in events)
     shares = dict(pub.calls)
@@ -90,9 +94,9 @@ async def test_shares_across_real_streams_land_once_each_in_order(
             )
         pub = JetStreamPublisher(nc, 256, 5.0)
         await pub.start()
-        bridge = bridge_for(pub, nc)  # stream names looked up from the server
+        path = path_for(pub, nc)  # stream names looked up from the server
         events = [ev(f"raw.{'bsa' if i % 3 else 'bsb'}", i) for i in range(60)]
-        published, failed = await bridge._publish_atomic(events)
+        published, failed = await path._publish_atomic(events)
         assert failed == []
         seq = {p.id: (p.stream, p.seq) for p in published}
         for name in ("bsa", "bsb"):
@@ -102,7 +106,7 @@ async def test_shares_across_real_streams_land_once_each_in_order(
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
             stored = await stream_ids(nc, name)
             assert {i: stored.get(i) for i in mine} == dict.fromkeys(mine, 1)
-        again, failed = await bridge._publish_atomic(events)  # a resend: duplicates only
+        again, failed = await path._publish_atomic(events)  # a resend: duplicates only
         assert failed == [] and all(p.duplicate for p in again)
         for name in ("bsa", "bsb"):
             assert all(n == 1 for n in (await stream_ids(nc, name)).values())
