@@ -31,16 +31,18 @@ from cluster.deploy.collection import (
 from cluster.deploy.deployer import (
     add_replica,
     deploy,
+    deploy_on_port,
     drain,
     remove_replica,
     stop_supervisor,
     wait_ready,
 )
 from cluster.deploy.logger import logger_role
+from cluster.deploy.spec import RoleSpec
 from cluster.deploy.stream_ingest import ingest_role
-from runtime.binding import url_host
+from runtime.binding import PortTakenError, url_host
 from runtime.config import Config
-from runtime.nats.server import free_port
+from runtime.nats.server import PortChooser
 from runtime.state.placement import actor_nodes, next_index
 from runtime.supervision.policy import ChildSpec
 from runtime.tls import http_scheme
@@ -274,9 +276,16 @@ def start_collection_tier(
     udp_port: int = 0,
     bridge_options: dict[str, Any] | None = None,
     collector_options: dict[str, Any] | None = None,
+    port_chooser: PortChooser | None = None,
 ) -> CollectionTier:
     """Start loggers, then bridges and collectors under one supervisor, then the stream
-    pattern's ingest nodes; returns once every bridge and collector serves."""
+    pattern's ingest nodes; returns once every bridge and collector serves.
+
+    The collectors share `collector_port` (default `roles.collector.port`) with
+    SO_REUSEPORT. Port 0: one free port, chosen by `port_chooser` (default `free_ports`)
+    and chosen again, bridges and collectors started again, if another process takes it
+    before they bind (`deploy_on_port`); a given or configured port that is taken fails
+    with `PortTakenError` naming it (`tier.collector_port` is the port they serve)."""
     ns, state = cfg.ray.namespace, str(cfg.state_path)
     tier = CollectionTier(cfg=cfg, namespace=ns, nats_url=nats_url, udp_port=udp_port)
     (loggers,) = deploy([logger_role(cfg)], namespace=ns, state_dir=state)
@@ -286,24 +295,41 @@ def start_collection_tier(
         "bridge": dict(bridge_options or {}),
         "collector": dict(collector_options or {}),
     }
+    given = (
+        "it was given" if collector_port is not None else "it is roles.collector.port in the config"
+    )
     port = cfg.roles.collector.port if collector_port is None else collector_port
-    # replicas share it with SO_REUSEPORT, so it is fixed up front
-    tier.collector_port = port or free_port()
-    bridges = bridge_role(cfg, nats_url=nats_url, loggers=tier.loggers, options=bridge_options)
-    collectors = collector_role(
-        cfg,
-        nats_url=nats_url,
-        loggers=tier.loggers,
-        bridges=bridges.names,
-        port=tier.collector_port,
-        udp_port=udp_port,
-        namespace=ns,
-        options=collector_options,
-    )
-    tier.bridges, tier.collectors = bridges.names, collectors.names
-    started_bridges, started_collectors = deploy(
-        [bridges, collectors], namespace=ns, state_dir=state
-    )
+
+    def build(chosen: int) -> list[RoleSpec]:
+        # replicas share the port with SO_REUSEPORT, so it is fixed up front
+        bridges = bridge_role(cfg, nats_url=nats_url, loggers=tier.loggers, options=bridge_options)
+        collectors = collector_role(
+            cfg,
+            nats_url=nats_url,
+            loggers=tier.loggers,
+            bridges=bridges.names,
+            port=chosen,
+            udp_port=udp_port,
+            namespace=ns,
+            options=collector_options,
+        )
+        tier.bridges, tier.collectors = bridges.names, collectors.names
+        return [bridges, collectors]
+
+    try:
+        (started_bridges, started_collectors), tier.collector_port = deploy_on_port(
+            build,
+            role="collector",
+            port=port,
+            given=given,
+            namespace=ns,
+            state_dir=state,
+            chooser=port_chooser,
+        )
+    except PortTakenError:
+        for group in tier.logger_groups:  # nothing else of the tier runs: no tier to stop
+            group.shutdown()
+        raise
     tier.supervisor = started_bridges.supervisor
     for name in tier.collectors:
         tier.udp_port = started_collectors.answers[name]["udp_port"]

@@ -40,6 +40,8 @@ runtime (the foundation)
                             also RuntimeError]
     NatsServerError         nats-server could not be found, started or made ready
                             [runtime.nats.server; also RuntimeError]
+    PortTakenError          a server's port is held by another process (errno EADDRINUSE)
+                            [runtime.binding; also OSError]
 actors.queue (the message log)
     LogFull                 the log is at its bound: the whole batch refused, nothing written
     LogUnavailable          a log replica did not take a write

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from runtime.errors import TierflowError
+
 T = TypeVar("T")
 
 
@@ -27,7 +29,9 @@ class LoopThread:
 
     `main` sets things up, calls `ready()` once it serves, then waits on `stop_event`
     and cleans up. `start` returns when `ready()` was called (or raises what `main`
-    raised before that), so an actor's `__init__` fails loudly on a bind error.
+    raised before that: a `TierflowError` as it is, since it says what happened, anything
+    else as a RuntimeError naming the thread), so an actor's `__init__` fails loudly on a
+    bind error, and a taken port as `runtime.binding.PortTakenError`.
     """
 
     def __init__(self, name: str) -> None:
@@ -62,6 +66,8 @@ class LoopThread:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError(f"{self.name}: did not start within {timeout} s")
+        if isinstance(self._error, TierflowError):
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"{self.name}: {self._error}") from self._error
 

@@ -281,3 +281,35 @@ def running_driver(cfg: Config, nats_url: str, jobs: Any = ()) -> Iterator[Any]:
         yield handle
     finally:
         stop_driver(handle)
+
+
+def start_on_free_port(
+    name: str,
+    namespace: str,
+    start: Callable[[int], Any],
+    *,
+    ready: str = "endpoints",
+    timeout_s: float = 120.0,
+) -> tuple[Any, int]:
+    """A server actor `name` (`start(port)` starts it and returns its handle) on a port
+    chosen free, once its `ready` method answers; (handle, port). A port another process
+    took before the actor bound it (its creation failed with PortTakenError) is chosen
+    again, at most PORT_ATTEMPTS starts, as `deploy_on_port` does for a role's replicas."""
+    import ray  # seconds of import time: only the modules that start actors pay it
+
+    from cluster.deploy.deployer import wait_gone, wait_ready
+    from runtime.binding import PortTakenError
+    from runtime.nats.server import PORT_ATTEMPTS, choose_ports
+
+    tried: list[int] = []
+    for _ in range(PORT_ATTEMPTS):
+        port = choose_ports(1, "127.0.0.1", tried)[0]
+        handle = start(port)
+        try:
+            wait_ready(namespace, name, ready, timeout_s)
+            return handle, port
+        except PortTakenError:
+            tried.append(port)
+            ray.kill(handle, no_restart=True)
+            wait_gone(namespace, [name])
+    raise PortTakenError(f"{name}: chosen ports {tried} were all taken", tried[-1])

@@ -29,12 +29,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.collection.parsing import BadInput, parse_body
-from cluster.deploy.gateway import start_gateways, stop_gateways
+from cluster.deploy.gateway import start_gateways, stop_gateways, wait_gateway
 from cluster.pipeline import CollectionTier, start_collection_tier
 from cluster.verify import judge, stream_ids
 from runtime.config import Config, ConfigError
 from runtime.data.query import MAX_FILTER_CHARS, FilterError, compile_filter, compile_where
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 
@@ -340,9 +340,10 @@ def stack(
     tier = start_collection_tier(
         cfg, nats_url=nats_server.url, udp_port=0, collector_options=collector_options
     )
-    port = free_port()
     options = {"idle_timeout_s": IDLE_TIMEOUT_S}
-    names = start_gateways(cfg, nats_server.url, replicas=1, port=port, options=options)
+    # port 0: chosen by tierflow, and chosen again if another process takes it first
+    names = start_gateways(cfg, nats_server.url, replicas=1, port=0, options=options)
+    port = wait_gateway(cfg, names[0])["port"]
     try:
         yield Stack(tier, port, nats_server)
     finally:

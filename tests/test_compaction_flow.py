@@ -30,7 +30,7 @@ from runtime.config import ConfigError
 from runtime.data.compaction import CompactConfig, key_token, stream_logic
 from runtime.data.events import Event
 from runtime.engines.services import ensure_streams
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.support import tier_config
 
@@ -95,7 +95,7 @@ def tier(
         cfg,
         nats_server.url,
         replicas=1,
-        port=free_port(),
+        port=0,  # tierflow chooses
         token_streams=cfg.auth.consumer_streams,
     )
     import ray

@@ -57,9 +57,10 @@ from runtime.config import (
     validate,
 )
 from runtime.engines.services import ensure_streams
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.supervision.ray_actors import supervised_options
-from runtime.waiting import await_until, wait_until
+from runtime.waiting import await_until
+from tests.support import start_on_free_port
 
 NS = "tf-gateway"
 TOKEN = "tok-all"
@@ -253,29 +254,27 @@ class Gw:
         await await_until(up, timeout=60, what=f"{self.name} serving", swallow=True)
 
 
-def _start_gateway(name: str, cfg: Config, nats_url: str, port: int) -> Gw:
+def _start_gateway(name: str, cfg: Config, nats_url: str) -> Gw:
+    """A Gateway actor on a port chosen free (again, if another process takes it first)."""
     import ray
 
-    handle = (
-        ray.remote(Gateway)
-        .options(**supervised_options(name, NS, num_cpus=0))
-        .remote(
-            str(cfg.state_path),
-            name=name,
-            config=cfg.to_dict(),
-            nats_url=nats_url,
-            port=port,
-            named_filters=NAMED,
-            token_streams={LIMITED: ["results", "kv:results"]},
-            options=OPTIONS,
+    def start(port: int) -> Any:
+        return (
+            ray.remote(Gateway)
+            .options(**supervised_options(name, NS, num_cpus=0))
+            .remote(
+                str(cfg.state_path),
+                name=name,
+                config=cfg.to_dict(),
+                nats_url=nats_url,
+                port=port,
+                named_filters=NAMED,
+                token_streams={LIMITED: ["results", "kv:results"]},
+                options=OPTIONS,
+            )
         )
-    )
-    wait_until(
-        lambda: ray.get(handle.endpoints.remote(), timeout=30),
-        timeout=120,
-        what=f"{name} up",
-        swallow=True,
-    )
+
+    handle, port = start_on_free_port(name, NS, start)
     return Gw(name, handle, port)
 
 
@@ -292,10 +291,9 @@ class Pair:
 def gateways(ray_module: Any, nats_server: NatsServer, cfg: Config, js: Any) -> Iterator[Pair]:
     import ray
 
-    pa, pb = free_port(), free_port()
     pair = Pair(
-        _start_gateway("gw-a", cfg, nats_server.url, pa),
-        _start_gateway("gw-b", cfg, nats_server.url, pb),
+        _start_gateway("gw-a", cfg, nats_server.url),
+        _start_gateway("gw-b", cfg, nats_server.url),
     )
     yield pair
     for gw in (pair.a, pair.b):

@@ -25,9 +25,10 @@ from runtime.config import Config, GatewayOptions, WebhookOptions, load
 from runtime.engines.services import ensure_streams
 from runtime.errors import ConfigError
 from runtime.nats.lease import LEASE_BUCKET
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.supervision.ray_actors import supervised_options
-from runtime.waiting import await_until, wait_until
+from runtime.waiting import await_until
+from tests.support import start_on_free_port
 from tests.test_gateway import events_of, publish, read_until
 from tests.test_gateway_security import receiver
 
@@ -99,25 +100,21 @@ async def js(nats_server: NatsServer, open_cfg: Config) -> AsyncIterator[Any]:
 def _start(name: str, cfg: Config, nats_url: str, options: GatewayOptions) -> tuple[Any, str]:
     import ray
 
-    port = free_port()
-    handle = (
-        ray.remote(Gateway)
-        .options(**supervised_options(name, NS, num_cpus=0))
-        .remote(
-            str(cfg.state_path),
-            name=name,
-            config=cfg.to_dict(),
-            nats_url=nats_url,
-            port=port,
-            options=options,
+    def start(port: int) -> Any:
+        return (
+            ray.remote(Gateway)
+            .options(**supervised_options(name, NS, num_cpus=0))
+            .remote(
+                str(cfg.state_path),
+                name=name,
+                config=cfg.to_dict(),
+                nats_url=nats_url,
+                port=port,
+                options=options,
+            )
         )
-    )
-    wait_until(
-        lambda: ray.get(handle.endpoints.remote(), timeout=30),
-        timeout=120,
-        what=f"{name} up",
-        swallow=True,
-    )
+
+    handle, port = start_on_free_port(name, NS, start)  # chosen again if taken first
     return handle, f"http://127.0.0.1:{port}"
 
 
@@ -463,7 +460,7 @@ def collector_url(
             "streams": STREAMS,
         },
     )
-    tier = start_collection_tier(cfg, nats_url=nats_server.url, collector_port=free_port())
+    tier = start_collection_tier(cfg, nats_url=nats_server.url, collector_port=0)
     yield tier.url
     tier.stop()
 

@@ -26,9 +26,9 @@ from actors.access.gateway import Gateway
 from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
 from runtime.config import Config, GatewayOptions, WebhookOptions, load
 from runtime.engines.services import ensure_streams
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.supervision.ray_actors import supervised_options
-from runtime.waiting import wait_until
+from tests.support import start_on_free_port
 from tests.test_gateway import _dead_letters, events_of, publish, read_until, recv_json
 
 NS = "tf-gwsec"
@@ -86,26 +86,22 @@ def gw(ray_module: Any, nats_server: NatsServer, cfg: Config, js: Any) -> Iterat
     """One real gateway replica; yields its base URL."""
     import ray
 
-    port = free_port()
-    handle = (
-        ray.remote(Gateway)
-        .options(**supervised_options("gwsec", NS, num_cpus=0))
-        .remote(
-            str(cfg.state_path),
-            name="gwsec",
-            config=cfg.to_dict(),
-            nats_url=nats_server.url,
-            port=port,
-            token_streams={LIMITED: ["results"]},
-            options=OPTIONS,
+    def start(port: int) -> Any:
+        return (
+            ray.remote(Gateway)
+            .options(**supervised_options("gwsec", NS, num_cpus=0))
+            .remote(
+                str(cfg.state_path),
+                name="gwsec",
+                config=cfg.to_dict(),
+                nats_url=nats_server.url,
+                port=port,
+                token_streams={LIMITED: ["results"]},
+                options=OPTIONS,
+            )
         )
-    )
-    wait_until(
-        lambda: ray.get(handle.endpoints.remote(), timeout=30),
-        timeout=120,
-        what="gwsec up",
-        swallow=True,
-    )
+
+    handle, port = start_on_free_port("gwsec", NS, start)  # chosen again if taken first
     yield f"http://127.0.0.1:{port}"
     try:  # False: its loop did not stop within 30 s (a webhook sender ran on after its stop)
         assert ray.get(handle.shutdown.remote(), timeout=60), "the gateway did not stop"

@@ -34,8 +34,8 @@ from runtime.loop_thread import LoopThread
 from runtime.nats.roles import credentials, role_permissions, secrets_path
 from runtime.nats.server import NatsEndpoint, NatsServer, connect
 from runtime.tls import client_ssl_context, server_ssl_context
-from runtime.waiting import await_until, wait_until
-from tests.support import NatsFactory
+from runtime.waiting import await_until
+from tests.support import NatsFactory, start_on_free_port
 
 NS = "tf-security"
 PRODUCER_TOKEN = "prod-S3CRET-7f1c"
@@ -535,34 +535,33 @@ async def test_gateway_https_and_tokens_reading_as_its_role(
     import ray
 
     from actors.access.gateway import Gateway
-    from runtime.nats.server import free_port
     from runtime.supervision.ray_actors import supervised_options
 
     cfg, server = secured
     await admin_js.publish("raw.guarded", b'{"for": "readers"}')
     seq = await count(admin_js, "guarded")
-    port = free_port()
-    handle = (
-        ray.remote(Gateway)
-        .options(**supervised_options("sec-gateway", NS, num_cpus=0))
-        .remote(
-            str(cfg.state_path),
-            name="sec-gateway",
-            config=cfg.to_dict(),
-            nats_url=server.url,
-            port=port,
+
+    def start(port: int) -> Any:
+        return (
+            ray.remote(Gateway)
+            .options(**supervised_options("sec-gateway", NS, num_cpus=0))
+            .remote(
+                str(cfg.state_path),
+                name="sec-gateway",
+                config=cfg.to_dict(),
+                nats_url=server.url,
+                port=port,
+            )
         )
-    )
+
     loop = asyncio.get_running_loop()
+    # a port chosen free, and chosen again if another process takes it first
+    handle, port = await loop.run_in_executor(
+        None, lambda: start_on_free_port("sec-gateway", NS, start)
+    )
     try:
         endpoints = await loop.run_in_executor(
-            None,
-            lambda: wait_until(
-                lambda: ray.get(handle.endpoints.remote(), timeout=30),
-                timeout=120,
-                what="gateway up",
-                swallow=True,
-            ),
+            None, lambda: ray.get(handle.endpoints.remote(), timeout=30)
         )
         assert endpoints["url"] == f"https://{endpoints['host']}:{port}"
         ctx = client_ssl_context(cfg)

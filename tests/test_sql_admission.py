@@ -23,11 +23,10 @@ import aiohttp
 import pytest
 import ray
 
-from cluster.deploy.gateway import start_gateways, stop_gateways
+from cluster.deploy.gateway import start_gateways, stop_gateways, wait_gateway
 from jobs.sink import results_by_query
 from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
-from runtime.nats.server import free_port
 from runtime.waiting import await_until
 from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
 
@@ -105,8 +104,8 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
 @pytest.fixture(scope="module")
 def stack(ray_module: Any, cfg: Config, nats_url: str) -> Iterator[dict[str, Any]]:
     with running_driver(cfg, nats_url, [{**JOB, "trigger_s": 1.0}]) as driver:
-        port = free_port()
-        names = start_gateways(cfg, nats_url, replicas=1, port=port)
+        names = start_gateways(cfg, nats_url, replicas=1, port=0)  # tierflow chooses
+        port = wait_gateway(cfg, names[0])["port"]
         try:
             yield {"driver": driver, "url": f"http://127.0.0.1:{port}"}
         finally:

@@ -20,11 +20,11 @@ import pytest
 import ray
 
 from cluster.deploy.analysis import DriverConflict, start_driver, stop_driver, wait_running
-from cluster.deploy.gateway import start_gateways, stop_gateways
+from cluster.deploy.gateway import start_gateways, stop_gateways, wait_gateway
 from jobs.archive import queries_root
 from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
-from runtime.nats.server import NatsServer, connect, free_port
+from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
 from tests.test_dashboard import browser, open_page  # noqa: F401 - the browser fixture
 
@@ -64,8 +64,8 @@ def stack(ray_module: Any, nats_server: NatsServer, cfg: Config) -> Iterator[dic
     driver = start_driver(cfg, nats_server.url)
     status = wait_running(driver, timeout=180)
     assert status.get("state") == "running", status
-    port = free_port()
-    names = start_gateways(cfg, nats_server.url, replicas=1, port=port)
+    names = start_gateways(cfg, nats_server.url, replicas=1, port=0)  # tierflow chooses
+    port = wait_gateway(cfg, names[0])["port"]
     yield {"driver": driver, "url": f"http://127.0.0.1:{port}"}
     stop_gateways(cfg, names)
     stop_driver(driver)

@@ -54,7 +54,7 @@ from actors.access.rest import RestRoutes
 from actors.access.sql import SqlRoutes
 from actors.access.sse import SseRoutes
 from actors.access.websocket import WebSocketRoutes
-from runtime.binding import resolve, url_host
+from runtime.binding import bind_failure, resolve, url_host
 from runtime.browsers import BrowserGuard, cors_headers
 from runtime.config import Config, GatewayOptions, validate
 from runtime.loop_thread import LoopThread
@@ -201,7 +201,10 @@ class Gateway(SupervisedActor):
         site = web.TCPSite(
             runner, self.host, self.port, reuse_port=True, ssl_context=server_ssl_context(self.cfg)
         )
-        await site.start()
+        try:
+            await site.start()
+        except OSError as err:  # a taken port: PortTakenError, which the starter recognises
+            raise bind_failure(self.name, self.host, self.port, err) from err
         self.port = runner.addresses[0][1]
         ready()
         try:

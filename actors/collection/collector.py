@@ -57,7 +57,7 @@ from actors.collection.nats_ingest import NatsIngest
 from actors.collection.udp import UdpIngest
 from actors.collection.websocket import WebSocketProducers
 from actors.queue.logger import LoggerGroup
-from runtime.binding import resolve, url_host
+from runtime.binding import bind_failure, resolve, url_host
 from runtime.browsers import BrowserGuard
 from runtime.config import Config, validate
 from runtime.loop_thread import LoopThread
@@ -242,7 +242,10 @@ class Collector(SupervisedActor):
         await runner.setup()
         ssl = server_ssl_context(self.cfg)  # None: plain HTTP (the default)
         site = web.TCPSite(runner, self.host, self.port, reuse_port=True, ssl_context=ssl)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as err:  # a taken port: PortTakenError, which the starter recognises
+            raise bind_failure(self.name, self.host, self.port, err) from err
         self.port = runner.addresses[0][1]
         if self.udp is not None:
             await self.udp.start()

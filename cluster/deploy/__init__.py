@@ -51,7 +51,9 @@ The design, in three layers:
    Both go through `add_replica`, `remove_replica` and `deploy`.
 
 This layer changes no actor behaviour, actor or supervisor name, or port: it only declares
-the roles as data and starts, resizes and stops them through one path. The role modules
+the roles as data and starts, resizes and stops them through one path. (One exception: a
+port tierflow chose for a role, found taken by another process when the replicas bind it,
+is chosen again and the role started again: `deployer.deploy_on_port`.) The role modules
 keep their ``start_*`` / ``stop_*`` / ``scale_*`` helpers (tests and tools use them): each
 start hands a `RoleSpec` to `deploy`, each resize and stop goes through the `deployer`
 functions above.

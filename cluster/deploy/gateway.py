@@ -12,7 +12,7 @@ import ray
 
 from cluster.deploy.deployer import (
     add_replica,
-    deploy,
+    deploy_on_port,
     drain,
     remove_replica,
     stop_supervisor,
@@ -20,7 +20,7 @@ from cluster.deploy.deployer import (
 )
 from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec, on_node, replica_name
 from runtime.config import Config, GatewayOptions, gateway_options
-from runtime.nats.server import free_port
+from runtime.nats.server import PortChooser
 from runtime.state.placement import next_index
 from runtime.supervision.policy import ChildSpec
 
@@ -117,23 +117,40 @@ def start_gateways(
     token_streams: Mapping[str, Sequence[str]] | None = None,
     options: GatewayOptions | Mapping[str, Any] | None = None,
     timeout_s: float = 120.0,
+    port_chooser: PortChooser | None = None,
 ) -> list[str]:
     """Start `replicas` gateways (default `roles.gateway.replicas`) under the `gateways`
-    supervisor, sharing `port` (default `roles.gateway.port`; 0 picks one free port for
-    all) with SO_REUSEPORT, one per node while nodes last; returns their actor names once
-    every one serves."""
+    supervisor, sharing `port` (default `roles.gateway.port`) with SO_REUSEPORT, one per
+    node while nodes last; returns their actor names once every one serves
+    (`wait_gateway(cfg, name)["port"]` is the port).
+
+    Port 0: one free port for all, chosen by `port_chooser` (default `free_ports`) and
+    chosen again if another process takes it before they bind (`deploy_on_port`); a port
+    given here or in the config that is taken fails with `PortTakenError` naming it."""
+    given = "it was given" if port is not None else "it is roles.gateway.port in the config"
     port = cfg.roles.gateway.port if port is None else port
-    spec = gateway_role(
-        cfg,
-        nats_url,
-        port or free_port(),
-        replicas,
-        named_filters=named_filters,
-        token_streams=token_streams,
-        options=options,
-    )
-    (deployed,) = deploy(
-        [spec], namespace=cfg.ray.namespace, state_dir=str(cfg.state_path), timeout_s=timeout_s
+
+    def build(chosen: int) -> list[RoleSpec]:
+        role = gateway_role(
+            cfg,
+            nats_url,
+            chosen,
+            replicas,
+            named_filters=named_filters,
+            token_streams=token_streams,
+            options=options,
+        )
+        return [role]
+
+    (deployed,), _ = deploy_on_port(
+        build,
+        role=ROLE,
+        port=port,
+        given=given,
+        namespace=cfg.ray.namespace,
+        state_dir=str(cfg.state_path),
+        timeout_s=timeout_s,
+        chooser=port_chooser,
     )
     return deployed.names
 
