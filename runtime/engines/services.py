@@ -129,10 +129,29 @@ async def ensure_streams(nc: Client, cfg: Config) -> list[str]:
             check_update(name, s, info.config.max_msgs_per_subject, info.state.messages)
             await js.update_stream(sc)
         except NotFoundError:
-            await js.add_stream(sc)
+            await _placed(lambda sc=sc: js.add_stream(sc))
         await ensure_copies(nc, sc, s.replicate)  # geo: the other sites' copies
         made.append(name)
     return made
+
+
+async def _placed(call: Any, timeout: float = 30.0) -> Any:
+    """A stream added right after its cluster formed: JetStream answers "no suitable peers
+    for placement" (10005) until its meta leader has seen every peer; ask again within a
+    deadline (a placement that can never succeed still fails, `timeout` later)."""
+    import asyncio
+    import time
+
+    from nats.js.errors import BadRequestError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except BadRequestError as err:
+            if err.err_code != 10005 or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- Ray
