@@ -80,6 +80,12 @@ class StatusMetrics:
             ["query"],
             registry=self.registry,
         )
+        self.query_late = Gauge(
+            "tierflow_analysis_late_events",
+            "Events a query dropped as later than its watermark, since the driver started",
+            ["query"],
+            registry=self.registry,
+        )
         self.replication_lag = Gauge(
             "tierflow_replication_lag_events",
             "Events a stream's copy on `site` has not yet sourced from `origin` (docs/geo.md)",
@@ -113,6 +119,8 @@ class StatusMetrics:
         for q in (status.get("analysis") or {}).get("queries", []):
             if q.get("lag") is not None:
                 self.query_lag.labels(q["name"]).set(q["lag"])
+            if q.get("late_events") is not None:
+                self.query_late.labels(q["name"]).set(q["late_events"])
         if "replication_kicks" in status:
             self.replication_kicks.set(status["replication_kicks"])
         for r in status.get("replication") or []:

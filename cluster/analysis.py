@@ -18,6 +18,7 @@ from cluster.deploy.analysis import start_driver
 from jobs.driver import DRIVER_NAME, AnalysisDriverError
 from runtime import runstate
 from runtime.config import Config
+from runtime.data.sql_jobs import job_streams
 from runtime.engines.services import join_ray
 from runtime.job_specs import JobSpec, decode_spec, parse_job
 
@@ -101,7 +102,12 @@ def jobs_list(cfg: Config) -> list[dict[str, Any]]:
     for name, spec in sorted(catalog(cfg).items()):
         if name not in running:
             rows.append(
-                {"name": name, "kind": spec.kind, "stream": spec.stream, "state": "available"}
+                {
+                    "name": name,
+                    "kind": spec.kind,
+                    "stream": ",".join(job_streams(spec)),
+                    "state": "available",
+                }
             )
     return rows
 
@@ -116,6 +122,15 @@ def jobs_start(cfg: Config, name: str) -> list[dict[str, Any]]:
         row = _call(driver.start.remote(msgspec.to_builtins(spec), 120.0), 180)
         out.append({"name": spec.name, **(row or {"state": "starting"})})
     return out
+
+
+def jobs_explain(cfg: Config, name: str) -> dict[str, Any]:
+    """A running sql job's plan, mode, key, watermarks and state (jobs/sql_jobs.py)."""
+    connect_ray(cfg)
+    driver = get_driver(cfg)
+    if driver is None:
+        raise AnalysisDriverError("the analysis driver is not running")
+    return dict(_call(driver.explain.remote(name), 120))
 
 
 def jobs_stop(cfg: Config, name: str) -> list[dict[str, Any]]:

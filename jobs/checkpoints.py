@@ -30,8 +30,29 @@ def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] |
         lines = (root / "offsets" / str(batch)).read_text().splitlines()
     except FileNotFoundError:
         return batch, None
+    offsets = _offsets(lines)
+    return batch, offsets[0] if offsets else None
+
+
+def committed_offsets(checkpoint: str | os.PathLike[str]) -> list[dict[str, Any] | None]:
+    """Every source's end offset of a query's last committed batch, in the order of its
+    sources ([] when none was committed)."""
+    done = committed(checkpoint)
+    if done is None:
+        return []
     try:
-        offset = json.loads(lines[2]) if len(lines) > 2 and lines[2] not in ("", "-") else None
-    except ValueError:
-        offset = None
-    return batch, offset if isinstance(offset, dict) else None
+        lines = (Path(checkpoint) / "offsets" / str(done[0])).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return _offsets(lines)
+
+
+def _offsets(lines: list[str]) -> list[dict[str, Any] | None]:
+    out: list[dict[str, Any] | None] = []
+    for line in lines[2:]:  # "v1", the batch's metadata, then one line per source
+        try:
+            offset = json.loads(line) if line not in ("", "-") else None
+        except ValueError:
+            offset = None
+        out.append(offset if isinstance(offset, dict) else None)
+    return out

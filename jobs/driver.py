@@ -81,6 +81,7 @@ from jobs.retention_runner import RetentionRunner
 from jobs.wanted import WantedJobs
 from jobs.warm_pair import WarmPair, own_wait, warm_up
 from runtime.config import Config, validate
+from runtime.data.sql_jobs import job_streams
 from runtime.errors import JobError, TierflowError
 from runtime.job_specs import decode_spec
 from runtime.nats.server import NatsEndpoint
@@ -90,6 +91,8 @@ from runtime.supervision.ray_actors import SupervisedActor
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from jobs.sql_jobs import SqlJobPlan
+    from runtime.job_specs import JobSpec
     from runtime.state.checkpoint import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -294,7 +297,7 @@ class AnalysisDriver(SupervisedActor):
         """The streams the jobs read (else every configured one), for the warm-up's read."""
         with self._wanted.lock:
             jobs = [*self._wanted.configured.values(), *self._wanted.jobs.values()]
-        return sorted({spec.stream for spec in jobs}) or sorted(self.cfg.streams)
+        return sorted({s for spec in jobs for s in job_streams(spec)}) or sorted(self.cfg.streams)
 
     def _reconcile(self) -> None:
         """One pass over the parts (Ray Serve's control loop over its state managers)."""
@@ -494,6 +497,8 @@ class AnalysisDriver(SupervisedActor):
         """Want `job` (a JobSpec mapping or JSON) from now on, also after restarts; wait up
         to `wait_s` for its query to run (or fail) and return its status row."""
         spec = decode_spec(job if isinstance(job, str) else dict(job))
+        if spec.kind == "sql":  # refused now, never a query that dies later
+            self._plan_sql(spec, wait_s)
         if self._wanted.want(spec) is not None:
             raise AnalysisDriverError(
                 f"job {spec.name!r} runs with another spec; stop it first (its checkpoint "
@@ -501,6 +506,42 @@ class AnalysisDriver(SupervisedActor):
             )
         self._wake.set()
         return self._wait_for(spec.name, lambda row: row and row["state"] != "starting", wait_s)
+
+    def _plan_sql(self, spec: JobSpec, wait_s: float) -> SqlJobPlan:
+        """Plan a sql job in this driver's Spark (jobs/sql_jobs.py): JobError says why Spark
+        could not run it. Planning reads no event and starts no query."""
+        from jobs.running import read_stream
+        from jobs.sql_jobs import plan_sql_job, sql_streams
+
+        streams = sql_streams(spec, self.cfg.streams)
+        deadline = time.monotonic() + wait_s
+        while self.spark is None and self.state == "starting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spark = self.spark
+        if spark is None:
+            raise AnalysisDriverError(f"the analysis driver's Spark is {self.state}")
+        sources = {s: read_stream(spark, self.nats, s) for s in streams}
+        return plan_sql_job(spark, spec, self.cfg.streams, sources)
+
+    @on_active
+    def explain(self, name: str) -> dict[str, Any]:
+        """A sql job's plan, output mode, key, event times and watermarks, and while it
+        runs its state per operator, watermark and late events (jobs/sql_jobs.py)."""
+        from jobs.sql_jobs import explain
+
+        with self._wanted.lock:
+            spec = self._wanted.jobs.get(name)
+        if spec is None:
+            raise AnalysisDriverError(f"no job {name!r} runs; start it first")
+        if spec.kind != "sql":
+            raise AnalysisDriverError(f"job {name!r} is a {spec.kind} job; explain is for sql")
+        q = self._queries.queries.get(name)
+        running = q.query if q is not None and q.query is not None else None
+        active = running is not None and running.isActive
+        out = {"name": name, **explain(self._plan_sql(spec, 30.0), running if active else None)}
+        if active and self.late is not None:
+            out["late_events"] = self.late.count(running.id)
+        return out
 
     @on_active
     def stop(self, name: str, wait_s: float = 60.0) -> dict[str, Any]:
@@ -528,7 +569,8 @@ class AnalysisDriver(SupervisedActor):
         late: dict[str, Any] = {"driver": self.state}
         while time.monotonic() < deadline:
             try:
-                streams = {q.stream for q in list(self._queries.queries.values())}
+                queries = list(self._queries.queries.values())
+                streams = {s for q in queries for s in (q.streams or (q.stream,))}
                 for s in streams - set(targets):
                     targets[s] = stream_end(self.nats, s)
                 late = self._behind(targets)

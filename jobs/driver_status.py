@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.archive import archive_position, archive_query_name, copy_root
-from jobs.checkpoints import committed
+from jobs.checkpoints import committed, committed_offsets
 from jobs.copies import read_copy
 
 if TYPE_CHECKING:
@@ -200,6 +200,14 @@ def behind(
     for name, q in queries.items():
         if q.query is None or not q.query.isActive:
             out[name] = "not running"
+            continue
+        if q.streams:  # a sql job: each stream by its source's committed offset
+            offsets = committed_offsets(q.checkpoint)
+            for i, stream in enumerate(q.streams):
+                offset = offsets[i] if i < len(offsets) else None
+                seq = int((offset or {}).get("seq") or 1)
+                if seq < targets.get(stream, 1):
+                    out[name] = {**(out.get(name) or {}), stream: seq}
             continue
         seq = committed_seq(q, deadletters) or 1
         if seq < targets.get(q.stream, 1):

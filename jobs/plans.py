@@ -68,6 +68,8 @@ class Plan:
     output_mode: str = "update"
     finalize: Finalize = field(default=lambda row: row)
     batches: Callable[[Path | None], BatchRows] | None = None
+    # the streams it reads in the order of the query's sources (its offsets log's lines)
+    streams: tuple[str, ...] = ()
 
     def batch_rows(self, checkpoint: Path | None) -> BatchRows:
         """A micro-batch's rows (and batch id) -> its result rows. Plans that keep driver

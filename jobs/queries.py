@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from jobs.archive import archive_query_name
 from jobs.running import staggered
 from jobs.sink import BatchReport, close_sinks
+from runtime.data.sql_jobs import job_streams
 from runtime.job_specs import deadletter_query_name
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class Query:
     results: int = 0
     duplicates: int = 0
     copy: CopyId | None = None  # the copy this query reads (recorded in its checkpoint)
+    # a sql job's streams in the order of its sources; () for a query of `stream` alone
+    streams: tuple[str, ...] = ()
     # per recent batch id, where its foreachBatch's time went (`progress`)
     parts_ms: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -158,14 +161,14 @@ class QuerySet:
         """One pass: keep every wanted job not `paused` running, a dead-letter scan per
         stream of a wanted job and an archive per archived stream; stop the rest. Returns
         the kept queries' failures in a row (jobs/escalation.py decides on them)."""
-        streams = {spec.stream for spec in wanted.values()}
+        streams = {s for spec in wanted.values() for s in job_streams(spec)}
         every = query_triggers(wanted)
         for spec in wanted.values():
             if spec.name in paused:
                 continue
             self._ensure(
                 spec.name,
-                spec.stream,
+                job_streams(spec)[0],
                 spec.kind,
                 lambda q, s=spec, t=every[spec.name]: self.starts.job(q, s, t),
                 self._job_checkpoint(spec.name),

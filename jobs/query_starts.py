@@ -23,7 +23,7 @@ from jobs.archive import ArchiveSettings, copy_root, start_archive
 from jobs.copies import MERGEABLE, CopyError
 from jobs.copy_tracker import CopyTracker, archive_copy_error
 from jobs.deadletter_scan import DeadLetterScan
-from jobs.running import start_job
+from jobs.running import job_plan, start_job
 from runtime.engines.services import spark_session
 from runtime.errors import JobError
 
@@ -121,6 +121,9 @@ class QueryStarts:
             self.generations.serve(view)
         if view is not None and spec.kind not in MERGEABLE:
             return self._fresh(spark, spec, view, q.count, trigger_s)
+        start = view.high_water + 1 if view is not None else 0
+        plan = job_plan(spark, spec, self.nats, self.cfg.streams, start, view=view)
+        q.streams = plan.streams
         return start_job(
             spark,
             spec,
@@ -129,6 +132,7 @@ class QueryStarts:
             on_batch=q.count,
             view=view,
             trigger_s=trigger_s,
+            plan=plan,
         )
 
     def _fresh(
@@ -141,14 +145,10 @@ class QueryStarts:
     ) -> StreamingQuery:
         """A generation of a job that does not merge: its query under the generation's
         checkpoint and result ids, from the stream's first sequence, nothing merged."""
-        from jobs.plans import build_plan
-        from jobs.running import processing_time, read_stream, start_plan
+        from jobs.running import processing_time, start_plan
         from jobs.sink import ResultSink
 
-        source = read_stream(
-            spark, self.nats, spec.stream, spec.subject, spec.max_events_per_trigger
-        )
-        plan = build_plan(spec, source)
+        plan = job_plan(spark, spec, self.nats, self.cfg.streams)
         ckpt = self.generations.checkpoint(spec.name, view)
         sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
         return start_plan(spark, spec, plan, sink, ckpt, on_batch, processing_time(trigger_s))

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming import StreamingQuery
 
+    from runtime.config import StreamConfig
+
 
 DEADLETTER_TRIGGER_S = 5.0
 STAGGER_SPREAD = 0.25  # `staggered`: queries sharing an interval run up to 25% less often
@@ -176,33 +178,63 @@ def start_job(
     checkpoint_root: str | Path,
     *,
     trigger: Mapping[str, Any] | None = None,
-    source: DataFrame | None = None,
+    source: DataFrame | Mapping[str, DataFrame] | None = None,
     on_batch: Callable[[int, BatchReport], None] | None = None,
     view: BatchView | None = None,
     trigger_s: float | None = None,
+    streams: Mapping[str, StreamConfig] | None = None,
+    plan: Plan | None = None,
 ) -> StreamingQuery:
     """Start the job's query (named after the job) with its checkpoint at root/<name>.
 
     A restart with the same checkpoint resumes exactly where the last committed batch
     ended. `trigger` overrides the spec's (e.g. ``{"availableNow": True}`` in tests), and so
     does `trigger_s` (the driver's `staggered` interval);
-    `source` replaces the jetstream source (any streaming DataFrame with ``data``). With a
+    `source` replaces the jetstream source (any streaming DataFrame with ``data``; a sql
+    job's, a mapping of them by stream); `streams` are the configured streams a sql job
+    reads (their schemas and event times); `plan` a plan `job_plan` made already. With a
     batch `view`, the query is the view's generation (jobs/batch_view.py): its checkpoint
     at root/<name>@<generation>, reading from the view's high-water sequence + 1, its
     results merged with the view's.
     """
     spec = check_spec(spec)
     start = view.high_water + 1 if view is not None else 0
-    if source is None:
-        source = read_stream(
-            spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger, start
-        )
-    plan = build_plan(spec, source, view)
+    if plan is None:
+        plan = job_plan(spark, spec, nats, streams, start, source, view)
     checkpoint = checkpoint_dir(checkpoint_root, spec.name, view)
     sink = ResultSink.for_query(nats, spec.name, generation=view.generation if view else 0)
     if trigger is None:
         trigger = processing_time(spec.trigger_s if trigger_s is None else trigger_s)
     return start_plan(spark, spec, plan, sink, checkpoint, on_batch, trigger)
+
+
+def job_plan(
+    spark: SparkSession,
+    spec: JobSpec,
+    nats: NatsEndpoint,
+    streams: Mapping[str, StreamConfig] | None = None,
+    start: int = 0,
+    source: DataFrame | Mapping[str, DataFrame] | None = None,
+    view: BatchView | None = None,
+) -> Plan:
+    """The job's plan over its source(s): the jetstream source of each stream it reads from
+    sequence `start` on, unless `source` gives them."""
+    if spec.kind == "sql":
+        from jobs.sql_jobs import plan_sql_job, sql_streams
+
+        sources = dict(source) if isinstance(source, Mapping) else {}
+        for stream in sql_streams(spec, streams or {}):
+            if stream not in sources:
+                sources[stream] = read_stream(
+                    spark, nats, stream, max_events=spec.max_events_per_trigger, start_seq=start
+                )
+        return plan_sql_job(spark, spec, streams or {}, sources).plan
+    if source is None:
+        source = read_stream(
+            spark, nats, spec.stream, spec.subject, spec.max_events_per_trigger, start
+        )
+    assert not isinstance(source, Mapping)
+    return build_plan(spec, source, view)
 
 
 def start_plan(

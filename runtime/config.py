@@ -27,10 +27,12 @@ from runtime.browsers import ANY, host_name, parse_origin
 from runtime.data.compaction import CompactConfig
 from runtime.data.logic import LogicConfig, compile_logic
 from runtime.data.query import FilterError, compile_filter
+from runtime.data.sql_check import SqlRefused
+from runtime.data.sql_jobs import sql_job_query
 from runtime.engines.class_archive import CACHE_ENV
 from runtime.errors import ConfigError, JobError
 from runtime.geo.config import ReplicateConfig
-from runtime.job_specs import JobSpec, check_spec
+from runtime.job_specs import JobSpec, check_spec, interval
 from runtime.supervision.autoscaling import AutoscalingConfig
 from runtime.supervision.autoscaling import validate as validate_autoscaling
 
@@ -224,8 +226,15 @@ class StreamConfig(_Strict):
     compact: CompactConfig | None = None  # the latest event per key (runtime/data/compaction.py)
     replicate: ReplicateConfig | None = None  # copies on other sites (runtime/geo/replication.py)
     # the events' JSON fields as a Spark DDL (`city STRING, n INT`) for `tierflow sql`;
-    # empty: inferred from a sample of the newest events
+    # empty: inferred from a sample of the newest events. A sql job's streams declare it
+    # (a streaming query's columns are fixed when it first starts)
     schema: str = ""
+    # sql jobs: the top-level field that is the event's time (empty: the time JetStream
+    # stored it, `_ts`), how it is written, and how late an event may come
+    # ("10 seconds"; empty: no watermark, so windows and joins keep their state)
+    event_time: str = ""
+    event_time_format: Literal["epoch_ms", "epoch_s", "iso"] = "epoch_ms"
+    watermark: str = ""
 
 
 class LoggingConfig(_Strict):
@@ -632,7 +641,9 @@ def _check_jobs(cfg: Config) -> None:
             check_spec(spec)
         except JobError as err:
             raise ConfigError(f"{key}: {err}") from None
-        if spec.stream not in cfg.streams:
+        if spec.kind == "sql":
+            _check_sql_job(cfg, spec, key)
+        elif spec.stream not in cfg.streams:
             raise ConfigError(
                 f"{key}.stream: no stream {spec.stream!r} in [streams] "
                 f"(streams: {', '.join(sorted(cfg.streams))})"
@@ -640,6 +651,38 @@ def _check_jobs(cfg: Config) -> None:
         if spec.name in names:
             raise ConfigError(f"{key}.name: {spec.name!r} is also jobs[{names[spec.name]}]'s")
         names[spec.name] = i
+
+
+def _check_sql_job(cfg: Config, spec: JobSpec, key: str) -> None:
+    """A sql job's query is one the driver would run, over streams that declare a schema."""
+    try:
+        query = sql_job_query(spec.sql, cfg.streams)
+    except SqlRefused as err:
+        raise ConfigError(f"{key}.sql: {err}") from None
+    for stream in query.streams:
+        if not cfg.streams[stream].schema:
+            raise ConfigError(
+                f"{key}.sql: stream {stream!r} needs [streams.{stream}] schema (a Spark DDL "
+                "such as 'id BIGINT, price DOUBLE'): a continuous query's columns are fixed "
+                "when it first starts"
+            )
+
+
+def _check_event_times(cfg: Config) -> None:
+    for name, stream in cfg.streams.items():
+        where = f"streams.{name}"
+        if stream.watermark:
+            try:
+                interval(stream.watermark)
+            except JobError as err:
+                raise ConfigError(f"{where}.watermark: {err}") from None
+        if stream.event_time and not stream.schema:
+            raise ConfigError(f"{where}.event_time: needs {where}.schema, which declares it")
+        if stream.event_time and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stream.event_time):
+            raise ConfigError(
+                f"{where}.event_time: {stream.event_time!r}: name a top-level field of the "
+                "schema"
+            )
 
 
 def _check_cross_keys(cfg: Config) -> None:
@@ -653,6 +696,7 @@ def _check_cross_keys(cfg: Config) -> None:
         except FilterError as err:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
+    _check_event_times(cfg)
     _check_jobs(cfg)
     extra = cfg.logging.extra_replicas
     if extra != "auto" and extra > cfg.roles.logger.k:

@@ -1,7 +1,8 @@
 """Analysis jobs as data: `JobSpec`, its checks, and the forms it is written in.
 
 A `JobSpec` names a stream, a kind (``topn``, ``distinct``, ``count``, ``sample`` or
-``custom``; jobs/plans.py says what each computes) and the fields to analyse by JSON path
+``custom``; jobs/plans.py says what each computes, or ``sql``: a continuous query over
+streams by name, jobs/sql_jobs.py) and the fields to analyse by JSON path
 (jobs/paths.py). The same spec works from the config (``[[jobs]]``), the CLI (`parse_job`:
 ``key=value`` words or JSON) and code (`decode_spec`). Everything here is pure: the CLI checks
 a spec without loading Spark, and the config checks every `[[jobs]]` entry as it loads
@@ -22,8 +23,9 @@ from runtime.hooks import is_hook
 from runtime.json_paths import parse_path
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=100)]
-Kind = Literal["topn", "distinct", "count", "sample", "custom"]
-KINDS: tuple[str, ...] = ("topn", "distinct", "count", "sample", "custom")
+Kind = Literal["topn", "distinct", "count", "sample", "custom", "sql"]
+KINDS: tuple[str, ...] = ("topn", "distinct", "count", "sample", "custom", "sql")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 DEADLETTER_PREFIX = "deadletter_"
 RESERVED_NAMES = frozenset({"checkpoints"})
 
@@ -44,7 +46,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
 
     name: Name
     kind: Kind
-    stream: Name
+    stream: str = ""  # every kind but sql, whose streams are the tables its query names
     subject: str = ""
     field: str = ""
     by: list[str] = []
@@ -69,11 +71,20 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # spark.sql.shuffle.partitions. Fixed in the checkpoint when the query first starts: a
     # restart resumes with the checkpoint's count whatever this says (jobs/running.py)
     state_partitions: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    # kind sql: one SELECT over streams by name (runtime/data/sql_jobs.py says what runs)
+    sql: str = ""
+    # kind sql: the watermark of every stream the query reads, over each stream's own
+    # `[streams.X] watermark`
+    watermark: str = ""
 
 
 def check_spec(spec: JobSpec) -> JobSpec:
     """Raise JobError for a spec no field type can rule out; return it (paths checked too)."""
     where = f"job {spec.name!r}"
+    if spec.kind == "sql":
+        _check_sql_spec(spec, where)
+    elif not _NAME.match(spec.stream):
+        raise JobError(f"{where}: `stream` must name a stream (letters, digits, _ and -)")
     if spec.name in RESERVED_NAMES or spec.name.startswith(DEADLETTER_PREFIX):
         raise JobError(f"{where}: the name is reserved; pick another")
     if spec.kind == "topn" and not spec.field:
@@ -90,8 +101,12 @@ def check_spec(spec: JobSpec) -> JobSpec:
         raise JobError(f"{where}: `function` is only for kind custom")
     if spec.by_as and len(spec.by_as) != len(spec.by):
         raise JobError(f"{where}: by_as must name each of the {len(spec.by)} `by` paths")
-    if spec.kind != "custom" and spec.output_mode != "update":
-        raise JobError(f"{where}: only custom jobs choose an output mode (built-ins use update)")
+    if spec.kind not in ("custom", "sql") and spec.output_mode != "update":
+        raise JobError(
+            f"{where}: only custom and sql jobs choose an output mode (built-ins use update)"
+        )
+    if spec.kind != "sql" and (spec.sql or spec.watermark):
+        raise JobError(f"{where}: `sql` and `watermark` are for kind sql (a window has its own)")
     for path in [spec.field, *spec.by, spec.time_field]:
         if path:
             parse_path(path)
@@ -109,9 +124,30 @@ def check_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
+_NOT_SQL = ("stream", "subject", "field", "by", "by_as", "window", "window_as", "time_field")
+
+
+def _check_sql_spec(spec: JobSpec, where: str) -> None:
+    """What a sql job may say; its query's own check needs sqlglot (runtime/data/sql_jobs.py,
+    run where the spec loads: the config, the CLI and the driver)."""
+    if not spec.sql.strip():
+        raise JobError(f"{where}: sql needs `sql`, one SELECT over streams by name")
+    given = [k for k in _NOT_SQL if getattr(spec, k) != getattr(_DEFAULTS, k)]
+    if given:
+        raise JobError(
+            f"{where}: a sql job reads the streams its query names; drop {', '.join(given)} "
+            "(a window is window() or session_window() in the query)"
+        )
+    if spec.watermark:
+        interval(spec.watermark)
+
+
 def output_names(spec: JobSpec) -> list[str]:
     """The result-row names of a count job's `by` values (default: each path's last name)."""
     return list(spec.by_as) or [parse_path(p)[-1].name.lstrip("_") for p in spec.by]
+
+
+_DEFAULTS = JobSpec(name="x", kind="sql", sql="x")
 
 
 def decode_spec(data: Mapping[str, Any] | bytes | str | JobSpec) -> JobSpec:
@@ -164,6 +200,8 @@ def parse_job(text: str) -> JobSpec:
             data[key] = _number(key, value, float)
         else:
             data[key] = value
+    if data.get("kind") == "sql" and "watermark" in window:
+        data["watermark"] = window.pop("watermark")
     if window:
         if "length" not in window:
             raise JobError("job spec: watermark= needs window=LENGTH[/SLIDE]")

@@ -11,6 +11,7 @@ import typer
 
 from cluster.cli.common import ConfigOpt, JsonOpt, WideOpt, err_console, load_config
 from cluster.tables import Column, build, print_tables
+from runtime.errors import JobError
 
 jobs_app = typer.Typer(help="Analysis jobs in the Spark driver actor.", no_args_is_help=True)
 
@@ -51,7 +52,7 @@ def _call(fn_name: str, config: Path | None, *args: Any) -> list[dict[str, Any]]
     cfg = load_config(config)
     try:
         return getattr(analysis, fn_name)(cfg, *args)
-    except analysis.AnalysisDriverError as err:
+    except (analysis.AnalysisDriverError, JobError) as err:
         err_console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
@@ -82,6 +83,26 @@ def jobs_stop(
 ) -> None:
     """Stop job(s); their checkpoints stay, so a later start resumes them."""
     print_jobs(_call("jobs_stop", config, name), as_json=as_json, wide=wide)
+
+
+@jobs_app.command("explain")
+def jobs_explain(
+    name: Annotated[str, typer.Argument(help="a running sql job's name")],
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A sql job's plan: output mode, key, event time and watermark per stream, and while it
+    runs its state per operator, watermark and late events."""
+    out: Any = _call("jobs_explain", config, name)
+    if as_json:
+        print(json.dumps(out, default=str))
+        return
+    plan = out.pop("plan", "")
+    for key, value in out.items():
+        shown = value if isinstance(value, str) else json.dumps(value, default=str)
+        print(f"{key}: {shown}")
+    print("plan:")
+    print(plan)
 
 
 RECOMPUTE_COLUMNS = (

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
+from sqlglot.tokens import TokenType
 
 from runtime.errors import TierflowError
 
@@ -59,6 +60,8 @@ __all__ = [
     "CheckedQuery",
     "SqlRefused",
     "check_select",
+    "parse_spark",
+    "render_spark",
 ]
 
 MAX_SQL_CHARS = 65_536
@@ -110,15 +113,18 @@ class CheckedQuery:
 
     def renamed(self, views: Mapping[str, str]) -> str:
         """The query with each table it reads replaced by the view `views` names for it
-        (CTEs keep their names), e.g. per-query temp views that cannot collide."""
-        root = sqlglot.parse_one(self.sql, read="spark")
+        (CTEs keep their names), e.g. per-query temp views that cannot collide; a table
+        without an alias gets its own name as one, so qualified columns still resolve."""
+        root = parse_spark(self.sql)[0]
         ctes = {cte.alias_or_name.lower() for cte in root.find_all(exp.CTE)}
         lower = {k.lower(): v for k, v in views.items()}
         for node in list(root.find_all(exp.Table)):
             name = node.name.lower()
             if name not in ctes and name in lower:
+                if not node.alias:  # `meetup.city` still names the table it was written as
+                    node.set("alias", exp.TableAlias(this=exp.to_identifier(node.name)))
                 node.set("this", exp.to_identifier(lower[name], quoted=True))
-        return root.sql(dialect="spark", comments=False)
+        return render_spark(root)
 
 
 def check_select(
@@ -134,7 +140,7 @@ def check_select(
         raise SqlRefused(f"the query is longer than {MAX_SQL_CHARS} characters")
     _no_variables(text)
     try:
-        statements = [s for s in sqlglot.parse(text, read="spark") if s is not None]
+        statements = parse_spark(text)
     except SqlglotError as err:
         raise SqlRefused(f"not valid SQL: {_first_line(err)}") from None
     if len(statements) != 1:
@@ -174,9 +180,37 @@ def check_select(
             f"{math.prod(sizes)}, over the limit of {MAX_GENERATED}"
         )
     tables.discard("")
-    rendered = root.sql(dialect="spark", comments=False)
+    rendered = render_spark(root)
     _no_variables(rendered)  # an escape sqlglot decodes (`\\u0024{`) must not become one
     return CheckedQuery(sql=rendered, tables=frozenset(tables))
+
+
+# sqlglot reads `window(` in a GROUP BY as the start of a WINDOW clause and fails; Spark's
+# time-window function is read under this name instead, and written back as `window`
+_WINDOW_FN = "tf_window_fn"
+
+
+def parse_spark(text: str) -> list[exp.Expression]:
+    """The statements of `text` in the Spark dialect, `window(...)` calls included."""
+    dialect = sqlglot.Dialect.get_or_raise("spark")
+    tokens = dialect.tokenize(text)
+    cuts = [
+        (tok.start, tok.end + 1)
+        for tok, nxt in zip(tokens, tokens[1:], strict=False)
+        if tok.text.lower() == "window" and nxt.token_type == TokenType.L_PAREN
+    ]
+    for start, end in reversed(cuts):
+        text = text[:start] + _WINDOW_FN + text[end:]
+    return [s for s in sqlglot.parse(text, read="spark") if s is not None]
+
+
+def render_spark(root: exp.Expression) -> str:
+    """`root` as Spark SQL, with `window(...)` calls under their own name."""
+    root = root.copy()
+    for node in root.find_all(exp.Anonymous):
+        if str(node.this).lower() == _WINDOW_FN:
+            node.set("this", "window")
+    return root.sql(dialect="spark", comments=False)
 
 
 def _no_variables(text: str) -> None:
