@@ -680,8 +680,7 @@ def _check_event_times(cfg: Config) -> None:
             raise ConfigError(f"{where}.event_time: needs {where}.schema, which declares it")
         if stream.event_time and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stream.event_time):
             raise ConfigError(
-                f"{where}.event_time: {stream.event_time!r}: name a top-level field of the "
-                "schema"
+                f"{where}.event_time: {stream.event_time!r}: name a top-level field of the schema"
             )
 
 
