@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from jobs.event_time import source_events
 from jobs.plans import Plan
 from jobs.topn import BatchRows
 from jobs.windows import LATE_OPERATOR
@@ -82,7 +83,7 @@ def stream_table(
     schema = _parse_datatype_string(cfg.schema)
     if not isinstance(schema, StructType):
         raise JobError(f"streams.{stream}.schema: expected fields, got {cfg.schema!r}")
-    df = source.where(F.col("valid")) if "valid" in source.columns else source
+    df = source_events(source)  # the valid events, with every envelope column
     parsed = df.select(
         *(F.col(src).alias(name) for name, src in ENVELOPE.items()),
         F.from_json("data", schema).alias("_e"),
@@ -105,7 +106,12 @@ def stream_table(
     if delay and table.isStreaming:
         table = table.withWatermark(time_col, interval(delay))
         if stateful:
-            ident = F.coalesce(F.col("_id"), F.concat(F.lit("seq:"), F.col("_seq").cast("string")))
+            # a source without ids or sequences (files) dedups nothing: each row its own id
+            ident = F.coalesce(
+                F.col("_id"),
+                F.concat(F.lit("seq:"), F.col("_seq").cast("string")),
+                F.expr("uuid()"),
+            )
             table = (
                 table.withColumn("_tf_id", ident)
                 .dropDuplicatesWithinWatermark(["_tf_id"])

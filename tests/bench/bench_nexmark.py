@@ -1,0 +1,326 @@
+"""Nexmark benchmark: every query tierflow runs, as a sql job on Spark local[2].
+
+Prints numbers, asserts no speed (`make bench`); asserts every answer. The events
+(`TIERFLOW_BENCH_NEXMARK_EVENTS`, default 1,000,000; 10,000 events/s of event time, emitted
+out of order within groups of 100) are generated once, written to JetStream (the streams
+`person`, `auction` and `bid`, plus the flush of tests/nexmark_oracle.py) and to JSON-lines
+files, and each query then runs, in one Spark session, over the same events:
+
+- ``jetstream``: from the jetstream source into Spark's ``noop`` sink (Nexmark measures
+  engines with a discarding sink);
+- ``files``: the same query over the same events as files into ``noop``: Spark's own
+  ceiling here, and the ratio jetstream / files;
+- ``exactly_once``: from the jetstream source through tierflow's result sink (results
+  stream and KV, `jobs.running.start_job`); its answer is then compared with DuckDB's over
+  the same events (tests/nexmark_oracle.py): equal, or the bench fails.
+
+Each run reads its sources in micro-batches of at most `MAX_PER_TRIGGER` events per stream
+with `availableNow`; events/s is the events read over the time from the first batch's start
+to the last one's end (query progress). Per core divides by the 2 cores of local[2], beside
+Flink 1.13's published per-core figures (`nexmark/nexmark` README).
+
+Then end-to-end latency for q5 and q7: events at a steady `TIERFLOW_BENCH_NEXMARK_RATE`
+(default 10,000/s) for `TIERFLOW_BENCH_NEXMARK_SECONDS` (default 30), stamped with the wall
+clock when sent, and the job on a 0.5 s trigger; a result's latency is when its message
+reached a subscriber of ``results.<job>`` minus the event time it stands for (q7: the
+newest bid the row counted, a column this run adds; q5: its sliding window's end, so the
+5 s watermark is in it: a window is out only once the watermark passes).
+
+Run alone:
+`.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_nexmark.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from cluster.nexmark.generator import Generator
+from cluster.nexmark.load import ensure_streams, load, paced, subjects
+from cluster.nexmark.queries import NOT_RUN, QUERIES, nexmark_streams
+from jobs.jetstream import register
+from jobs.running import job_plan, read_stream, start_job
+from runtime.config import StreamConfig
+from runtime.config import load as load_config
+from runtime.engines.services import spark_session
+from runtime.job_specs import decode_spec
+from runtime.nats.publisher import JetStreamPublisher, Outgoing
+from runtime.nats.server import NatsEndpoint, NatsServer, connect
+from tests.bench.common import quantile, write_report
+from tests.nexmark_oracle import FLUSH_GAP_MS, Oracle, load_events, spark_rows
+
+EVENTS = int(os.environ.get("TIERFLOW_BENCH_NEXMARK_EVENTS", "1000000"))
+RATE = int(os.environ.get("TIERFLOW_BENCH_NEXMARK_RATE", "10000"))
+SECONDS = float(os.environ.get("TIERFLOW_BENCH_NEXMARK_SECONDS", "30"))
+ONLY = [q for q in os.environ.get("TIERFLOW_BENCH_NEXMARK_QUERIES", "").split(",") if q]
+MAX_PER_TRIGGER = 100_000
+CORES = 2
+GEN = Generator(seed=11, rate=10_000, disorder=100)
+# Flink 1.13, events/s per core (nexmark/nexmark README)
+FLINK_PER_CORE = {
+    "q0": 155_000,
+    "q1": 158_000,
+    "q2": 175_000,
+    "q3": 152_000,
+    "q4": 34_000,
+    "q5": 22_000,
+    "q7": 12_000,
+    "q8": 146_000,
+    "q9": 14_000,
+    "q11": 40_000,
+    "q12": 76_000,
+    "q16": 19_000,
+    "q20": 19_000,
+}
+STREAMS = {k: msgspec.convert(v, StreamConfig) for k, v in nexmark_streams().items()}
+
+
+def rate(progress: list[dict[str, Any]]) -> dict[str, Any]:
+    """Events/s from the first batch's start to the last one's end, and the batches."""
+    batches = [p for p in progress if p["numInputRows"]]
+    assert batches, "no batch read events"
+    began = _epoch(batches[0]["timestamp"])
+    last = batches[-1]
+    ended = _epoch(last["timestamp"]) + last["durationMs"]["triggerExecution"] / 1000
+    events = sum(p["numInputRows"] for p in batches)
+    return {
+        "events": events,
+        "batches": len(batches),
+        "seconds": round(ended - began, 2),
+        "events_per_s": round(events / max(1e-9, ended - began)),
+    }
+
+
+def _epoch(ts: str) -> float:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def finish(query: Any) -> list[dict[str, Any]]:
+    assert query.awaitTermination(3600), "the query did not finish"
+    assert query.exception() is None, query.exception()
+    return [json.loads(p.json) for p in query.recentProgress]
+
+
+def write_files(root: Path, events: list[tuple[str, dict[str, Any]]]) -> dict[str, Path]:
+    """Each stream's events as JSON lines, `MAX_PER_TRIGGER` per file (one file a batch)."""
+    by_stream: dict[str, list[bytes]] = {"person": [], "auction": [], "bid": []}
+    for kind, fields in events:
+        by_stream[kind].append(msgspec.json.encode(fields))
+    out = {}
+    for name, lines in by_stream.items():
+        d = root / name
+        d.mkdir(parents=True)
+        for i in range(0, len(lines), MAX_PER_TRIGGER):
+            (d / f"part-{i // MAX_PER_TRIGGER:05d}.json").write_bytes(
+                b"\n".join(lines[i : i + MAX_PER_TRIGGER]) + b"\n"
+            )
+        out[name] = d
+    return out
+
+
+async def publish_all(url: str, flush: list[tuple[str, dict[str, Any]]]) -> float:
+    nc = await connect(url)
+    try:
+        await ensure_streams(nc, nexmark_streams())
+        js = nc.jetstream()
+        for name, subject in (("results", "results.>"), ("deadletter", "deadletter.>")):
+            await js.add_stream(name=name, subjects=[subject])
+        began = time.perf_counter()
+        report = await load(nc, GEN, 0, EVENTS)
+        assert report.events == EVENTS
+        topics = subjects()
+        acked, failed = await JetStreamPublisher(nc).publish_batch(
+            [Outgoing(f"flush:{k}", topics[k], msgspec.json.encode(f)) for k, f in flush]  # type: ignore[index]
+        )
+        assert not failed and len(acked) == len(flush)
+        return time.perf_counter() - began
+    finally:
+        await nc.close()
+
+
+def noop_run(spark: Any, spec: Any, sources: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+    plan = job_plan(spark, spec, None, STREAMS, source=sources)  # type: ignore[arg-type]
+    query = (
+        plan.df.writeStream.format("noop")
+        .outputMode(plan.output_mode)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+    return rate(finish(query))
+
+
+def kv_rows(url: str, query: str) -> list[dict[str, Any]]:
+    from jobs.sink import results_by_query
+
+    async def go() -> list[dict[str, Any]]:
+        nc = await connect(url)
+        try:
+            return list((await results_by_query(nc.jetstream())).get(query, {}).values())
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.timeout(7200)
+def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path) -> None:
+    queries = [q for q in sorted(QUERIES, key=lambda q: int(q[1:])) if not ONLY or q in ONLY]
+    began = time.perf_counter()
+    events = load_events(GEN, EVENTS)
+    flush_from = GEN.time_ms(EVENTS - 1) + FLUSH_GAP_MS
+    files = write_files(tmp_path / "files", events)
+    oracle = Oracle(events, flush_from)
+    prepared_s = time.perf_counter() - began
+    cfg = load_config(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "spark": {"conf": {"spark.ui.showConsoleProgress": False}},
+        },
+    )
+    cfg = msgspec.structs.replace(cfg, spark=msgspec.structs.replace(cfg.spark, master="local[2]"))
+    spark = spark_session(cfg, app_name="tierflow-bench-nexmark")
+    register(spark)
+    rows: dict[str, dict[str, Any]] = {}
+    with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
+        nats = NatsEndpoint(server.url)
+        publish_s = asyncio.run(publish_all(server.url, events[EVENTS:]))
+        print(
+            f"\nnexmark: {EVENTS:,} events generated in {prepared_s:.0f} s, "
+            f"stored in {publish_s:.0f} s"
+        )
+        for q in queries:
+            spec = decode_spec(
+                {
+                    "name": q,
+                    "kind": "sql",
+                    "sql": QUERIES[q],
+                    "max_events_per_trigger": MAX_PER_TRIGGER,
+                }
+            )
+            js_sources = {
+                s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER) for s in STREAMS
+            }
+            file_sources = {
+                s: spark.readStream.option("maxFilesPerTrigger", 1)
+                .text(str(files[s]))
+                .withColumnRenamed("value", "data")
+                for s in STREAMS
+            }
+            row: dict[str, Any] = {}
+            row["jetstream"] = noop_run(spark, spec, js_sources, tmp_path / f"{q}-js")
+            row["files"] = noop_run(spark, spec, file_sources, tmp_path / f"{q}-files")
+            sink_query = start_job(
+                spark,
+                spec,
+                nats,
+                tmp_path / "sink",
+                trigger={"availableNow": True},
+                streams=STREAMS,
+            )
+            row["exactly_once"] = rate(finish(sink_query))
+            got = spark_rows(q, kv_rows(server.url, q), flush_from)
+            want = oracle.rows(q)
+            missing, extra = want - got, got - want
+            row["rows"] = sum(want.values())
+            row["equal"] = not missing and not extra
+            assert row["equal"], (
+                f"{q}: {sum(missing.values())} rows missing, e.g. {list(missing)[:3]}; "
+                f"{sum(extra.values())} extra, e.g. {list(extra)[:3]}"
+            )
+            js_rate, file_rate = row["jetstream"]["events_per_s"], row["files"]["events_per_s"]
+            row["ratio"] = round(js_rate / file_rate, 2) if file_rate else None
+            row["per_core"] = round(js_rate / CORES)
+            row["flink_per_core"] = FLINK_PER_CORE.get(q)
+            rows[q] = row
+            print(
+                f"{q:>4}: jetstream {js_rate:>9,}/s  files {file_rate:>9,}/s  "
+                f"ratio {row['ratio']}  exactly-once {row['exactly_once']['events_per_s']:>9,}/s"
+                f"  per core {row['per_core']:>8,} (Flink {row['flink_per_core'] or '-'})  "
+                f"rows {row['rows']:,} equal"
+            )
+        latency = {q: measure_latency(spark, server.url, q, tmp_path) for q in ("q5", "q7")}
+    spark.stop()
+    write_report(
+        "nexmark",
+        {
+            "events": EVENTS,
+            "event_rate": GEN.rate,
+            "disorder": GEN.disorder,
+            "max_per_trigger": MAX_PER_TRIGGER,
+            "cores": CORES,
+            "queries": rows,
+            "not_run": NOT_RUN,
+            "latency": latency,
+        },
+    )
+
+
+LATENCY_SQL = {
+    "q7": "SELECT window(dateTime, '10 seconds') AS w, max(struct(price, auction, bidder)) "
+    "AS top, max(dateTime) AS newest FROM bid GROUP BY window(dateTime, '10 seconds')",
+    "q5": QUERIES["q5"].replace(
+        "SELECT min(win.start)", "SELECT min(win.end) AS window_end, min(win.start)"
+    ),
+}
+
+
+def measure_latency(spark: Any, url: str, q: str, tmp_path: Path) -> dict[str, Any]:
+    """p50/p99 from event time to the result's message (see the module doc)."""
+    name = f"{q}_live"
+    spec = decode_spec({"name": name, "kind": "sql", "sql": LATENCY_SQL[q], "trigger_s": 0.5})
+    seen: list[float] = []
+
+    async def run() -> dict[str, Any]:
+        nc = await connect(url)
+        prefix = f"live{q}"
+        live_cfg = {k: {**v, "subjects": [f"{prefix}.{k}"]} for k, v in nexmark_streams().items()}
+        names = {k: f"{prefix}_{k}" for k in live_cfg}
+        js = nc.jetstream()
+        for k, v in live_cfg.items():
+            await js.add_stream(name=names[k], subjects=v["subjects"])
+
+        async def on_result(msg: Any) -> None:
+            row = json.loads(msg.data)
+            at = time.time() * 1000
+            ref = row.get("newest") if q == "q7" else row.get("window_end")
+            if ref:
+                seen.append(at - _iso_ms(ref))
+
+        sub = await nc.subscribe(f"results.{name}", cb=on_result)
+        sql = LATENCY_SQL[q].replace("FROM bid", f"FROM {names['bid']}")
+        live_spec = msgspec.structs.replace(spec, sql=sql)
+        cfgs = {names[k]: msgspec.convert(v, StreamConfig) for k, v in live_cfg.items()}
+        query = start_job(spark, live_spec, NatsEndpoint(url), tmp_path / "live", streams=cfgs)
+        try:
+            report = await paced(nc, GEN, RATE, SECONDS, prefix=prefix)
+            await asyncio.sleep(8)  # the last windows close (watermark 5 s) and are published
+        finally:
+            query.stop()
+            await sub.unsubscribe()
+            await nc.close()
+        return {"sent": report.events, "send_s": round(report.seconds, 1)}
+
+    sent = asyncio.run(run())
+    out = {
+        **sent,
+        "rate": RATE,
+        "results": len(seen),
+        "p50_ms": round(quantile(seen, 0.5) or 0),
+        "p99_ms": round(quantile(seen, 0.99) or 0),
+    }
+    print(f"{q} at {RATE:,}/s: event time -> result p50 {out['p50_ms']} ms, p99 {out['p99_ms']} ms")
+    return out
+
+
+def _iso_ms(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000
