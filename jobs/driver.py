@@ -510,17 +510,17 @@ class AnalysisDriver(SupervisedActor):
     def _plan_sql(self, spec: JobSpec, wait_s: float) -> SqlJobPlan:
         """Plan a sql job in this driver's Spark (jobs/sql_jobs.py): JobError says why Spark
         could not run it. Planning reads no event and starts no query."""
-        from jobs.running import read_stream
+        from jobs.running import sql_sources
         from jobs.sql_jobs import plan_sql_job, sql_streams
 
-        streams = sql_streams(spec, self.cfg.streams)
+        sql_streams(spec, self.cfg.streams)  # a refused query fails before any wait
         deadline = time.monotonic() + wait_s
         while self.spark is None and self.state == "starting" and time.monotonic() < deadline:
             time.sleep(0.1)
         spark = self.spark
         if spark is None:
             raise AnalysisDriverError(f"the analysis driver's Spark is {self.state}")
-        sources = {s: read_stream(spark, self.nats, s) for s in streams}
+        sources = sql_sources(spark, self.nats, spec, self.cfg.streams)
         return plan_sql_job(spark, spec, self.cfg.streams, sources)
 
     @on_active

@@ -106,6 +106,13 @@ def read_stream(
     return reader.load()
 
 
+def read_table(spark: SparkSession, nats: NatsEndpoint, stream: str) -> DataFrame:
+    """The jetstream source over `stream` in batch: what it retains, read again whenever a
+    plan that holds it runs (a stream-static join's every micro-batch)."""
+    reader = spark.read.format("jetstream").options(**nats.to_options())
+    return reader.option("stream", stream).option("onAgedOut", "skip").load()
+
+
 @contextlib.contextmanager
 def in_pool(spark: SparkSession, name: str) -> Iterator[None]:
     """Queries started inside run their jobs in query `name`'s scheduler pool (a Spark
@@ -220,14 +227,10 @@ def job_plan(
     """The job's plan over its source(s): the jetstream source of each stream it reads from
     sequence `start` on, unless `source` gives them."""
     if spec.kind == "sql":
-        from jobs.sql_jobs import plan_sql_job, sql_streams
+        from jobs.sql_jobs import plan_sql_job
 
-        sources = dict(source) if isinstance(source, Mapping) else {}
-        for stream in sql_streams(spec, streams or {}):
-            if stream not in sources:
-                sources[stream] = read_stream(
-                    spark, nats, stream, max_events=spec.max_events_per_trigger, start_seq=start
-                )
+        given = dict(source) if isinstance(source, Mapping) else {}
+        sources = sql_sources(spark, nats, spec, streams or {}, start, given)
         return plan_sql_job(spark, spec, streams or {}, sources).plan
     if source is None:
         source = read_stream(
@@ -235,6 +238,31 @@ def job_plan(
         )
     assert not isinstance(source, Mapping)
     return build_plan(spec, source, view)
+
+
+def sql_sources(
+    spark: SparkSession,
+    nats: NatsEndpoint,
+    spec: JobSpec,
+    streams: Mapping[str, StreamConfig],
+    start: int = 0,
+    given: Mapping[str, DataFrame] | None = None,
+) -> dict[str, DataFrame]:
+    """A sql job's source per stream its query reads (those `given` as they are): the
+    jetstream source from `start`, or for its `tables` the stream read whole in batch."""
+    from jobs.sql_jobs import sql_streams
+
+    sources = dict(given or {})
+    for stream in sql_streams(spec, streams):
+        if stream in sources:
+            continue
+        if stream in spec.tables:  # read whole at every micro-batch (jobs/sql_jobs.py)
+            sources[stream] = read_table(spark, nats, stream)
+        else:
+            sources[stream] = read_stream(
+                spark, nats, stream, max_events=spec.max_events_per_trigger, start_seq=start
+            )
+    return sources
 
 
 def start_plan(

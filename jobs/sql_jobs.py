@@ -37,7 +37,7 @@ from jobs.plans import Plan
 from jobs.topn import BatchRows
 from jobs.windows import LATE_OPERATOR
 from runtime.data.sql_check import SqlRefused
-from runtime.data.sql_jobs import SqlJobQuery, sql_job_query
+from runtime.data.sql_jobs import SqlJobQuery, check_tables, sql_job_query
 from runtime.errors import JobError
 from runtime.job_specs import JobSpec, interval
 
@@ -102,8 +102,23 @@ def stream_table(
             f"streams.{stream}.event_time: {cfg.event_time!r} is not a field of its schema"
         )
     table = parsed.select(*columns)
+    if not table.isStreaming:  # a table: the latest event per key as of each micro-batch
+        if cfg.compact is None:
+            raise JobError(
+                f"stream {stream!r} is read as a table, the latest event per key: give it "
+                f"[streams.{stream}.compact] key"
+            )
+        from pyspark.sql.window import Window
+
+        newest = Window.partitionBy("_subject").orderBy(F.col("_seq").desc())
+        table = (
+            table.withColumn("_tf_rank", F.row_number().over(newest))
+            .where(F.col("_tf_rank") == 1)
+            .drop("_tf_rank")
+        )
+        return table, {"event_time": time_col, "watermark": "", "table": "latest per key"}
     delay = watermark or cfg.watermark
-    if delay and table.isStreaming:
+    if delay:
         table = table.withWatermark(time_col, interval(delay))
         if stateful:
             # a source without ids or sequences (files) dedups nothing: each row its own id
@@ -149,6 +164,10 @@ def plan_sql_job(
     says why a query cannot run, and how to change it."""
     sql_streams(spec, streams)
     query = sql_job_query(spec.sql, streams)
+    try:
+        check_tables(spec, query)
+    except SqlRefused as err:
+        raise JobError(f"job {spec.name!r}: {err}") from None
     views: dict[str, str] = {}
     times: dict[str, dict[str, str]] = {}
     tag = hashlib.sha1(spec.name.encode()).hexdigest()[:12]
@@ -163,7 +182,7 @@ def plan_sql_job(
     except Exception as err:
         raise JobError(f"job {spec.name!r}: {_spark_words(err, views)}") from None
     mode = _incremental_mode(spec, df, views)
-    order = _source_order(df, views)
+    order = _source_order(df, {s: v for s, v in views.items() if s not in spec.tables})
     plan = Plan(df, mode, batches=lambda _c: keyed_rows(query, df.columns), streams=order)
     return SqlJobPlan(plan, mode, query, times)
 
@@ -271,10 +290,11 @@ def _spark_words(err: Exception | str, views: Mapping[str, str]) -> str:
 
 def keyed_rows(query: SqlJobQuery, columns: list[str]) -> BatchRows:
     """A batch's rows as result rows, each with its ``key`` (runtime/data/sql_jobs.py): a
-    pure function of the batch's rows, so a replayed batch gives the same keys."""
+    pure function of the batch's id and rows, so a replayed batch gives the same keys, and
+    equal rows of two batches (two equal bids) keep a key each."""
     key_names = [columns[i] for i in query.key_positions]
 
-    def shape(rows: list[dict[str, Any]], _batch_id: int) -> list[dict[str, Any]]:
+    def shape(rows: list[dict[str, Any]], batch_id: int) -> list[dict[str, Any]]:
         out = []
         seen: dict[str, int] = {}
         for row in rows:
@@ -286,7 +306,7 @@ def keyed_rows(query: SqlJobQuery, columns: list[str]) -> BatchRows:
             else:
                 digest = hashlib.sha1(msgspec.json.encode(cells, order="sorted")).hexdigest()
                 n = seen[digest] = seen.get(digest, -1) + 1
-                cells["key"] = f"{digest[:20]}-{n}"
+                cells["key"] = f"{batch_id}-{digest[:20]}-{n}"
             out.append(cells)
         return out
 

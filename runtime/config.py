@@ -28,7 +28,7 @@ from runtime.data.compaction import CompactConfig
 from runtime.data.logic import LogicConfig, compile_logic
 from runtime.data.query import FilterError, compile_filter
 from runtime.data.sql_check import SqlRefused
-from runtime.data.sql_jobs import sql_job_query
+from runtime.data.sql_jobs import check_tables, sql_job_query
 from runtime.engines.class_archive import CACHE_ENV
 from runtime.errors import ConfigError, JobError
 from runtime.geo.config import ReplicateConfig
@@ -657,8 +657,15 @@ def _check_sql_job(cfg: Config, spec: JobSpec, key: str) -> None:
     """A sql job's query is one the driver would run, over streams that declare a schema."""
     try:
         query = sql_job_query(spec.sql, cfg.streams)
+        check_tables(spec, query)
     except SqlRefused as err:
         raise ConfigError(f"{key}.sql: {err}") from None
+    for table in spec.tables:
+        if cfg.streams[table].compact is None:
+            raise ConfigError(
+                f"{key}.tables: stream {table!r} is read as a table, the latest event per "
+                f"key: give it [streams.{table}.compact] key"
+            )
     for stream in query.streams:
         if not cfg.streams[stream].schema:
             raise ConfigError(

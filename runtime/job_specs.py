@@ -76,6 +76,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # kind sql: the watermark of every stream the query reads, over each stream's own
     # `[streams.X] watermark`
     watermark: str = ""
+    # kind sql: streams the query reads as tables, the latest event per key of a compacted
+    # stream (`[streams.X.compact]`) as of each micro-batch: a stream-table join
+    tables: list[str] = []
 
 
 def check_spec(spec: JobSpec) -> JobSpec:
@@ -105,8 +108,10 @@ def check_spec(spec: JobSpec) -> JobSpec:
         raise JobError(
             f"{where}: only custom and sql jobs choose an output mode (built-ins use update)"
         )
-    if spec.kind != "sql" and (spec.sql or spec.watermark):
-        raise JobError(f"{where}: `sql` and `watermark` are for kind sql (a window has its own)")
+    if spec.kind != "sql" and (spec.sql or spec.watermark or spec.tables):
+        raise JobError(
+            f"{where}: `sql`, `watermark` and `tables` are for kind sql (a window has its own)"
+        )
     for path in [spec.field, *spec.by, spec.time_field]:
         if path:
             parse_path(path)
@@ -168,7 +173,7 @@ def encode_spec(spec: JobSpec) -> bytes:
     return msgspec.json.encode(spec)
 
 
-_LIST_KEYS = {"by", "by_as"}
+_LIST_KEYS = {"by", "by_as", "tables"}
 
 
 def parse_job(text: str) -> JobSpec:

@@ -194,7 +194,7 @@ def kept(query: str, values: tuple[Any, ...], flush_from: int) -> bool:
     i = TIME_OF.get(query)
     if i is not None and values[i] is not None and values[i] >= flush_from:
         return False
-    return values[0] not in (-1, -2, "flush")
+    return not any(v in (-1, -2, -3, "flush") for v in values if not isinstance(v, bool))
 
 
 def spark_rows(query: str, kv_rows: Iterable[dict[str, Any]], flush_from: int) -> Counter:

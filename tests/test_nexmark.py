@@ -1,7 +1,7 @@
 """Nexmark on tierflow: the generator's model, and every query as a sql job whose final
 answer equals DuckDB's over the same events (tests/nexmark_oracle.py).
 
-The short form runs here: 10,000 events with out-of-order event times, read in several
+The short form runs here: 3,000 events with out-of-order event times, read in several
 micro-batches; `make bench` runs 1,000,000 (tests/bench/bench_nexmark.py).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,6 +21,7 @@ from jobs.jetstream import register
 from jobs.running import start_job
 from jobs.sink import results_by_query
 from runtime.config import StreamConfig
+from runtime.data.sql_jobs import sql_job_query
 from runtime.job_specs import decode_spec
 from runtime.nats.publisher import JetStreamPublisher, Outgoing
 from runtime.nats.server import NatsEndpoint
@@ -30,8 +30,8 @@ from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(600)
 
-N = int(os.environ.get("TIERFLOW_TEST_NEXMARK_EVENTS", "10000"))
-GEN = Generator(seed=7, rate=500, disorder=50)  # 20 s of event time, 100 ms out of order
+N = int(os.environ.get("TIERFLOW_TEST_NEXMARK_EVENTS", "3000"))
+GEN = Generator(seed=7, rate=60, disorder=12)  # 50 s of event time, 200 ms out of order
 
 
 @pytest.mark.unit
@@ -67,8 +67,6 @@ def test_auctions_and_bids_refer_to_persons_and_auctions_that_exist_or_are_about
 
 @pytest.mark.unit
 def test_queries_that_do_not_run_say_why_and_the_rest_are_checked_sql_jobs() -> None:
-    from runtime.data.sql_jobs import sql_job_query
-
     assert {"q4", "q6", "q9", "q12", "q13", "q15", "q16", "q19"} <= set(NOT_RUN)
     assert not set(NOT_RUN) & set(QUERIES)
     for name, sql in QUERIES.items():
@@ -103,35 +101,45 @@ def nexmark(nats_factory: NatsFactory) -> tuple[str, Oracle]:
     return server.url, Oracle(events, flush_from)
 
 
-@pytest.fixture(scope="module")
-def sp(spark: Any) -> Any:
-    register(spark)
-    return spark
-
-
 STREAMS = {k: msgspec.convert(v, StreamConfig) for k, v in nexmark_streams().items()}
+
+
+@pytest.fixture(scope="module")
+def finished(
+    spark: Any, nexmark: tuple[str, Oracle], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Every query run to its end at once (availableNow), in several micro-batches per
+    stream (the person stream has one event in 50), and the results KV read once."""
+    register(spark)
+    url, _ = nexmark
+    root = tmp_path_factory.mktemp("nexmark")
+    running = {}
+    for name, sql in QUERIES.items():
+        per = 700 if "bid" in sql_job_query(sql, list(STREAMS)).streams else 40
+        spec = decode_spec({"name": name, "kind": "sql", "sql": sql, "max_events_per_trigger": per})
+        running[name] = start_job(
+            spark, spec, NatsEndpoint(url), root, trigger={"availableNow": True}, streams=STREAMS
+        )
+    for name, query in running.items():
+        assert query.awaitTermination(500), f"{name} did not finish"
+
+    async def rows(nc: Any) -> dict[str, Any]:
+        return await results_by_query(nc.jetstream())
+
+    return {"queries": running, "kv": with_nats(rows, url)}
 
 
 @pytest.mark.parametrize("query", sorted(QUERIES, key=lambda q: int(q[1:])))
 def test_each_nexmark_query_answers_as_duckdb_does_over_the_same_events(
-    sp: Any, nexmark: tuple[str, Oracle], tmp_path: Path, query: str
+    nexmark: tuple[str, Oracle], finished: dict[str, Any], query: str
 ) -> None:
-    url, oracle = nexmark
-    spec = decode_spec(
-        {"name": query, "kind": "sql", "sql": QUERIES[query], "max_events_per_trigger": 4000}
-    )
-    running = start_job(
-        sp, spec, NatsEndpoint(url), tmp_path, trigger={"availableNow": True}, streams=STREAMS
-    )
-    assert running.awaitTermination(500), f"{query} did not finish"
+    _, oracle = nexmark
+    running = finished["queries"][query]
     assert running.exception() is None
     batches = [p for p in running.recentProgress if p["numInputRows"]]
     assert len(batches) >= 2  # state carried across micro-batches
 
-    async def rows(nc: Any) -> list[dict[str, Any]]:
-        return list((await results_by_query(nc.jetstream())).get(query, {}).values())
-
-    got = spark_rows(query, with_nats(rows, url), oracle.flush_from)
+    got = spark_rows(query, finished["kv"].get(query, {}).values(), oracle.flush_from)
     want = oracle.rows(query)
     assert want, f"{query}: the oracle has no rows; the test's events do not exercise it"
     missing, extra = want - got, got - want

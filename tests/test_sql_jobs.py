@@ -362,3 +362,73 @@ def test_a_config_refuses_a_sql_job_over_a_stream_without_a_schema_or_unknown(
         "SELECT t FROM bid",
     )
     assert ok.streams["bid"].event_time == "t"
+
+
+def test_a_stream_table_join_reads_each_keys_latest_value_as_of_each_batch(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    from runtime.data.compaction import CompactConfig
+
+    cfg = {
+        "tbid": StreamConfig(subjects=["raw.tbid"], schema=SCHEMAS["bid"]),
+        "cperson": StreamConfig(
+            subjects=["raw.cperson.*"],
+            schema="id BIGINT, city STRING",
+            compact=CompactConfig(key="id"),
+        ),
+    }
+    bids = [
+        {"auction": 0, "bidder": i % 5, "price": float(i), "dateTime": T0 + i} for i in range(200)
+    ]
+
+    async def publish(nc: Any, persons: dict[int, str], first: int, last: int) -> None:
+        js = nc.jetstream()
+        for pid, city in persons.items():
+            await js.publish(f"raw.cperson.={pid}", json.dumps({"id": pid, "city": city}).encode())
+        for i in range(first, last):
+            body = json.dumps(bids[i]).encode()
+            await js.publish("raw.tbid", body, headers={MSG_ID_HEADER: f"t{i}"})
+
+    async def setup(nc: Any) -> None:
+        js = nc.jetstream()
+        await js.add_stream(JsStream(name="tbid", subjects=["raw.tbid"]))
+        await js.add_stream(
+            JsStream(name="cperson", subjects=["raw.cperson.*"], max_msgs_per_subject=1)
+        )
+        await publish(nc, {p: f"first-{p}" for p in range(5)}, 0, 100)
+
+    with_nats(setup, nats_url)
+    spec = decode_spec(
+        {
+            "name": "enriched",
+            "kind": "sql",
+            "sql": "SELECT b.price, b.bidder, p.city FROM tbid b JOIN cperson p ON b.bidder = p.id",
+            "tables": ["cperson"],
+            "max_events_per_trigger": 50,
+        }
+    )
+
+    def run_once() -> None:
+        query = start_job(
+            sp, spec, NatsEndpoint(nats_url), tmp_path, trigger={"availableNow": True}, streams=cfg
+        )
+        assert query.awaitTermination(240) and query.exception() is None
+
+    run_once()
+    with_nats(lambda nc: publish(nc, {3: "second-3"}, 100, 200), nats_url)
+    run_once()  # the same checkpoint: only the new bids, against the table as it is now
+    got = {int(r["price"]): r["city"] for r in kv(nats_url, "enriched").values()}
+    want = {i: ("second-3" if i >= 100 and i % 5 == 3 else f"first-{i % 5}") for i in range(200)}
+    assert got == want
+
+
+def test_a_table_must_be_a_compacted_stream_the_query_reads() -> None:
+    with pytest.raises(SqlRefused, match="not read by the query"):
+        from runtime.data.sql_jobs import check_tables
+
+        spec = decode_spec(
+            {"name": "x", "kind": "sql", "sql": "SELECT * FROM bid", "tables": ["p"]}
+        )
+        check_tables(spec, sql_job_query(spec.sql, ["bid", "p"]))
+    with pytest.raises(JobError, match="for kind sql"):
+        decode_spec({"name": "x", "kind": "count", "stream": "s", "by": ["a"], "tables": ["p"]})

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import typer
 
-from cluster.cli import chaos, history, jobs, lab, lifecycle, machine, sites, status, stores
+from cluster.cli import (
+    chaos,
+    history,
+    jobs,
+    lab,
+    lifecycle,
+    machine,
+    nexmark,
+    sites,
+    status,
+    stores,
+)
 
 app = typer.Typer(
     help="tierflow: a streaming data pipeline runtime on Ray, NATS and Spark.", no_args_is_help=True
@@ -37,6 +48,7 @@ app.add_typer(machine.nats_app, name="nats")
 app.add_typer(stores.checkpoint_app, name="checkpoint")
 app.add_typer(stores.logger_app, name="logger")
 app.add_typer(jobs.jobs_app, name="jobs")
+app.add_typer(nexmark.nexmark_app, name="nexmark")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(history.archive_app, name="archive")
 app.add_typer(lab.app, name="lab")

@@ -12,8 +12,9 @@ The key of a row is, in this order:
 - the query's ``key`` column;
 - for a query that groups (``GROUP BY``, windows included), the values of its grouped
   columns, joined with ``|`` (a window by its start);
-- otherwise (a projection, a join) the row itself: a digest of its values and its
-  ordinal among equal rows of the batch, so a replayed batch keys its rows the same.
+- otherwise (a projection, a join) the row itself: its batch, a digest of its values and
+  its ordinal among equal rows of the batch, so a replayed batch keys its rows the same and
+  equal rows of two batches are two rows.
 
 Everything here is pure (sqlglot): the config and the CLI check a job without Spark.
 """
@@ -30,7 +31,14 @@ from sqlglot import exp
 from runtime.data.sql_check import CheckedQuery, SqlRefused, check_select, parse_spark
 from runtime.job_specs import JobSpec
 
-__all__ = ["KEY_COLUMN", "SqlJobQuery", "job_streams", "sql_job_query", "sql_job_streams"]
+__all__ = [
+    "KEY_COLUMN",
+    "SqlJobQuery",
+    "check_tables",
+    "job_streams",
+    "sql_job_query",
+    "sql_job_streams",
+]
 
 KEY_COLUMN = "key"
 
@@ -73,6 +81,15 @@ def sql_job_streams(sql: str) -> list[str]:
         raise SqlRefused(f"not valid SQL: {str(err).splitlines()[0][:200]}") from None
     ctes = {cte.alias_or_name.lower() for cte in root.find_all(exp.CTE)}
     return sorted({t.name for t in root.find_all(exp.Table) if t.name.lower() not in ctes})
+
+
+def check_tables(spec: JobSpec, query: SqlJobQuery) -> None:
+    """A sql job's `tables` are streams its query reads, and not all of them."""
+    unread = sorted(set(spec.tables) - set(query.streams))
+    if unread:
+        raise SqlRefused(f"tables {unread} are not read by the query (it reads {query.streams})")
+    if set(query.streams) <= set(spec.tables):
+        raise SqlRefused("a sql job reads at least one stream as a stream, not only tables")
 
 
 def job_streams(spec: JobSpec) -> list[str]:
