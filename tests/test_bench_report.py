@@ -79,3 +79,41 @@ def test_the_analysis_section_names_the_warm_pairs_ratios() -> None:
     assert any("unmeasured pairs" in line and "files: 0.70." in line for line in lines)
     (top,) = [line for line in lines if line.startswith("| top-N, jetstream |")]
     assert top.endswith("| 0.80 |")
+
+
+def _nexmark_query(js: int, files: int, equal: bool, flink: int | None) -> dict[str, Any]:
+    return {
+        "jetstream": {"events_per_s": js},
+        "files": {"events_per_s": files},
+        "exactly_once": {"events_per_s": js // 2},
+        "ratio": round(js / files, 2),
+        "per_core": js // 2,
+        "flink_per_core": flink,
+        "rows": 10,
+        "equal": equal,
+    }
+
+
+def test_the_nexmark_goals_name_the_worst_query_and_any_answer_that_differs() -> None:
+    from tests.bench.report import nexmark_goal_rows, nexmark_section
+
+    report = {
+        "events": 1000,
+        "event_rate": 10_000,
+        "disorder": 100,
+        "cores": 2,
+        "max_per_trigger": 100,
+        "queries": {
+            "q0": _nexmark_query(180_000, 200_000, True, 155_000),
+            "q5": _nexmark_query(7_000, 10_000, False, 22_000),
+        },
+        "latency": {"q7": {"rate": 10_000, "sent": 5, "results": 3, "p50_ms": 1, "p99_ms": 2}},
+        "not_run": {"q4": "why"},
+    }
+    rows = {r[0]: r for r in nexmark_goal_rows({"nexmark": report})}
+    worst = rows["SQL job over JetStream / same query over files, worst query"]
+    assert worst[1] == "0.70 (q5)" and worst[3] == "**no**"
+    assert rows["q0 events/s per core / Flink 1.13's"][1:] == ["0.58 (90,000)", ">= 0.5", "yes"]
+    assert rows["answers vs the DuckDB oracle, 1,000 events"][1] == "1 of 2 equal"
+    text = "\n".join(nexmark_section(report))
+    assert "**differ**" in text and "Not run: q4" in text and "q7 at 10,000 events/s" in text

@@ -38,6 +38,7 @@ NAMES = (
     "history",
     "geo",
     "compaction",
+    "nexmark",
 )
 DOCS = Path("docs")
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
@@ -659,6 +660,10 @@ def goals_section(reports: Mapping[str, dict[str, Any]]) -> list[str]:
     if geo:
         lines += ["", "### Geo replication goals in this run", ""]
         lines += table(["figure", "measured", "goal", "met"], geo)
+    nexmark = nexmark_goal_rows(reports)
+    if nexmark:
+        lines += ["", "### Nexmark goals in this run", ""]
+        lines += table(["figure", "measured", "goal", "met"], nexmark)
     return lines
 
 
@@ -756,6 +761,101 @@ def compaction_section(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def nexmark_section(d: dict[str, Any]) -> list[str]:
+    queries = d.get("queries") or {}
+    lines = [
+        f"### Nexmark ({d['events']:,} events, {d['event_rate']:,}/s of event time, out of "
+        f"order within {d['disorder']}; Spark local[{d['cores']}], micro-batches of "
+        f"{d['max_per_trigger']:,} per stream)",
+        "",
+    ]
+    rows = []
+    for name, q in queries.items():
+        flink = q.get("flink_per_core")
+        rows.append(
+            [
+                name,
+                fmt(q["jetstream"]["events_per_s"]),
+                fmt(q["files"]["events_per_s"]),
+                cell(q.get("ratio")),
+                fmt(q["exactly_once"]["events_per_s"]),
+                fmt(q["per_core"]),
+                fmt(flink) if flink else "-",
+                f"{q['per_core'] / flink:.2f}" if flink else "-",
+                f"{q['rows']:,} " + ("equal" if q.get("equal") else "**differ**"),
+            ]
+        )
+    head = [
+        "query",
+        "jetstream, noop events/s",
+        "files, noop events/s",
+        "jetstream / files",
+        "exactly-once sink events/s",
+        "per core",
+        "Flink 1.13 per core",
+        "of Flink",
+        "rows vs DuckDB",
+    ]
+    lines += table(head, rows)
+    lat = d.get("latency") or {}
+    if lat:
+        lines += [""]
+        for name, m in lat.items():
+            lines.append(
+                f"- {name} at {m['rate']:,} events/s ({m['sent']:,} sent): event time to "
+                f"result p50 {fmt(m['p50_ms'])} ms, p99 {fmt(m['p99_ms'])} ms "
+                f"({m['results']:,} results)"
+            )
+    if d.get("not_run"):
+        lines += [
+            "",
+            "Not run: "
+            + ", ".join(sorted(d["not_run"], key=lambda q: int(q[1:])))
+            + " (docs/sql-jobs.md says why).",
+        ]
+    return lines
+
+
+def nexmark_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    d = reports.get("nexmark")
+    if not d:
+        return []
+    queries = d.get("queries") or {}
+    ratios = {q: v.get("ratio") for q, v in queries.items()}
+    worst = min(ratios.items(), key=lambda kv: kv[1] or 0.0) if ratios else None
+    out = []
+    if worst:
+        out.append(
+            [
+                "SQL job over JetStream / same query over files, worst query",
+                f"{worst[1]:.2f} ({worst[0]})",
+                ">= 0.8 for every query",
+                "yes" if (worst[1] or 0) >= 0.8 else "**no**",
+            ]
+        )
+    for q in ("q0", "q1", "q2"):
+        if q in queries and queries[q].get("flink_per_core"):
+            share = queries[q]["per_core"] / queries[q]["flink_per_core"]
+            out.append(
+                [
+                    f"{q} events/s per core / Flink 1.13's",
+                    f"{share:.2f} ({fmt(queries[q]['per_core'])})",
+                    ">= 0.5",
+                    "yes" if share >= 0.5 else "**no**",
+                ]
+            )
+    equal = sum(1 for v in queries.values() if v.get("equal"))
+    out.append(
+        [
+            f"answers vs the DuckDB oracle, {d['events']:,} events",
+            f"{equal} of {len(queries)} equal",
+            "equal for every query",
+            "yes" if equal == len(queries) else "**no**",
+        ]
+    )
+    return out
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "ingest": ingest_section,
     "hotpath": hotpath_section,
@@ -768,6 +868,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "history": history_section,
     "geo": geo_section,
     "compaction": compaction_section,
+    "nexmark": nexmark_section,
 }
 
 
