@@ -34,6 +34,7 @@ import msgspec
 
 from jobs.event_time import source_events
 from jobs.plans import Plan
+from jobs.sql import ENVELOPE
 from jobs.topn import BatchRows
 from jobs.windows import LATE_OPERATOR
 from runtime.data.sql_check import SqlRefused
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SqlJobPlan", "explain", "keyed_rows", "plan_sql_job", "sql_streams", "stream_table"]
 
-ENVELOPE = {"_seq": "seq", "_subject": "subject", "_ts": "ts", "_id": "msg_id"}
+
 _MODES = ("update", "append", "complete")
 
 
