@@ -1,8 +1,9 @@
 """Nexmark benchmark: every query tierflow runs, as a sql job on Spark local[2].
 
 Prints numbers, asserts no speed (`make bench`); asserts every answer. The events
-(`TIERFLOW_BENCH_NEXMARK_EVENTS`: 200,000 in `make bench`, 1,000,000 in `make bench-nexmark`; 10,000 events/s of event time, emitted
-out of order within groups of 100) are generated once, written to JetStream (the streams
+(`TIERFLOW_BENCH_NEXMARK_EVENTS`: 200,000 in `make bench`, 1,000,000 in
+`make bench-nexmark`; 10,000 events/s of event time, emitted out of order within groups
+of 100) are generated once, written to JetStream (the streams
 `person`, `auction` and `bid`, plus the flush of tests/nexmark_oracle.py) and to JSON-lines
 files, and each query then runs, in one Spark session, over the same events:
 
