@@ -791,7 +791,7 @@ def nexmark_section(d: dict[str, Any]) -> list[str]:
         "files, noop events/s",
         "jetstream / files",
         "exactly-once sink events/s",
-        "per core",
+        "per core, every event (as Nexmark counts)",
         "Flink 1.13 per core",
         "of Flink",
         "rows vs DuckDB",
