@@ -116,6 +116,16 @@ def with_nats(fn: Any, url: str) -> Any:
     return asyncio.run(main())
 
 
+def kv_results(url: str, query: str) -> dict[Any, dict[str, Any]]:
+    """The results KV's rows of one query, by result key (KV keys are <query>.<key>)."""
+    from jobs.sink import results_by_query
+
+    async def go(nc: Any) -> dict[Any, dict[str, Any]]:
+        return (await results_by_query(nc.jetstream())).get(query, {})
+
+    return with_nats(go, url)
+
+
 async def acked_publish(
     js: Any, subject: str, payload: bytes, msg_id: str, timeout: float | None = None
 ) -> bool:

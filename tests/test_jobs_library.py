@@ -26,7 +26,7 @@ from jobs.jetstream import register
 from jobs.paths import extract, json_schema
 from jobs.plans import load_function
 from jobs.running import checkpoint_run_id, start_deadletters, start_job
-from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER, results_by_query
+from jobs.sink import MSG_ID_HEADER, SOURCE_SEQ_HEADER
 from jobs.sketch_state import pane_windows
 from jobs.windows import late_count
 from runtime.errors import ConfigError, JobError
@@ -34,7 +34,7 @@ from runtime.job_specs import JobSpec, WindowSpec, decode_spec, duration_ms, int
 from runtime.json_paths import Step, parse_path
 from runtime.nats.server import NatsEndpoint
 from tests.oracles import sliding_reference
-from tests.support import NatsFactory, with_nats
+from tests.support import NatsFactory, kv_results, with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -214,15 +214,6 @@ def nats_url(nats_factory: NatsFactory) -> str:
 def sp(spark: Any) -> Any:
     register(spark)
     return spark
-
-
-def kv_results(url: str, query: str) -> dict[str | None, dict[str, Any]]:
-    """KV rows of one query, by result key (KV keys are <query>.<kv_key(key)>)."""
-
-    async def go(nc: Any) -> dict[str | None, dict[str, Any]]:
-        return (await results_by_query(nc.jetstream())).get(query, {})
-
-    return with_nats(go, url)
 
 
 def run_job(sp: Any, url: str, spec: JobSpec, ckpt: Path) -> Any:

@@ -20,7 +20,7 @@ from nats.js.api import StreamConfig as JsStream
 
 from jobs.jetstream import register
 from jobs.running import start_job
-from jobs.sink import MSG_ID_HEADER, results_by_query
+from jobs.sink import MSG_ID_HEADER
 from jobs.windows import late_count
 from runtime.config import StreamConfig, load
 from runtime.data.sql_check import SqlRefused
@@ -28,7 +28,7 @@ from runtime.data.sql_jobs import job_streams, sql_job_query
 from runtime.errors import ConfigError, JobError
 from runtime.job_specs import decode_spec, parse_job
 from runtime.nats.server import NatsEndpoint
-from tests.support import NatsFactory, with_nats
+from tests.support import NatsFactory, kv_results, with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,13 +109,6 @@ def run(sp: Any, url: str, ckpt: Path, **spec: Any) -> Any:
     return query
 
 
-def kv(url: str, name: str) -> dict[Any, dict[str, Any]]:
-    async def go(nc: Any) -> dict[Any, dict[str, Any]]:
-        return (await results_by_query(nc.jetstream())).get(name, {})
-
-    return with_nats(go, url)
-
-
 def iso(ms: int) -> str:
     import datetime as dt
 
@@ -139,7 +132,7 @@ def test_a_tumbling_window_per_auction_equals_a_recount(
         groups[(b["dateTime"] // 10_000 * 10_000, b["auction"])].append(b["price"])
     for (start, auction), prices in groups.items():
         want[f"{iso(start)}|{auction}"] = (len(prices), max(prices))
-    got = kv(nats_url, "per_auction")
+    got = kv_results(nats_url, "per_auction")
     assert {k: (v["n"], v["top"]) for k, v in got.items()} == want
     some = next(iter(got.values()))
     assert set(some["w"]) == {"start", "end"} and some["key"].startswith(some["w"]["start"])
@@ -164,7 +157,9 @@ def test_an_interval_join_of_two_streams_emits_each_matching_pair_once(
         <= b["dateTime"]
         <= by_id[b["auction"]]["dateTime"] + 10_000
     )
-    got = Counter((r["auction"], r["price"], r["seller"]) for r in kv(nats_url, "joined").values())
+    got = Counter(
+        (r["auction"], r["price"], r["seller"]) for r in kv_results(nats_url, "joined").values()
+    )
     assert sum(want.values()) > 20 and got == want
     ops = {op["operatorName"] for p in query.recentProgress for op in p["stateOperators"]}
     assert "symmetricHashJoin" in ops  # a stream-stream join, state kept on both sides
@@ -195,7 +190,7 @@ def test_a_join_then_a_window_aggregates_the_joined_rows_per_window(
             and start + 10_000 <= last - 5000
         ):
             counts[f"{iso(start)}|{a['category']}"] += 1
-    got = {k: v["n"] for k, v in kv(nats_url, "by_category").items()}
+    got = {k: v["n"] for k, v in kv_results(nats_url, "by_category").items()}
     assert counts and got == dict(counts)
 
 
@@ -210,7 +205,7 @@ def test_session_windows_close_after_their_gap(sp: Any, nats_url: str, tmp_path:
     )
     got = {
         (v["bidder"], v["s"]["start"], v["s"]["end"], v["n"])
-        for v in kv(nats_url, "sessions").values()
+        for v in kv_results(nats_url, "sessions").values()
     }
     # bursts 0-2 s, 10-11 s and 19 s; each session ends 5 s after its last bid. Bidder
     # 101's session is still open: the watermark has not passed its end
@@ -233,7 +228,7 @@ def test_events_later_than_the_watermark_are_counted_and_left_out(
         "FROM lbid GROUP BY window(dateTime, '10 seconds')",
     )
     assert late_count(query.recentProgress) == 1
-    got = {k: (v["n"], v["total"]) for k, v in kv(nats_url, "late_counted").items()}
+    got = {k: (v["n"], v["total"]) for k, v in kv_results(nats_url, "late_counted").items()}
     want: dict[str, list[float]] = defaultdict(list)
     for b in BIDS:  # the late bid is in none of them
         want[iso(b["dateTime"] // 10_000 * 10_000)].append(b["price"])
@@ -251,7 +246,9 @@ def test_a_projection_keeps_every_event_once_with_its_event_time(
         sql="SELECT auction, bidder, price * 0.908 AS euros, dateTime, _seq FROM bid "
         "WHERE price > 100",
     )
-    got = sorted((r["_seq"], r["auction"], r["dateTime"]) for r in kv(nats_url, "euros").values())
+    got = sorted(
+        (r["_seq"], r["auction"], r["dateTime"]) for r in kv_results(nats_url, "euros").values()
+    )
     want = [(i + 1, b["auction"], iso(b["dateTime"]).replace("Z", "")) for i, b in enumerate(BIDS)]
     want = [(s, a, t) for (s, a, t), b in zip(want, BIDS, strict=True) if b["price"] > 100]
     assert [(s, a) for s, a, _ in got] == [(s, a) for s, a, _ in want]
@@ -417,7 +414,7 @@ def test_a_stream_table_join_reads_each_keys_latest_value_as_of_each_batch(
     run_once()
     with_nats(lambda nc: publish(nc, {3: "second-3"}, 100, 200), nats_url)
     run_once()  # the same checkpoint: only the new bids, against the table as it is now
-    got = {int(r["price"]): r["city"] for r in kv(nats_url, "enriched").values()}
+    got = {int(r["price"]): r["city"] for r in kv_results(nats_url, "enriched").values()}
     want = {i: ("second-3" if i >= 100 and i % 5 == 3 else f"first-{i % 5}") for i in range(200)}
     assert got == want
 

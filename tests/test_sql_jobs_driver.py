@@ -13,12 +13,12 @@ import pytest
 import ray
 
 from cluster.admin import StatusMetrics
-from jobs.sink import MSG_ID_HEADER, results_by_query
+from jobs.sink import MSG_ID_HEADER
 from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
 from runtime.errors import JobError
 from runtime.waiting import wait_until
-from tests.support import NatsFactory, running_driver, with_nats
+from tests.support import NatsFactory, kv_results, running_driver, with_nats
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -68,13 +68,6 @@ async def publish(nc: Any, events: list[dict[str, Any]], tag: str) -> None:
         )
 
 
-def kv(url: str, name: str) -> dict[Any, dict[str, Any]]:
-    async def go(nc: Any) -> dict[Any, dict[str, Any]]:
-        return (await results_by_query(nc.jetstream())).get(name, {})
-
-    return with_nats(go, url)
-
-
 def test_the_driver_refuses_runs_and_explains_sql_jobs(
     ray_module: Any, cfg: Config, nats_url: str, tmp_path: Path
 ) -> None:
@@ -96,13 +89,13 @@ def test_the_driver_refuses_runs_and_explains_sql_jobs(
             assert row["state"] == "running", row
         want = Counter(e["user"] for e in EVENTS)
         wait_until(
-            lambda: {k: v["events"] for k, v in kv(nats_url, "totals").items()} == want,
+            lambda: {k: v["events"] for k, v in kv_results(nats_url, "totals").items()} == want,
             120,
             0.5,
             what="the totals job's answer",
             swallow=True,  # the results bucket is made with the first result
         )
-        totals = kv(nats_url, "totals")
+        totals = kv_results(nats_url, "totals")
         assert {k: v["total"] for k, v in totals.items()} == {
             u: sum(e["n"] for e in EVENTS if e["user"] == u) for u in want
         }
