@@ -99,7 +99,17 @@ def test_the_driver_refuses_runs_and_explains_sql_jobs(
         assert {k: v["total"] for k, v in totals.items()} == {
             u: sum(e["n"] for e in EVENTS if e["user"] == u) for u in want
         }
-        # a late event (after the watermark moved past it) is dropped and counted
+        # once the windowed job has counted every event, its watermark is past LATE's time:
+        # published now, LATE is dropped and counted
+        wait_until(
+            lambda: (
+                sum(v["events"] for v in kv_results(nats_url, "per_window").values()) == len(EVENTS)
+            ),
+            120,
+            0.5,
+            what="the windowed job's answer",
+            swallow=True,
+        )
         with_nats(lambda nc: publish(nc, [LATE], "late"), nats_url)
 
         def late() -> int:
