@@ -18,7 +18,23 @@ __all__ = ["committed"]
 def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] | None] | None:
     """(batch id, first source's end offset) of a query's last committed batch, from its
     checkpoint; None when no batch was committed yet."""
-    root = Path(checkpoint)
+    done = _last_commit(Path(checkpoint))
+    if done is None:
+        return None
+    batch, offsets = done
+    return batch, offsets[0] if offsets else None
+
+
+def committed_offsets(checkpoint: str | os.PathLike[str]) -> list[dict[str, Any] | None]:
+    """Every source's end offset of a query's last committed batch, in the order of its
+    sources ([] when none was committed)."""
+    done = _last_commit(Path(checkpoint))
+    return done[1] if done is not None else []
+
+
+def _last_commit(root: Path) -> tuple[int, list[dict[str, Any] | None]] | None:
+    """The last committed batch's id and its sources' end offsets ([] when its offsets
+    file is gone); None when no batch was committed."""
     try:
         ids = [int(p.name) for p in (root / "commits").iterdir() if p.name.isdigit()]
     except FileNotFoundError:
@@ -29,22 +45,8 @@ def committed(checkpoint: str | os.PathLike[str]) -> tuple[int, dict[str, Any] |
     try:
         lines = (root / "offsets" / str(batch)).read_text().splitlines()
     except FileNotFoundError:
-        return batch, None
-    offsets = _offsets(lines)
-    return batch, offsets[0] if offsets else None
-
-
-def committed_offsets(checkpoint: str | os.PathLike[str]) -> list[dict[str, Any] | None]:
-    """Every source's end offset of a query's last committed batch, in the order of its
-    sources ([] when none was committed)."""
-    done = committed(checkpoint)
-    if done is None:
-        return []
-    try:
-        lines = (Path(checkpoint) / "offsets" / str(done[0])).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return _offsets(lines)
+        return batch, []
+    return batch, _offsets(lines)
 
 
 def _offsets(lines: list[str]) -> list[dict[str, Any] | None]:

@@ -36,7 +36,6 @@ from jobs.event_time import source_events
 from jobs.plans import Plan
 from jobs.sql import ENVELOPE
 from jobs.topn import BatchRows
-from jobs.windows import LATE_OPERATOR
 from runtime.data.sql_check import SqlRefused
 from runtime.data.sql_jobs import SqlJobQuery, check_tables, sql_job_query
 from runtime.errors import JobError
@@ -48,9 +47,6 @@ if TYPE_CHECKING:
     from runtime.config import StreamConfig
 
 __all__ = ["SqlJobPlan", "explain", "keyed_rows", "plan_sql_job", "sql_streams", "stream_table"]
-
-
-_MODES = ("update", "append", "complete")
 
 
 @dataclass
@@ -146,12 +142,19 @@ def _as_timestamp(value: Any, form: str) -> Any:
     return F.timestamp_millis(value.cast("double").cast("long"))
 
 
-def sql_streams(spec: JobSpec, streams: Mapping[str, StreamConfig]) -> list[str]:
-    """The streams a sql job reads (JobError when its query is refused)."""
+def _checked(spec: JobSpec, streams: Mapping[str, StreamConfig]) -> SqlJobQuery:
+    """The job's query and tables checked over `streams` (JobError says why not)."""
     try:
-        return sql_job_query(spec.sql, streams).streams
+        query = sql_job_query(spec.sql, streams)
+        check_tables(spec, query)
     except SqlRefused as err:
         raise JobError(f"job {spec.name!r}: {err}") from None
+    return query
+
+
+def sql_streams(spec: JobSpec, streams: Mapping[str, StreamConfig]) -> list[str]:
+    """The streams a sql job reads (JobError when its query is refused)."""
+    return _checked(spec, streams).streams
 
 
 def plan_sql_job(
@@ -163,12 +166,7 @@ def plan_sql_job(
     """The job's query over `sources` (a streaming DataFrame per stream it names, e.g.
     jobs/running.py `read_stream`), checked, in the output mode Spark runs it in; JobError
     says why a query cannot run, and how to change it."""
-    sql_streams(spec, streams)
-    query = sql_job_query(spec.sql, streams)
-    try:
-        check_tables(spec, query)
-    except SqlRefused as err:
-        raise JobError(f"job {spec.name!r}: {err}") from None
+    query = _checked(spec, streams)
     views: dict[str, str] = {}
     times: dict[str, dict[str, str]] = {}
     tag = hashlib.sha1(spec.name.encode()).hexdigest()[:12]
@@ -199,7 +197,7 @@ def _source_order(df: DataFrame, views: Mapping[str, str]) -> tuple[str, ...]:
 def _incremental_mode(spec: JobSpec, df: DataFrame, views: Mapping[str, str]) -> str:
     """The output mode Spark runs `df` in: the job's, or append for a query Spark runs only
     in append mode; JobError with Spark's reason and the fix when none."""
-    wanted = spec.output_mode if spec.output_mode in _MODES else "update"
+    wanted = spec.output_mode
     tries = [wanted, "append"] if wanted == "update" else [wanted]
     reasons: list[str] = []
     for mode in tries:
@@ -357,7 +355,8 @@ def explain(plan: SqlJobPlan, running: Any = None) -> dict[str, Any]:
     """What `tierflow jobs explain` shows of a sql job: its query as run, the output mode,
     where its key comes from, each stream's event time and watermark, the plan (the running
     query's physical plan, else the analyzed one), and, while it runs, each stateful
-    operator's state and the current watermark."""
+    operator's state (its last batch's drops by the watermark too) and the current
+    watermark. The late events since the driver started are its late counter's."""
     q = plan.query
     columns = plan.df.columns
     out: dict[str, Any] = {
@@ -385,7 +384,4 @@ def explain(plan: SqlJobPlan, running: Any = None) -> dict[str, Any]:
             }
             for op in progress.get("stateOperators", [])
         ]
-        out["late_events"] = sum(
-            s["dropped_by_watermark"] for s in out["state"] if s["operator"] == LATE_OPERATOR
-        )
     return out
