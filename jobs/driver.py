@@ -221,6 +221,7 @@ class AnalysisDriver(SupervisedActor):
             self.checkpoint_root,
             lambda name: self._generations.checkpoint(name, self._generations.view(name)),
             [stream for stream, s in self.cfg.streams.items() if s.archive is not None],
+            self.cfg.tables,
         )
         self._thread = threading.Thread(target=self._run, name="analysis-driver", daemon=True)
         self._thread.start()
@@ -297,7 +298,10 @@ class AnalysisDriver(SupervisedActor):
         """The streams the jobs read (else every configured one), for the warm-up's read."""
         with self._wanted.lock:
             jobs = [*self._wanted.configured.values(), *self._wanted.jobs.values()]
-        return sorted({s for spec in jobs for s in job_streams(spec)}) or sorted(self.cfg.streams)
+        kv = self.cfg.tables
+        return sorted({s for spec in jobs for s in job_streams(spec, kv)}) or sorted(
+            self.cfg.streams
+        )
 
     def _reconcile(self) -> None:
         """One pass over the parts (Ray Serve's control loop over its state managers)."""
@@ -513,15 +517,16 @@ class AnalysisDriver(SupervisedActor):
         from jobs.running import sql_sources
         from jobs.sql_jobs import plan_sql_job, sql_streams
 
-        sql_streams(spec, self.cfg.streams)  # a refused query fails before any wait
+        sql_streams(spec, self.cfg.sql_tables())  # a refused query fails before any wait
         deadline = time.monotonic() + wait_s
         while self.spark is None and self.state == "starting" and time.monotonic() < deadline:
             time.sleep(0.1)
         spark = self.spark
         if spark is None:
             raise AnalysisDriverError(f"the analysis driver's Spark is {self.state}")
-        sources = sql_sources(spark, self.nats, spec, self.cfg.streams)
-        return plan_sql_job(spark, spec, self.cfg.streams, sources)
+        catalog = self.cfg.sql_tables()
+        sources = sql_sources(spark, self.nats, spec, catalog)
+        return plan_sql_job(spark, spec, catalog, sources)
 
     @on_active
     def explain(self, name: str) -> dict[str, Any]:

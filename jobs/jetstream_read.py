@@ -818,28 +818,39 @@ def payload_columns(
     return data, valid, error, raw
 
 
+# a delivery's reply subject, short and v2 forms (`_parse_reply`), as one match per value
+_REPLY_FORMS = (
+    r"^\$JS\.ACK\.[^.]+\.[^.]+\.\d+\.(?P<seq>\d+)\.\d+\.(?P<ts>\d+)\.\d+$",
+    r"^\$JS\.ACK(?:\.[^.]+){4}\.\d+\.(?P<seq>\d+)\.\d+\.(?P<ts>\d+)\.\d+(?:\.[^.]*)+$",
+)
+
+
 def _reply_columns(replies: list[bytes]) -> tuple[pa.Array, pa.Array]:
-    """(stream seq, timestamp ns) from the deliveries' reply subjects, by column."""
+    """(stream seq, timestamp ns) from the deliveries' reply subjects, by column: one
+    regular expression over the whole column (a third of the time of splitting it into
+    tokens); a column in neither form is parsed per value, which raises on a bad one."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     text = binary_column(replies).cast(pa.string())
-    tokens = pc.split_pattern(text, ".")
-    lengths = pc.min_max(pc.list_value_length(tokens))
-    low, high = lengths["min"].as_py(), lengths["max"].as_py()
-    at = (5, 7) if low == high == 9 else (7, 9) if low >= 12 else None
-    if at is not None:
+    for form in _REPLY_FORMS:
+        found = pc.extract_regex(text, form)
+        if found.null_count:
+            continue
         try:
             return (
-                pc.list_element(tokens, at[0]).cast(pa.int64()),
-                pc.list_element(tokens, at[1]).cast(pa.int64()),
+                pc.struct_field(found, "seq").cast(pa.int64()),
+                pc.struct_field(found, "ts").cast(pa.int64()),
             )
-        except pa.ArrowInvalid:
-            pass
-    parsed = [_parse_reply(r.decode("utf-8", "replace")) for r in replies]  # raises on a bad one
-    return pa.array([p[0] for p in parsed], pa.int64()), pa.array(
-        [p[1] for p in parsed], pa.int64()
-    )
+        except pa.ArrowInvalid:  # a number past int64
+            break
+    parsed = [_parse_reply(r.decode("utf-8", "replace")) for r in replies]
+    try:
+        return pa.array([p[0] for p in parsed], pa.int64()), pa.array(
+            [p[1] for p in parsed], pa.int64()
+        )
+    except OverflowError as err:
+        raise JetStreamSourceError(f"jetstream source: a delivery's sequence: {err}") from err
 
 
 def chunk_to_batch(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -144,6 +144,7 @@ class QuerySet:
         checkpoint_root: where a query's checkpoint is (by its name).
         job_checkpoint: a job's checkpoint, of its current generation (jobs/generations.py).
         archived: the streams with an archive (each gets an archive query).
+        kv_tables: the KV tables sql jobs may read (no stream, so no dead-letter scan).
     """
 
     def __init__(
@@ -152,8 +153,10 @@ class QuerySet:
         checkpoint_root: Path,
         job_checkpoint: Callable[[str], Path],
         archived: Sequence[str],
+        kv_tables: Collection[str] = (),
     ) -> None:
         self.starts, self.checkpoint_root = starts, checkpoint_root
+        self.kv_tables = frozenset(kv_tables)
         self._job_checkpoint, self.archived = job_checkpoint, list(archived)
         self.queries: dict[str, Query] = {}
 
@@ -161,14 +164,14 @@ class QuerySet:
         """One pass: keep every wanted job not `paused` running, a dead-letter scan per
         stream of a wanted job and an archive per archived stream; stop the rest. Returns
         the kept queries' failures in a row (jobs/escalation.py decides on them)."""
-        streams = {s for spec in wanted.values() for s in job_streams(spec)}
+        streams = {s for spec in wanted.values() for s in job_streams(spec, self.kv_tables)}
         every = query_triggers(wanted)
         for spec in wanted.values():
             if spec.name in paused:
                 continue
             self._ensure(
                 spec.name,
-                job_streams(spec)[0],
+                job_streams(spec, self.kv_tables)[0],
                 spec.kind,
                 lambda q, s=spec, t=every[spec.name]: self.starts.job(q, s, t),
                 self._job_checkpoint(spec.name),

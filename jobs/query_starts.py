@@ -122,7 +122,7 @@ class QueryStarts:
         if view is not None and spec.kind not in MERGEABLE:
             return self._fresh(spark, spec, view, q.count, trigger_s)
         start = view.high_water + 1 if view is not None else 0
-        plan = job_plan(spark, spec, self.nats, self.cfg.streams, start, view=view)
+        plan = job_plan(spark, spec, self.nats, self.cfg.sql_tables(), start, view=view)
         q.streams = plan.streams
         return start_job(
             spark,
@@ -148,7 +148,7 @@ class QueryStarts:
         from jobs.running import processing_time, start_plan
         from jobs.sink import ResultSink
 
-        plan = job_plan(spark, spec, self.nats, self.cfg.streams)
+        plan = job_plan(spark, spec, self.nats, self.cfg.sql_tables())
         ckpt = self.generations.checkpoint(spec.name, view)
         sink = ResultSink.for_query(self.nats, spec.name, generation=view.generation)
         return start_plan(spark, spec, plan, sink, ckpt, on_batch, processing_time(trigger_s))

@@ -24,6 +24,7 @@ from jobs.plans import Plan, build_plan
 from jobs.sink import BatchReport, DeadLetterBatch, ResultSink, check_fence
 from jobs.spark_session import POOL_PROPERTY, query_pool
 from jobs.topn import BatchRows
+from runtime.config import KvTableConfig
 from runtime.job_specs import JobSpec, check_spec, deadletter_query_name
 from runtime.nats.server import NatsEndpoint
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming import StreamingQuery
 
     from runtime.config import StreamConfig
+
+    Catalog = Mapping[str, StreamConfig | KvTableConfig]
 
 
 DEADLETTER_TRIGGER_S = 5.0
@@ -106,11 +109,21 @@ def read_stream(
     return reader.load()
 
 
-def read_table(spark: SparkSession, nats: NatsEndpoint, stream: str) -> DataFrame:
+def read_table(
+    spark: SparkSession, nats: NatsEndpoint, stream: str, subject: str = ""
+) -> DataFrame:
     """The jetstream source over `stream` in batch: what it retains, read again whenever a
     plan that holds it runs (a stream-static join's every micro-batch)."""
     reader = spark.read.format("jetstream").options(**nats.to_options())
+    if subject:
+        reader = reader.option("subject", subject)
     return reader.option("stream", stream).option("onAgedOut", "skip").load()
+
+
+def read_kv(spark: SparkSession, nats: NatsEndpoint, table: KvTableConfig) -> DataFrame:
+    """A KV bucket's stream in batch, its keys under the table's prefix alone."""
+    under = f"{table.prefix}.>" if table.prefix else ">"
+    return read_table(spark, nats, f"KV_{table.bucket}", f"$KV.{table.bucket}.{under}")
 
 
 @contextlib.contextmanager
@@ -189,7 +202,7 @@ def start_job(
     on_batch: Callable[[int, BatchReport], None] | None = None,
     view: BatchView | None = None,
     trigger_s: float | None = None,
-    streams: Mapping[str, StreamConfig] | None = None,
+    streams: Catalog | None = None,
     plan: Plan | None = None,
 ) -> StreamingQuery:
     """Start the job's query (named after the job) with its checkpoint at root/<name>.
@@ -219,7 +232,7 @@ def job_plan(
     spark: SparkSession,
     spec: JobSpec,
     nats: NatsEndpoint,
-    streams: Mapping[str, StreamConfig] | None = None,
+    streams: Catalog | None = None,
     start: int = 0,
     source: DataFrame | Mapping[str, DataFrame] | None = None,
     view: BatchView | None = None,
@@ -244,7 +257,7 @@ def sql_sources(
     spark: SparkSession,
     nats: NatsEndpoint,
     spec: JobSpec,
-    streams: Mapping[str, StreamConfig],
+    streams: Catalog,
     start: int = 0,
     given: Mapping[str, DataFrame] | None = None,
 ) -> dict[str, DataFrame]:
@@ -254,9 +267,12 @@ def sql_sources(
 
     sources = dict(given or {})
     for stream in sql_streams(spec, streams):
+        cfg = streams[stream]
         if stream in sources:
             continue
-        if stream in spec.tables:  # read whole at every micro-batch (jobs/sql_jobs.py)
+        if isinstance(cfg, KvTableConfig):
+            sources[stream] = read_kv(spark, nats, cfg)
+        elif stream in spec.tables:  # read whole at every micro-batch (jobs/sql_jobs.py)
             sources[stream] = read_table(spark, nats, stream)
         else:
             sources[stream] = read_stream(

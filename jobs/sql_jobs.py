@@ -44,7 +44,7 @@ from runtime.job_specs import JobSpec, interval
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from runtime.config import StreamConfig
+    from runtime.config import KvTableConfig, StreamConfig
 
 __all__ = ["SqlJobPlan", "explain", "keyed_rows", "plan_sql_job", "sql_streams", "stream_table"]
 
@@ -132,6 +132,39 @@ def stream_table(
     return table, {"event_time": time_col, "watermark": interval(delay) if delay else ""}
 
 
+def kv_table(source: DataFrame, name: str, cfg: KvTableConfig) -> tuple[DataFrame, dict[str, str]]:
+    """A KV bucket read whole (`jobs.running.read_kv`) as the query's table `name`: the
+    latest value of every key, with ``key`` (its `prefix` cut off), the value's fields by
+    `cfg.schema`, ``_seq`` and ``_ts``. A key whose latest entry is a delete or a purge
+    (an empty value, so not JSON) is not in it, nor is one whose latest value is malformed:
+    an older value must not come back in its place."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType, _parse_datatype_string
+    from pyspark.sql.window import Window
+
+    schema = _parse_datatype_string(cfg.schema)
+    if not isinstance(schema, StructType):
+        raise JobError(f"tables.{name}.schema: expected fields, got {cfg.schema!r}")
+    clash = {"key", "_seq", "_ts"} & {f.name for f in schema.fields}
+    if clash:
+        raise JobError(f"tables.{name}.schema: {sorted(clash)} name the table's own columns")
+    head = len(f"$KV.{cfg.bucket}.") + (len(cfg.prefix) + 1 if cfg.prefix else 0)
+    newest = Window.partitionBy("subject").orderBy(F.col("seq").desc())
+    latest = (
+        source.withColumn("_tf_rank", F.row_number().over(newest))
+        .where((F.col("_tf_rank") == 1) & F.col("valid"))
+        .select(
+            F.expr(f"substring(subject, {head + 1})").alias("key"),
+            F.col("seq").alias("_seq"),
+            F.col("ts").alias("_ts"),
+            F.from_json("data", schema).alias("_v"),
+        )
+    )
+    fields = [F.col("_v").getField(f.name).alias(f.name) for f in schema.fields]
+    table = latest.select("key", *fields, "_seq", "_ts")
+    return table, {"event_time": "", "watermark": "", "table": f"KV bucket {cfg.bucket}"}
+
+
 def _as_timestamp(value: Any, form: str) -> Any:
     from pyspark.sql import functions as F
 
@@ -142,25 +175,32 @@ def _as_timestamp(value: Any, form: str) -> Any:
     return F.timestamp_millis(value.cast("double").cast("long"))
 
 
-def _checked(spec: JobSpec, streams: Mapping[str, StreamConfig]) -> SqlJobQuery:
+def kv_names(streams: Mapping[str, Any]) -> set[str]:
+    """The names in a sql catalog (`Config.sql_tables`) that are KV tables."""
+    from runtime.config import KvTableConfig
+
+    return {name for name, cfg in streams.items() if isinstance(cfg, KvTableConfig)}
+
+
+def _checked(spec: JobSpec, streams: Mapping[str, StreamConfig | KvTableConfig]) -> SqlJobQuery:
     """The job's query and tables checked over `streams` (JobError says why not)."""
     try:
         query = sql_job_query(spec.sql, streams)
-        check_tables(spec, query)
+        check_tables(spec, query, kv_names(streams))
     except SqlRefused as err:
         raise JobError(f"job {spec.name!r}: {err}") from None
     return query
 
 
-def sql_streams(spec: JobSpec, streams: Mapping[str, StreamConfig]) -> list[str]:
-    """The streams a sql job reads (JobError when its query is refused)."""
+def sql_streams(spec: JobSpec, streams: Mapping[str, StreamConfig | KvTableConfig]) -> list[str]:
+    """The streams and KV tables a sql job reads (JobError when its query is refused)."""
     return _checked(spec, streams).streams
 
 
 def plan_sql_job(
     spark: SparkSession,
     spec: JobSpec,
-    streams: Mapping[str, StreamConfig],
+    streams: Mapping[str, StreamConfig | KvTableConfig],
     sources: Mapping[str, DataFrame],
 ) -> SqlJobPlan:
     """The job's query over `sources` (a streaming DataFrame per stream it names, e.g.
@@ -170,10 +210,19 @@ def plan_sql_job(
     views: dict[str, str] = {}
     times: dict[str, dict[str, str]] = {}
     tag = hashlib.sha1(spec.name.encode()).hexdigest()[:12]
+    kv = kv_names(streams)
     for i, stream in enumerate(query.streams):
-        table, times[stream] = stream_table(
-            sources[stream], stream, streams[stream], spec.watermark, query.stateful
-        )
+        cfg = streams[stream]
+        if stream in kv:
+            table, times[stream] = kv_table(sources[stream], stream, cfg)  # type: ignore[arg-type]
+        else:
+            table, times[stream] = stream_table(
+                sources[stream],
+                stream,
+                cfg,
+                spec.watermark,
+                query.stateful,  # type: ignore[arg-type]
+            )
         views[stream] = f"tf_sqljob_{tag}_{i}"
         table.createOrReplaceTempView(views[stream])
     try:
@@ -181,7 +230,8 @@ def plan_sql_job(
     except Exception as err:
         raise JobError(f"job {spec.name!r}: {_spark_words(err, views)}") from None
     mode = _incremental_mode(spec, df, views)
-    order = _source_order(df, {s: v for s, v in views.items() if s not in spec.tables})
+    streaming = {s: v for s, v in views.items() if s not in spec.tables and s not in kv}
+    order = _source_order(df, streaming)
     plan = Plan(df, mode, batches=lambda _c: keyed_rows(query, df.columns), streams=order)
     return SqlJobPlan(plan, mode, query, times)
 

@@ -237,6 +237,17 @@ class StreamConfig(_Strict):
     watermark: str = ""
 
 
+class KvTableConfig(_Strict):
+    """A NATS KV bucket that sql jobs read as a table: the latest value of every key, read
+    again at each micro-batch (the book's enrichment: a stream joined to reference data,
+    or to another job's results in the ``results`` bucket under its name)."""
+
+    bucket: str
+    # the values' JSON fields as a Spark DDL; the table also has `key` (without `prefix`)
+    schema: str
+    prefix: str = ""  # only the keys under `<prefix>.`, e.g. a job's name in `results`
+
+
 class LoggingConfig(_Strict):
     """Message logging (book ch. 2): HML by default."""
 
@@ -398,6 +409,8 @@ class Config(_Strict):
     spark: SparkConfig = msgspec.field(default_factory=SparkConfig)
     roles: RolesConfig = msgspec.field(default_factory=RolesConfig)
     streams: dict[str, StreamConfig] = {}
+    # KV buckets sql jobs join as tables, by the name their queries use
+    tables: dict[str, KvTableConfig] = {}
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
@@ -406,6 +419,10 @@ class Config(_Strict):
     browsers: BrowsersConfig = msgspec.field(default_factory=BrowsersConfig)
     # Analysis jobs by spec (runtime/job_specs.py JobSpec), checked as the file loads
     jobs: list[dict[str, Any]] = []
+
+    def sql_tables(self) -> dict[str, StreamConfig | KvTableConfig]:
+        """What a sql job's query may name: every stream, and every KV table."""
+        return {**self.streams, **self.tables}
 
     @property
     def state_path(self) -> Path:
@@ -656,8 +673,8 @@ def _check_jobs(cfg: Config) -> None:
 def _check_sql_job(cfg: Config, spec: JobSpec, key: str) -> None:
     """A sql job's query is one the driver would run, over streams that declare a schema."""
     try:
-        query = sql_job_query(spec.sql, cfg.streams)
-        check_tables(spec, query)
+        query = sql_job_query(spec.sql, cfg.sql_tables())
+        check_tables(spec, query, cfg.tables)
     except SqlRefused as err:
         raise ConfigError(f"{key}.sql: {err}") from None
     for table in spec.tables:
@@ -667,11 +684,35 @@ def _check_sql_job(cfg: Config, spec: JobSpec, key: str) -> None:
                 f"key: give it [streams.{table}.compact] key"
             )
     for stream in query.streams:
-        if not cfg.streams[stream].schema:
+        if stream in cfg.streams and not cfg.streams[stream].schema:
             raise ConfigError(
                 f"{key}.sql: stream {stream!r} needs [streams.{stream}] schema (a Spark DDL "
                 "such as 'id BIGINT, price DOUBLE'): a continuous query's columns are fixed "
                 "when it first starts"
+            )
+
+
+_BUCKET = re.compile(r"[A-Za-z0-9_-]+")
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9_=/-]+(\.[A-Za-z0-9_=/-]+)*")
+_SQL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_kv_tables(cfg: Config) -> None:
+    for name, table in cfg.tables.items():
+        where = f"tables.{name}"
+        if not _SQL_NAME.fullmatch(name):
+            raise ConfigError(f"{where}: a table's name is a SQL name ([A-Za-z_][A-Za-z0-9_]*)")
+        if name in cfg.streams:
+            raise ConfigError(f"{where}: {name!r} is also a stream; a query names one of them")
+        if not _BUCKET.fullmatch(table.bucket):
+            raise ConfigError(f"{where}.bucket: {table.bucket!r} is not a KV bucket name")
+        if table.prefix and not _KEY_PREFIX.fullmatch(table.prefix):
+            raise ConfigError(
+                f"{where}.prefix: {table.prefix!r} is not a key prefix (tokens joined by '.')"
+            )
+        if not table.schema.strip():
+            raise ConfigError(
+                f"{where}.schema: the values' JSON fields as a Spark DDL ('name STRING, n INT')"
             )
 
 
@@ -703,6 +744,7 @@ def _check_cross_keys(cfg: Config) -> None:
             raise ConfigError(f"gateway.filters.{name}: {err}") from None
     _check_browser_lists(cfg.browsers)
     _check_event_times(cfg)
+    _check_kv_tables(cfg)
     _check_jobs(cfg)
     extra = cfg.logging.extra_replicas
     if extra != "auto" and extra > cfg.roles.logger.k:

@@ -117,3 +117,9 @@ def test_the_nexmark_goals_name_the_worst_query_and_any_answer_that_differs() ->
     assert rows["answers vs the DuckDB oracle, 1,000 events"][1] == "1 of 2 equal"
     text = "\n".join(nexmark_section(report))
     assert "**differ**" in text and "Not run: q4" in text and "q7 at 10,000 events/s" in text
+    assert "CPU per event" not in text  # no run measured its CPU
+    report["queries"]["q0"]["jetstream"]["cpu_us_per_event"] = {"jvm": 6.5, "workers": 4.25}
+    report["queries"]["q0"]["jetstream"]["busy_cores"] = 1.9
+    lines = nexmark_section(report)
+    (cpu,) = [line for line in lines if line.startswith("| q0 | jetstream |")]
+    assert cpu == "| q0 | jetstream | 6.5 | 4.2 | - | - | 10.8 | 1.9 |"

@@ -253,6 +253,23 @@ def test_each_wanted_job_runs_with_a_scan_per_stream_and_an_archive_per_archived
     assert set(queries.queries) == set(failing) == kept
 
 
+def test_a_sql_job_gets_a_scan_per_stream_it_reads_but_none_for_its_kv_table(
+    tmp_path: Path,
+) -> None:
+    starts = FakeStarts()
+    queries = QuerySet(starts, tmp_path, lambda name: tmp_path / name, [], kv_tables=["prices"])
+    job = decode_spec(
+        {
+            "name": "priced",
+            "kind": "sql",
+            "sql": "SELECT o.id, p.price FROM orders o JOIN prices p ON p.key = o.item",
+        }
+    )
+    queries.reconcile({"priced": job}, set())
+    assert sorted(starts.started) == sorted(["priced", deadletter_query_name("orders")])
+    assert queries.queries["priced"].stream == "orders"
+
+
 def test_a_query_that_died_is_restarted_after_its_backoff_and_a_failed_start_counts(
     tmp_path: Path,
 ) -> None:

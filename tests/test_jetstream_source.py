@@ -26,7 +26,7 @@ from jobs.jetstream_options import (
     split_range,
     starting_sequence,
 )
-from jobs.jetstream_read import _parse_reply, check_payload, read_range
+from jobs.jetstream_read import _parse_reply, _reply_columns, check_payload, read_range
 from runtime.nats.server import NatsEndpoint
 from tests.support import NatsFactory, with_nats
 
@@ -112,6 +112,22 @@ def test_split_range_and_reply_parsing() -> None:
     assert _parse_reply(v2) == (42, 1795301006886081543, 0)
     with pytest.raises(JetStreamSourceError):
         _parse_reply("_INBOX.abc")
+
+
+@pytest.mark.unit
+def test_reply_columns_read_both_forms_by_column_and_refuse_a_bad_subject() -> None:
+    short = [f"$JS.ACK.ev.cons.1.{s}.{s}.17953010068860815{s:02d}.7".encode() for s in (1, 2, 9)]
+    v2 = [f"$JS.ACK.hub.ACCHASH.ev.cons.1.{s}.3.1795.0.tok".encode() for s in (4, 5)]
+    for replies in (short, v2, short + v2):
+        seq, ts = _reply_columns(replies)
+        want = [_parse_reply(r.decode()) for r in replies]
+        assert seq.to_pylist() == [w[0] for w in want]
+        assert ts.to_pylist() == [w[1] for w in want]
+    with pytest.raises(JetStreamSourceError):
+        _reply_columns([*short, b"$JS.ACK.ev.cons.1.x.2.3.4"])
+    too_big = b"$JS.ACK.ev.cons.1.99999999999999999999.1.2.3"
+    with pytest.raises(JetStreamSourceError):
+        _reply_columns([too_big])
 
 
 @pytest.mark.unit

@@ -429,3 +429,129 @@ def test_a_table_must_be_a_compacted_stream_the_query_reads() -> None:
         check_tables(spec, sql_job_query(spec.sql, ["bid", "p"]))
     with pytest.raises(JobError, match="for kind sql"):
         decode_spec({"name": "x", "kind": "count", "stream": "s", "by": ["a"], "tables": ["p"]})
+
+
+def test_a_kv_table_join_reads_each_keys_latest_value_and_forgets_deleted_keys(
+    sp: Any, nats_url: str, tmp_path: Path
+) -> None:
+    """A KV bucket joined as a table: the latest value per key under the table's prefix, as
+    of each micro-batch; a deleted key is gone, never back at an older value (the bucket
+    keeps 5 values per key)."""
+    from nats.js.api import KeyValueConfig
+
+    from runtime.config import KvTableConfig
+
+    catalog = {
+        "kbid": StreamConfig(subjects=["raw.kbid"], schema=SCHEMAS["bid"]),
+        "people": KvTableConfig(bucket="people", prefix="person", schema="city STRING"),
+    }
+    bids = [
+        {"auction": 0, "bidder": i % 5, "price": float(i), "dateTime": T0 + i} for i in range(200)
+    ]
+
+    async def publish(nc: Any, first: int, last: int) -> None:
+        js = nc.jetstream()
+        for i in range(first, last):
+            body = json.dumps(bids[i]).encode()
+            await js.publish("raw.kbid", body, headers={MSG_ID_HEADER: f"k{i}"})
+
+    async def setup(nc: Any) -> None:
+        js = nc.jetstream()
+        await js.add_stream(JsStream(name="kbid", subjects=["raw.kbid"]))
+        kv = await js.create_key_value(KeyValueConfig(bucket="people", history=5))
+        for p in range(5):
+            await kv.put(f"person.{p}", json.dumps({"city": f"old-{p}"}).encode())
+            await kv.put(f"person.{p}", json.dumps({"city": f"first-{p}"}).encode())
+        await kv.put("other.3", json.dumps({"city": "not-a-person"}).encode())
+        await publish(nc, 0, 100)
+
+    async def change(nc: Any) -> None:
+        kv = await nc.jetstream().key_value("people")
+        await kv.put("person.3", json.dumps({"city": "second-3"}).encode())
+        await kv.delete("person.4")
+        await kv.put("person.2", b"not json")  # the latest value is malformed: no row
+        await publish(nc, 100, 200)
+
+    with_nats(setup, nats_url)
+    spec = decode_spec(
+        {
+            "name": "kvenriched",
+            "kind": "sql",
+            "sql": "SELECT b.price, p.key AS who, p.city FROM kbid b "
+            "JOIN people p ON p.key = CAST(b.bidder AS STRING)",
+            "max_events_per_trigger": 50,
+        }
+    )
+    assert job_streams(spec, {"people"}) == ["kbid"]
+
+    def run_once() -> None:
+        query = start_job(
+            sp,
+            spec,
+            NatsEndpoint(nats_url),
+            tmp_path,
+            trigger={"availableNow": True},
+            streams=catalog,
+        )
+        assert query.awaitTermination(240) and query.exception() is None
+
+    run_once()
+    with_nats(change, nats_url)
+    run_once()  # the same checkpoint: only the new bids, against the bucket as it is now
+    got = {
+        int(r["price"]): (r["who"], r["city"]) for r in kv_results(nats_url, "kvenriched").values()
+    }
+    want = {i: (str(i % 5), f"first-{i % 5}") for i in range(100)}
+    for i in range(100, 200):
+        if i % 5 == 3:
+            want[i] = ("3", "second-3")
+        elif i % 5 in (0, 1):
+            want[i] = (str(i % 5), f"first-{i % 5}")
+    assert got == want
+    # another job's results as a table: the `results` bucket under that job's name
+    catalog["done"] = KvTableConfig(
+        bucket="results", prefix="kvenriched", schema="price DOUBLE, who STRING, city STRING"
+    )
+    spec = decode_spec(
+        {
+            "name": "rejoined",
+            "kind": "sql",
+            "sql": "SELECT b.price, d.city FROM kbid b JOIN done d ON d.price = b.price",
+        }
+    )
+    run_once()
+    rejoined = kv_results(nats_url, "rejoined").values()
+    assert {int(r["price"]): r["city"] for r in rejoined} == {i: c for i, (_w, c) in want.items()}
+
+
+def test_a_config_checks_kv_tables_and_sql_jobs_over_them(tmp_path: Path) -> None:
+    def cfg(kv: dict[str, Any], sql: str = "SELECT b.t FROM bid b", **job: Any) -> Any:
+        return load(
+            environ={},
+            overrides={
+                "state_dir": str(tmp_path),
+                "streams": {"bid": {"subjects": ["raw.bid"], "schema": "t BIGINT, k STRING"}},
+                "tables": kv,
+                "jobs": [{"name": "j", "kind": "sql", "sql": sql, **job}],
+            },
+        )
+
+    good = {"bucket": "prices", "prefix": "item", "schema": "price DOUBLE"}
+    join = "SELECT b.t, p.price FROM bid b JOIN prices p ON p.key = b.k"
+    ok = cfg({"prices": good}, join)
+    assert ok.tables["prices"].bucket == "prices"
+    assert {"bid", "prices"} <= set(ok.sql_tables()) and "prices" not in ok.streams
+    for kv, words in (
+        ({"bid": good}, "also a stream"),
+        ({"prices": {**good, "bucket": "a.b"}}, "not a KV bucket name"),
+        ({"prices": {**good, "prefix": "item..x"}}, "not a key prefix"),
+        ({"prices": {**good, "schema": " "}}, "Spark DDL"),
+        ({"prices": {"bucket": "prices"}}, "schema"),
+        ({"my-table": good}, "SQL name"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            cfg(kv, join)
+    with pytest.raises(ConfigError, match="KV tables, always read as tables"):
+        cfg({"prices": good}, join, tables=["prices"])
+    with pytest.raises(ConfigError, match="at least one stream as a stream"):
+        cfg({"prices": good}, "SELECT key, price FROM prices")

@@ -83,18 +83,24 @@ def sql_job_streams(sql: str) -> list[str]:
     return sorted({t.name for t in root.find_all(exp.Table) if t.name.lower() not in ctes})
 
 
-def check_tables(spec: JobSpec, query: SqlJobQuery) -> None:
-    """A sql job's `tables` are streams its query reads, and not all of them."""
+def check_tables(spec: JobSpec, query: SqlJobQuery, kv: Collection[str] = ()) -> None:
+    """A sql job's `tables` are streams its query reads, and not all of them (`kv`: the
+    KV tables, which a query reads as tables whatever `tables` says)."""
     unread = sorted(set(spec.tables) - set(query.streams))
     if unread:
         raise SqlRefused(f"tables {unread} are not read by the query (it reads {query.streams})")
-    if set(query.streams) <= set(spec.tables):
+    kv_named = sorted(set(spec.tables) & set(kv))
+    if kv_named:
+        raise SqlRefused(f"tables {kv_named} are KV tables, always read as tables: drop them")
+    if set(query.streams) <= set(spec.tables) | set(kv):
         raise SqlRefused("a sql job reads at least one stream as a stream, not only tables")
 
 
-def job_streams(spec: JobSpec) -> list[str]:
-    """The streams a job reads: a sql job's tables, else its one stream."""
-    return sql_job_streams(spec.sql) if spec.kind == "sql" else [spec.stream]
+def job_streams(spec: JobSpec, kv: Collection[str] = ()) -> list[str]:
+    """The streams a job reads: a sql job's, but its KV tables (`kv`), else its one stream."""
+    if spec.kind != "sql":
+        return [spec.stream]
+    return [s for s in sql_job_streams(spec.sql) if s not in kv]
 
 
 @lru_cache(maxsize=256)

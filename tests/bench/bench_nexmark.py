@@ -58,7 +58,7 @@ from runtime.engines.services import spark_session
 from runtime.job_specs import decode_spec
 from runtime.nats.publisher import JetStreamPublisher, Outgoing
 from runtime.nats.server import NatsEndpoint, NatsServer, connect
-from tests.bench.common import quantile, write_report
+from tests.bench.common import CpuMeter, quantile, write_report
 from tests.nexmark_oracle import FLUSH_GAP_MS, Oracle, load_events, spark_rows
 
 # `make bench` runs 200,000; `make bench-nexmark` the full 1,000,000
@@ -182,6 +182,36 @@ def noop_run(spark: Any, spec: Any, sources: dict[str, Any], ckpt: Path) -> dict
     return rate(finish(query))
 
 
+class Cores:
+    """Where a run's CPU went, per event read: Spark's JVM, its Python workers (the
+    jetstream source), nats-server, and this process (the exactly-once sink's batches)."""
+
+    def __init__(self, spark: Any, nats_pid: int) -> None:
+        jvm = spark.sparkContext._jvm
+        self.jvm = int(jvm.java.lang.ProcessHandle.current().pid())
+        self.nats = nats_pid
+
+    def run(self, go: Any) -> dict[str, Any]:
+        meter = CpuMeter(
+            {"jvm": self.jvm, "nats": self.nats, "driver": os.getpid()}, {"workers": self.jvm}
+        )
+        out = go()
+        cpu = meter.stop()
+        events = max(1, out["events"])
+        out["cpu_us_per_event"] = {
+            k: round(v * 1e6 / events, 1) for k, v in cpu.items() if k != "seconds"
+        }
+        out["busy_cores"] = round(
+            sum(v for k, v in cpu.items() if k != "seconds") / max(1e-9, cpu["seconds"]), 2
+        )
+        return out
+
+
+def cpu_line(label: str, run: dict[str, Any]) -> str:
+    parts = ", ".join(f"{k} {v}" for k, v in run["cpu_us_per_event"].items())
+    return f"{label} CPU us/event: {parts} ({run['busy_cores']} cores busy)"
+
+
 def kv_rows(url: str, query: str) -> list[dict[str, Any]]:
     """The query's live KV values, read from the bucket's stream (which keeps the latest
     value per key): a million keys read in one pass, not a request per key."""
@@ -234,6 +264,7 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
             f"stored in {publish_s:.0f} s"
         )
         warm_up(spark, nats, files, tmp_path)
+        cores = Cores(spark, server.pid or 0)
         for q in queries:
             spec = decode_spec(
                 {
@@ -248,17 +279,25 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
             }
             file_sources = {s: _file_source(spark, files[s]) for s in STREAMS}
             row: dict[str, Any] = {}
-            row["jetstream"] = noop_run(spark, spec, js_sources, tmp_path / f"{q}-js")
-            row["files"] = noop_run(spark, spec, file_sources, tmp_path / f"{q}-files")
-            sink_query = start_job(
-                spark,
-                spec,
-                nats,
-                tmp_path / "sink",
-                trigger={"availableNow": True},
-                streams=STREAMS,
+            row["jetstream"] = cores.run(
+                lambda: noop_run(spark, spec, js_sources, tmp_path / f"{q}-js")  # noqa: B023
             )
-            row["exactly_once"] = rate(finish(sink_query))
+            row["files"] = cores.run(
+                lambda: noop_run(spark, spec, file_sources, tmp_path / f"{q}-files")  # noqa: B023
+            )
+
+            def exactly_once() -> dict[str, Any]:
+                sink_query = start_job(
+                    spark,
+                    spec,  # noqa: B023
+                    nats,
+                    tmp_path / "sink",
+                    trigger={"availableNow": True},
+                    streams=STREAMS,
+                )
+                return rate(finish(sink_query))
+
+            row["exactly_once"] = cores.run(exactly_once)
             got = spark_rows(q, kv_rows(server.url, q), flush_from)
             want = oracle.rows(q)
             missing, extra = want - got, got - want
@@ -281,6 +320,8 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
                 f"  per core {row['per_core']:>8,} (Flink {row['flink_per_core'] or '-'})  "
                 f"rows {row['rows']:,} equal"
             )
+            for label in ("jetstream", "files", "exactly_once"):
+                print(f"      {cpu_line(label, row[label])}")
         latency = {q: measure_latency(spark, server.url, q, tmp_path) for q in ("q5", "q7")}
     spark.stop()
     write_report(

@@ -251,6 +251,69 @@ def print_profile(title: str, profiles: Mapping[str, Any], top: int = 4) -> None
         print(f"  {'':<{len(label)}}  leaves: {leaf}")
 
 
+# --------------------------------------------------------------------------- CPU by process
+
+
+def _cpu_s(pid: int, children: bool) -> float:
+    """CPU seconds `pid` used (with its reaped children's when `children`); 0 when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (from /proc's parent links)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat[1])
+    out, todo = [], [pid]
+    while todo:  # bounded: each pid is visited once
+        here = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == here and p not in out]
+        out.extend(kids)
+        todo.extend(kids)
+    return out
+
+
+class CpuMeter:
+    """CPU seconds per group of processes over a span: where a run's cores went. A group
+    is its root pids alone (`roots`) or with every process under them (`trees`), counting
+    the children they reaped in the span (a Python worker that exited)."""
+
+    def __init__(self, roots: Mapping[str, int], trees: Mapping[str, int] | None = None) -> None:
+        self.roots, self.trees = dict(roots), dict(trees or {})
+        self.began = time.perf_counter()
+        self.start = self._sample()
+
+    def _sample(self) -> dict[str, dict[int, float]]:
+        out = {label: {pid: _cpu_s(pid, False)} for label, pid in self.roots.items()}
+        for label, root in self.trees.items():
+            out[label] = {pid: _cpu_s(pid, True) for pid in descendants(root)}
+        return out
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds per group since the start, and the span's wall `seconds`."""
+        end = self._sample()
+        out = {
+            label: round(
+                sum(max(0.0, v - self.start[label].get(pid, 0.0)) for pid, v in pids.items()), 2
+            )
+            for label, pids in end.items()
+        }
+        out["seconds"] = round(time.perf_counter() - self.began, 2)
+        return out
+
+
 # --------------------------------------------------------------------------- start-ups
 
 # A restarted actor's process, phase by phase: the first frame (outermost first) that

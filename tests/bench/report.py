@@ -797,6 +797,7 @@ def nexmark_section(d: dict[str, Any]) -> list[str]:
         "rows vs DuckDB",
     ]
     lines += table(head, rows)
+    lines += nexmark_cpu(queries)
     lat = d.get("latency") or {}
     if lat:
         lines += [""]
@@ -814,6 +815,46 @@ def nexmark_section(d: dict[str, Any]) -> list[str]:
             + " (docs/sql-jobs.md says why).",
         ]
     return lines
+
+
+CPU_GROUPS = ("jvm", "workers", "nats", "driver")
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def nexmark_cpu(queries: Mapping[str, Any]) -> list[str]:
+    """Where each run's CPU went, in microseconds per event read (tests/bench/common.py
+    `CpuMeter`): the profile that explains a query's gap to the files run and to Flink."""
+    rows = []
+    for name, q in queries.items():
+        for run in ("jetstream", "files", "exactly_once"):
+            cpu = q[run].get("cpu_us_per_event")
+            if not cpu:
+                continue
+            rows.append(
+                [
+                    name,
+                    run.replace("_", "-"),
+                    *(_us(cpu.get(g)) for g in CPU_GROUPS),
+                    _us(sum(cpu.get(g) or 0 for g in CPU_GROUPS)),
+                    _us(q[run].get("busy_cores")),
+                ]
+            )
+    if not rows:
+        return []
+    head = [
+        "query",
+        "run",
+        "Spark JVM",
+        "Python workers",
+        "nats-server",
+        "driver",
+        "total",
+        "cores busy",
+    ]
+    return ["", "CPU per event read, in microseconds, by process:", "", *table(head, rows)]
 
 
 def nexmark_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
