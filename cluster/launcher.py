@@ -23,6 +23,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cluster.admin import serve
+from cluster.console.feed import StatusFeed
 from cluster.demo.meetup import STREAM, meetup_jobs
 from cluster.deploy.analysis import start_driver, stop_driver
 from cluster.deploy.deployer import deploy
@@ -77,6 +78,9 @@ class Runtime:
         self._geo_stop = asyncio.Event()
         self._geo_task: asyncio.Task[None] | None = None
         self._rates: dict[str, dict[str, float]] = {}
+        self.feed: StatusFeed | None = None
+        self._feed_stop = asyncio.Event()
+        self._feed_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -104,6 +108,11 @@ class Runtime:
             ssl_context=server_ssl_context(self.cfg),
         )
         self.admin_url = f"{http_scheme(self.cfg)}://{self.cfg.admin.host}:{port}"
+        # the operations console's view, for the gateways (cluster/console/feed.py)
+        self.feed = StatusFeed(self.nc, self.status, self.cfg.streams)
+        self._feed_task = asyncio.create_task(
+            self.feed.run(self._feed_stop), name="tierflow-console-feed"
+        )
 
     async def _start_geo_watch(self) -> None:
         """This site's stream copies kicked off nats-server's source retry backoff once a
@@ -197,6 +206,11 @@ class Runtime:
     async def stop(self) -> None:
         self._auto_stop.set()
         self._geo_stop.set()
+        self._feed_stop.set()
+        if self._feed_task is not None:  # a round in progress is bounded by its probes
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._feed_task, 30)
+            self._feed_task = None
         if self._geo_task is not None:  # a look in progress ends within its 2-s bound
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._geo_task, 10)
@@ -365,6 +379,7 @@ class Runtime:
             "pid": st.get("pid"),
             "took_over": st.get("took_over"),
             "queries": queries,
+            "dead_letters": st.get("dead_letters") or {},
         }
 
     async def _logger_status(self) -> list[dict[str, Any]]:

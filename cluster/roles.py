@@ -22,8 +22,9 @@ LOAD_FIELD = {
 # Counters turned into rates between two snapshots.
 RATE_FIELDS = {
     "collector": ("accepted", "rejected", "overloaded"),
+    "logger": ("logged",),
     "bridge": ("published", "replayed", "failed"),
-    "gateway": ("events_sent",),
+    "gateway": ("events_sent", "lag_warnings", "dropped"),
 }
 
 

@@ -378,11 +378,26 @@ def gateway_options(data: Mapping[str, Any]) -> GatewayOptions:
         raise _explain(err, "gateway.options", "") from None
 
 
+# the gateway's own first path segments, which no view may take
+_RESERVED_PATHS = frozenset({"v1", "static", "healthz", "streaming", "metrics"})
+
+
 class GatewayConfig(_Strict):
     """Static named filters (name -> SQL) and gateway tuning (see actors/access/gateway.py)."""
 
     filters: dict[str, str] = {}
     options: GatewayOptions = msgspec.field(default_factory=GatewayOptions)
+    # pages served beside the console: name -> a directory of static files (index.html,
+    # its scripts and styles), at /<name>/; the Meetup demo's is `cluster/demo/view`
+    views: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        for name in self.views:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name) or name in _RESERVED_PATHS:
+                raise ValueError(
+                    f"views: {name!r} is not a view name (lower-case letters, digits, _ and -; "
+                    f"not one of {sorted(_RESERVED_PATHS)})"
+                )
 
 
 class BrowsersConfig(_Strict):

@@ -323,3 +323,17 @@ def start_on_free_port(
             ray.kill(handle, no_restart=True)
             wait_gone(namespace, [name])
     raise PortTakenError(f"{name}: chosen ports {tried} were all taken", tried[-1])
+
+
+# Debian's Chromium, driven by Playwright (never `playwright install`)
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]

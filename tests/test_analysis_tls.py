@@ -113,3 +113,78 @@ def test_a_recompute_reads_and_serves_under_mutual_tls(
             await nc.close()
 
     assert {k: v["count"] for k, v in asyncio.run(kv()).items()} == {"A": 3, "B": 3}
+
+
+def test_a_sql_job_joins_a_kv_table_as_the_analysis_user_under_mutual_tls(
+    nats_factory: NatsFactory, tmp_path: Path, spark: Any
+) -> None:
+    """A sql job over a stream and a KV table, with role users and client certificates on:
+    the analysis user's permissions let the source read the bucket's stream, and the job's
+    rows land in its results."""
+    from nats.js.api import KeyValueConfig
+
+    from jobs.jetstream import register
+    from jobs.running import start_job
+    from jobs.sink import results_by_query
+    from runtime.job_specs import decode_spec
+
+    state = tmp_path / "state"
+    make_dev_certs(state / "certs")
+    cfg = load(
+        environ={},
+        overrides={
+            "state_dir": str(state),
+            "tls": {"enabled": True, "verify_clients": True},
+            "nats": {"role_users": True},
+            "streams": {"orders": {"schema": "id BIGINT, item STRING, qty BIGINT"}},
+            "tables": {"prices": {"bucket": "prices", "prefix": "item", "schema": "price DOUBLE"}},
+        },
+    )
+    with nats_factory.from_config(cfg) as server:
+
+        async def setup() -> None:
+            nc = await connect_nats(cfg, server.url, name="setup")
+            try:
+                await ensure_streams(nc, cfg)
+                js = nc.jetstream()
+                kv = await js.create_key_value(KeyValueConfig(bucket="prices"))
+                for item, price in (("a", 1.5), ("b", 2.0)):
+                    await kv.put(f"item.{item}", json.dumps({"price": price}).encode())
+                for i in range(6):
+                    order = {"id": i, "item": "abc"[i % 3], "qty": i}
+                    await js.publish("raw.orders", json.dumps(order).encode())
+            finally:
+                await nc.close()
+
+        asyncio.run(setup())
+        register(spark)
+        target = NatsEndpoint.from_config(cfg, "analysis", url=server.url)
+        assert target.user and target.tls_cert  # the analysis role's user, with its pair
+        spec = decode_spec(
+            {
+                "name": "priced",
+                "kind": "sql",
+                "sql": "SELECT o.id AS key, o.qty * p.price AS total "
+                "FROM orders o JOIN prices p ON p.key = o.item",
+            }
+        )
+        query = start_job(
+            spark,
+            spec,
+            target,
+            tmp_path / "ckpt",
+            trigger={"availableNow": True},
+            streams=cfg.sql_tables(),
+        )
+        assert query.awaitTermination(120) and query.exception() is None
+
+        async def results() -> dict[str, Any]:
+            nc = await connect_nats(cfg, server.url, name="read")
+            try:
+                return (await results_by_query(nc.jetstream())).get("priced", {})
+            finally:
+                await nc.close()
+
+        got = {int(k): v["total"] for k, v in asyncio.run(results()).items()}
+        # item c has no price: an inner join leaves its orders out
+        assert got == {0: 0.0, 1: 2.0, 3: 4.5, 4: 8.0}

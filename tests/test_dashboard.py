@@ -1,4 +1,5 @@
-"""The live dashboard in a real headless Chromium, served by the real Gateway.
+"""The Meetup demo's page (a `[gateway.views]` view at /demo/) in a real headless Chromium,
+served by the real Gateway.
 
 Real parts: nats-server, the Gateway actors on a local Ray, the result sink (jobs/sink.py),
 Chromium (Debian package `chromium`, driven by Playwright; never `playwright install`).
@@ -23,31 +24,22 @@ import aiohttp
 import msgspec
 import pytest
 
+from cluster.demo import VIEW_DIR
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.event_time import iso_ms
 from jobs.sink import ResultSink
 from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
 from runtime.nats.server import NatsServer, connect
+from tests.support import CHROMIUM, CHROMIUM_ARGS
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 NS = "tf-dashboard"
 TOKEN = "dash-token"
 WAIT_MS = 60_000
 SCREENSHOT = Path(__file__).resolve().parents[1] / "reports" / "dashboard.png"
 NOT_MOUNTED = (
-    "the Gateway does not serve the dashboard: call "
-    "actors.access.dashboard_server.dashboard_routes(app) where Gateway._serve builds its app"
+    "the Gateway does not serve the demo's view: actors.access.pages.page_routes(app, views) "
+    "where Gateway._serve builds its app, with [gateway.views] demo"
 )
 
 
@@ -62,6 +54,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
             "state_dir": str(tmp_path_factory.mktemp("state")),
             "ray": {"namespace": NS},
             "auth": {"consumer_tokens": [TOKEN]},
+            "gateway": {"views": {"demo": str(VIEW_DIR)}},
         },
     )
 
@@ -83,10 +76,10 @@ async def gateway(ray_module: Any, nats_server: NatsServer, cfg: Config) -> Asyn
 @pytest.fixture(scope="module")
 async def page_url(gateway: str) -> str:
     """The dashboard as the Gateway serves it (with the consumer token passed through)."""
-    async with aiohttp.ClientSession() as http, http.get(gateway + "/") as resp:
+    async with aiohttp.ClientSession() as http, http.get(gateway + "/demo/") as resp:
         if resp.status != 200:
             pytest.fail(NOT_MOUNTED)
-    return f"{gateway}/?token={TOKEN}"
+    return f"{gateway}/demo/?token={TOKEN}"
 
 
 @dataclass
@@ -198,18 +191,34 @@ def tops_equal(bars: list[dict[str, Any]], top: list[dict[str, Any]]) -> bool:
 # --------------------------------------------------------------------------- tests
 
 
-async def test_gateway_serves_the_dashboard(gateway: str) -> None:
-    """The Gateway mounts actors.access.dashboard_server.dashboard_routes (no CDN: all local)."""
+async def test_gateway_serves_the_console_and_the_demo_view(gateway: str) -> None:
+    """The console at `/`, the demo's view at `/demo/` (no CDN: all local); neither's files
+    reach outside their directories."""
     async with aiohttp.ClientSession() as http:
-        async with http.get(gateway + "/") as resp:
+        async with http.get(gateway + "/demo/") as resp:
             page = await resp.text()
             assert resp.status == 200, NOT_MOUNTED
             assert resp.content_type == "text/html"
             assert "default-src 'self'" in resp.headers["Content-Security-Policy"]
-        assert 'src="/static/app.js"' in page and "http" not in page.split("<body")[0]
-        async with http.get(gateway + "/static/app.js") as resp:
+        assert 'src="static/app.js"' in page and "http" not in page.split("<body")[0]
+        async with http.get(gateway + "/demo/static/app.js") as resp:
             assert resp.status == 200 and resp.content_type == "text/javascript"
-        for bad in ("/static/nope.js", "/static/..%2Fdashboard_server.py", "/static/.hidden"):
+        async with http.get(gateway + "/demo", allow_redirects=False) as resp:
+            assert resp.status == 302 and resp.headers["Location"] == "/demo/"
+        async with http.get(gateway + "/") as resp:
+            console = await resp.text()
+            assert resp.status == 200 and "operations console" in console
+        for name in ("console.js", "console.css", "uPlot.iife.min.js", "uPlot.min.css"):
+            async with http.get(gateway + "/static/" + name) as resp:
+                assert resp.status == 200, name
+        for bad in (
+            "/demo/static/nope.js",
+            "/demo/static/..%2F__init__.py",
+            "/demo/static/.hidden",
+            "/static/app.js",  # the demo's file is not the console's
+            "/static/uPlot-LICENSE.txt",
+            "/nodemo/",
+        ):
             async with http.get(gateway + bad) as resp:
                 assert resp.status == 404, bad
 
@@ -350,7 +359,7 @@ async def test_lag_warnings_and_drops_are_shown(browser: Any) -> None:
     gateway's in-stream lag warning and the count of messages it dropped."""
     from aiohttp import web
 
-    from actors.access.dashboard_server import dashboard_routes
+    from actors.access.pages import page_routes
 
     async def ws_handler(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
@@ -369,14 +378,14 @@ async def test_lag_warnings_and_drops_are_shown(browser: Any) -> None:
         return ws
 
     app = web.Application()
-    dashboard_routes(app)
+    page_routes(app, {"demo": str(VIEW_DIR)})
     app.router.add_get("/v1/ws", ws_handler)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()  # no port to lose between choice and bind
     port = runner.addresses[0][1]
     try:
-        async with open_page(browser, f"http://127.0.0.1:{port}/") as page:
+        async with open_page(browser, f"http://127.0.0.1:{port}/demo/") as page:
             await page.wait_for_function(
                 "() => document.getElementById('stat-dropped').textContent === '7'",
                 timeout=WAIT_MS,

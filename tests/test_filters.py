@@ -81,7 +81,7 @@ def test_subject_only_when_named() -> None:
         ("SELECT a WHERE b = 1 ORDER BY a", 1, 22, "ORDER BY is not supported"),
         ("SELECT a LIMIT 3", 1, 10, "LIMIT is not supported"),
         ("SELECT DISTINCT a", 1, 8, "DISTINCT is not supported"),
-        ("SELECT a WHERE x LIKE 'a%'", 1, 18, "unsupported syntax LIKE"),
+        ("SELECT a WHERE x LIKE y", 1, 18, "LIKE needs a quoted pattern"),
         ("SELECT\n  a,\n  b\nWHERE c + 1 = 2", 4, 7, "unsupported syntax ADD"),
         ("SELECT a, a.b", 1, 8, "overlap"),
         ("WHERE", 1, 6, "needs a condition"),
@@ -135,3 +135,27 @@ def test_any_text_compiles_or_raises_filter_error(text: str) -> None:
         return
     f.matches(RSVP, "s")
     f.select(RSVP, "s")
+
+
+@pytest.mark.parametrize(
+    ("where", "data", "keeps"),
+    [
+        ("key LIKE 'top.%'", {"key": "top.a"}, True),
+        ("key LIKE 'top.%'", {"key": "topx.a"}, False),
+        ("key LIKE 'to_.a'", {"key": "top.a"}, True),
+        ("key LIKE 'a.b'", {"key": "aXb"}, False),  # a dot is a dot, not any character
+        ("key LIKE '%'", {"key": 7}, False),  # not a string: NULL, not kept
+        ("key LIKE '%'", {}, False),
+        ("NOT key LIKE 'x%'", {"key": "y"}, True),
+        ("key NOT LIKE 'x%'", {"key": "xy"}, False),
+        ("key NOT LIKE 'x%'", {"key": "yx"}, True),
+        ("key NOT LIKE 'x%'", {}, False),
+    ],
+)
+def test_like_matches_a_quoted_pattern_against_strings(where: str, data: dict, keeps: bool) -> None:
+    assert compile_filter(f"WHERE {where}").matches(data, "s") is keeps
+
+
+def test_like_needs_a_quoted_pattern() -> None:
+    with pytest.raises(FilterError, match="quoted pattern"):
+        compile_filter("WHERE key LIKE other")

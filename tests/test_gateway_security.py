@@ -160,18 +160,19 @@ async def test_dashboard_static_serves_no_file_outside_its_directory(
     """`/static/<encoded absolute or ../ path>` must not reach a file elsewhere on the host."""
     secret = tmp_path / "secret.html"
     secret.write_text("<p>host secret</p>")
-    dash = Path(__file__).resolve().parents[1] / "actors" / "dashboard"
+    dash = Path(__file__).resolve().parents[1] / "actors" / "access" / "console"
     up = quote("../" * (len(dash.parts) + 2), safe="") + quote(str(secret).lstrip("/"), safe="")
     for path in [
         "/static/" + quote(str(secret), safe=""),  # %2Ftmp%2F...%2Fsecret.html
         "/static/" + up,  # ..%2F..%2F...tmp%2F...
         "/static/..%2F..%2Fgateway.py",
-        "/static/%2E%2E%2Fdashboard_server.py",
+        "/static/%2E%2E%2Fpages.py",
+        "/static/vendor%2FuPlot.min.css",  # by its bare name only
     ]:
         status, body = await raw_get(gw + path)
         assert b"host secret" not in body, path
         assert status == 404, (path, status, body[:200])
-    status, body = await raw_get(gw + "/static/app.js")  # its own files still load
+    status, body = await raw_get(gw + "/static/console.js")  # its own files still load
     assert status == 200 and b"subscribe" in body
 
 

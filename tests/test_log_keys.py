@@ -75,6 +75,7 @@ def test_fail_of_one_stream_leaves_the_other_transient(store: LogStore) -> None:
         "failed": 0,
         "bytes": store.counts()["bytes"],
         "tokens": 0,
+        "logged": 2,
     }
 
 

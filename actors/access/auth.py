@@ -25,6 +25,7 @@ from actors.access.protocol import Problem, StreamRef
 from actors.access.webhooks import BUCKET as WEBHOOK_BUCKET
 from runtime.config import GatewayOptions
 from runtime.nats.lease import LEASE_BUCKET
+from runtime.nats.roles import STATUS_BUCKET
 
 __all__ = ["Access", "internal_buckets", "request_token"]
 
@@ -39,6 +40,7 @@ def internal_buckets(options: GatewayOptions) -> frozenset[str]:
         options.webhooks.bucket,
         WEBHOOK_BUCKET,
         LEASE_BUCKET,
+        STATUS_BUCKET,  # the console's view: served filtered at /v1/console, never raw
     }
     return frozenset(KV_PREFIX + b for b in buckets if b)
 

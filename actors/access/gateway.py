@@ -15,7 +15,7 @@ protocol in docs/contracts.md. Where each part lives:
   a bounded lag per client and the stream's policy past it (`drop_oldest` or 4408);
 - `messages.py`, `reader.py`: a stream message as clients are sent it, read from JetStream;
 - `cursors.py`: server-side resume points; `webhooks.py`: signed, retried callbacks;
-- `dashboard_server.py`: the live dashboard's page at `/`;
+- `pages.py`: the operations console at `/` (`console.py`: its view) and configured views;
 - `runtime/browsers.py`: which browser requests are served at all (`Host` one of this
   server's names, `Origin` its own or an allowed one, bodies declared `application/json`),
   checked by one middleware in front of every route but `/healthz`.
@@ -47,7 +47,8 @@ from aiohttp import web
 
 from actors.access.auth import request_token
 from actors.access.compacted import CompactedRoutes
-from actors.access.dashboard_server import dashboard_page, dashboard_routes
+from actors.access.console import ConsoleRoutes
+from actors.access.pages import page_paths, page_routes
 from actors.access.plane import DataPlane
 from actors.access.protocol import Problem, refusal, reply
 from actors.access.rest import RestRoutes
@@ -116,7 +117,7 @@ class Gateway(SupervisedActor):
             allowed_hosts=self.cfg.browsers.allowed_hosts,
             allowed_origins=self.cfg.browsers.allowed_origins,
             exempt=BROWSER_EXEMPT,
-            pages=dashboard_page,
+            pages=page_paths(self.cfg.gateway.views),
         )
         self._loop_thread = LoopThread(f"{name}-dataplane")
         self._loop_thread.start(self._serve, start_timeout_s)
@@ -153,12 +154,13 @@ class Gateway(SupervisedActor):
     # ------------------------------------------------------------------ data plane
 
     def routes(self) -> list[tuple[str, str, Handler]]:
-        """Every endpoint: (method, path, handler). The dashboard adds `/` and `/static/`."""
+        """Every endpoint: (method, path, handler). The pages add `/`, `/static/` and views."""
         ws = WebSocketRoutes(self.plane)
         sse = SseRoutes(self.plane)
         rest = RestRoutes(self.plane)
         sql = SqlRoutes(self.plane, self._run_sql)
         compacted = CompactedRoutes(self.plane, rest.latest)
+        console = ConsoleRoutes(self.plane)
         return [
             ("GET", "/healthz", self.healthz),
             ("GET", "/v1/ws", ws.ws),
@@ -176,6 +178,7 @@ class Gateway(SupervisedActor):
             ("DELETE", "/v1/webhooks/{id}", rest.webhook_delete),
             ("GET", "/v1/stats", self.http_stats),
             ("POST", "/v1/sql", sql.sql),
+            ("GET", "/v1/console", console.console),
         ]
 
     async def _serve(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
@@ -188,7 +191,7 @@ class Gateway(SupervisedActor):
                 app.router.add_get(path, handler)  # answers HEAD too
             else:
                 app.router.add_route(method, path, handler)
-        dashboard_routes(app)
+        page_routes(app, self.cfg.gateway.views)
         app.on_response_prepare.append(_cors)
         runner = web.AppRunner(
             app,

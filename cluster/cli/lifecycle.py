@@ -40,9 +40,10 @@ def where(info: dict[str, Any], cfg: Config | None = None) -> None:
     if info.get("collector", {}).get("url"):
         console.print(f"  collector {info['collector']['url']}/v1/streams/<stream>/events")
     if info.get("gateway", {}).get("url"):
-        console.print(
-            f"  dashboard {info['gateway']['url']}/   (gateway: /v1/ws, /v1/sse, /v1/poll)"
-        )
+        url = info["gateway"]["url"]
+        console.print(f"  console   {url}/   (gateway: /v1/ws, /v1/sse, /v1/poll)")
+        for view in cfg.gateway.views if cfg is not None else {}:
+            console.print(f"  view      {url}/{view}/")
     if info.get("streams"):
         console.print(f"  streams   {', '.join(_stream_label(n, cfg) for n in info['streams'])}")
 
@@ -145,9 +146,11 @@ def demo(
     rate: Annotated[float, typer.Option(help="synthetic Meetup RSVPs per second")] = 200.0,
 ) -> None:
     """The Meetup RSVP pipeline on this machine: a synthetic RSVP stream flows in."""
-    cfg = load_config(config)
     # Imported here: the launcher loads Ray (about a second) that other commands never need.
+    from cluster.demo import with_view
     from cluster.launcher import serve_forever
+
+    cfg = with_view(load_config(config))
 
     def ready(rt: Any, stop: asyncio.Event) -> None:
         console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")

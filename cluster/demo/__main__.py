@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from cluster.analysis import connect_ray, runtime_nats_url
+from cluster.demo import with_view
 from cluster.demo.meetup import meetup_jobs
 from cluster.deploy.analysis import start_driver, wait_running
 from cluster.launcher import serve_forever
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--demo-rate", type=float, default=0.0, help="synthetic RSVPs per s")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after N s (0: never)")
     args = parser.parse_args(argv)
-    cfg = load(args.config)
+    cfg = with_view(load(args.config))
     if args.attach:
         return _attach(cfg, args.nats_url, args.wait)
     return run_pipeline(cfg, demo_rate=args.demo_rate, duration=args.duration)

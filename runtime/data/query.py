@@ -234,6 +234,8 @@ class _WhereCompiler:
             return lambda data: _ordered(op, a(data), b(data))
         if isinstance(node, exp.In):
             return self.in_list(node)
+        if isinstance(node, exp.Like):
+            return self.like(node)
         if isinstance(node, exp.Is):
             if not isinstance(node.expression, exp.Null):
                 raise self.unsupported(node, "only IS NULL / IS NOT NULL are supported")
@@ -242,6 +244,26 @@ class _WhereCompiler:
         if isinstance(node, exp.Column | exp.Dot | exp.Literal | exp.Boolean):
             raise self.unsupported(node, "expected a comparison (e.g. flag = TRUE)")
         raise self.unsupported(node)
+
+    def like(self, node: exp.Like) -> Callable[[Data], bool | None]:
+        """`x LIKE 'pat%'`: `%` any run of characters, `_` one; a string pattern only
+        (a literal), matched against a string (anything else is not a match: NULL)."""
+        pattern = node.expression
+        if not (isinstance(pattern, exp.Literal) and pattern.is_string):
+            raise self.unsupported(node, "LIKE needs a quoted pattern ('job.%')")
+        text = "".join(
+            ".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern.this
+        )
+        matcher = re.compile(text, re.DOTALL)
+        value = self.operand(node.this)
+
+        negate = bool(node.args.get("negate"))  # sqlglot's `x NOT LIKE p`
+
+        def like(data: Data) -> bool | None:
+            v = value(data)
+            return None if not isinstance(v, str) else (matcher.fullmatch(v) is None) is negate
+
+        return like
 
     def in_list(self, node: exp.In) -> Callable[[Data], bool | None]:
         extra = [k for k in ("query", "unnest", "field") if node.args.get(k)]

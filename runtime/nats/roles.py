@@ -30,6 +30,9 @@ CURSOR_BUCKET = "tierflow_cursors"  # actors.access.cursors.BUCKET
 WEBHOOK_BUCKET = "tierflow_webhooks"  # actors.access.webhooks.BUCKET
 WEBHOOK_DEADLETTER = "deadletter.webhooks"  # actors.access.webhooks.DEADLETTER_SUBJECT
 RESULTS_BUCKET = "results"
+# the operations console's view, put by tierflow itself, read by the gateways
+STATUS_BUCKET = "tierflow_status"
+STATUS_KEY = "console"
 # Subjects only the analysis tier writes (the results stream of runtime.config.system_streams):
 # the bridge publishes what producers sent, so it must not reach them.
 ANALYSIS_ONLY = ("results.",)

@@ -137,6 +137,7 @@ class LogStore:
         self._idx_stale = False
         # no transient entry was received before this (ms): `pending` scans the time index
         # from here, not over the deletes of every entry forgotten since the last compaction
+        self.logged = 0  # entries appended since this process opened the store
         self._time_floor = 0
         raw = self._ns[NS_META].get(COUNTS_KEY)
         if raw is not None:
@@ -243,6 +244,11 @@ class LogStore:
         repeated in the batch) are skipped. LogFull refuses the whole batch. `events` may
         be `encode_batch`'s bytes: each event is then stored as the bytes it arrived in
         (what `encode_event` gives), not decoded and encoded again."""
+        n = self._append(events)
+        self.logged += n  # on disk by now: `_append`'s batch is written when it returns
+        return n
+
+    def _append(self, events: Sequence[Event] | bytes) -> int:
         if isinstance(events, bytes | bytearray | memoryview):
             heads: Sequence[Any] = decode_batch(events)  # validates every event
             raws: Sequence[Any] = _raws_dec.decode(events)
@@ -531,8 +537,16 @@ class LogStore:
         }
 
     def counts(self) -> dict[str, int]:
+        """The counters; `logged` counts the entries this process appended (a rate's
+        source: it starts from 0 with the process, which a rate reads as a restart)."""
         c = self._c
-        return {"transient": c.transient, "failed": c.failed, "bytes": c.bytes, "tokens": c.tokens}
+        return {
+            "transient": c.transient,
+            "failed": c.failed,
+            "bytes": c.bytes,
+            "tokens": c.tokens,
+            "logged": self.logged,
+        }
 
     def scan_counts(self) -> dict[str, int]:
         """The counters recomputed by a full scan, plus the index sizes (a consistency check:

@@ -1,0 +1,1 @@
+"""The operations console's data: the runtime's status as the console shows it."""
