@@ -123,3 +123,22 @@ def test_the_nexmark_goals_name_the_worst_query_and_any_answer_that_differs() ->
     lines = nexmark_section(report)
     (cpu,) = [line for line in lines if line.startswith("| q0 | jetstream |")]
     assert cpu == "| q0 | jetstream | 6.5 | 4.2 | - | - | 10.8 | 1.9 |"
+
+
+def test_the_console_section_shows_paint_full_view_and_update_times() -> None:
+    from tests.bench.report import console_section
+
+    lines = console_section(
+        {
+            "streams": 50,
+            "jobs": 100,
+            "rounds": 40,
+            "first_paint_ms": 244.2,
+            "first_contentful_paint_ms": 250.0,
+            "full_view_ms": 611.5,
+            "update_p50_ms": 39.44,
+            "update_p99_ms": 72.1,
+        }
+    )
+    assert lines[0].startswith("### Operations console (50 streams, 100 jobs")
+    assert lines[-1] == "| 244 | 250 | 612 | 39.4 | 72.1 |"

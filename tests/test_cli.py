@@ -116,7 +116,7 @@ def test_detached_runtime_serves_every_tier_runs_a_job_and_down_leaves_no_proces
         assert len(replicas) == 2 and all(r["state"] == "running" for r in replicas)
         assert {r["epoch"] for r in replicas} == {1}
 
-        # The data access tier runs too: the dashboard is served at the gateway's root.
+        # The data access tier runs too: the operations console is served at its root.
         with urllib.request.urlopen(state["gateway"]["url"] + "/", timeout=30) as resp:
             assert resp.status == 200 and b"tierflow" in resp.read()
 

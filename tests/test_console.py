@@ -297,6 +297,7 @@ async def test_the_console_shows_every_tier_moving_and_each_job_drawn_by_kind(
         await page.wait_for_function(
             "() => document.getElementById('feed').dataset.state === 'live'", timeout=WAIT_MS
         )
+        await page.wait_for_selector("#token-form", state="hidden", timeout=WAIT_MS)
         # the tail: the orders stream through a filter (the gateway sends: its rate moves)
         await page.click("nav [data-tab=streams]")
         await page.wait_for_selector('#streams tr[data-stream="orders"] button', timeout=WAIT_MS)

@@ -180,3 +180,15 @@ def test_a_token_sees_only_its_streams_and_the_jobs_reading_nothing_else() -> No
     assert [j["name"] for j in seen["jobs"]] == ["top"]  # `joined` also reads clicks
     assert seen["dead_letters"] == 2
     assert len(seen["tiers"]) == len(TIERS)
+
+
+def test_a_view_takes_no_path_of_the_gateway_and_is_a_plain_name(tmp_path: Any) -> None:
+    from runtime.config import ConfigError, load
+
+    def cfg(views: dict[str, str]) -> Any:
+        return load(environ={}, overrides={"state_dir": str(tmp_path), "gateway": {"views": views}})
+
+    assert cfg({"demo": "/somewhere"}).gateway.views == {"demo": "/somewhere"}
+    for bad in ("v1", "static", "Demo", "../x", "a/b", ""):
+        with pytest.raises(ConfigError, match="view name"):
+            cfg({bad: "/somewhere"})

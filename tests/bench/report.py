@@ -39,6 +39,7 @@ NAMES = (
     "geo",
     "compaction",
     "nexmark",
+    "console",
 )
 DOCS = Path("docs")
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
@@ -897,6 +898,32 @@ def nexmark_goal_rows(reports: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def console_section(d: dict[str, Any]) -> list[str]:
+    return [
+        f"### Operations console ({d['streams']} streams, {d['jobs']} jobs; Chromium, "
+        f"{d['rounds']} updates)",
+        "",
+        *table(
+            [
+                "first paint ms",
+                "first contentful paint ms",
+                "first full view ms",
+                "full update p50 ms",
+                "full update p99 ms",
+            ],
+            [
+                [
+                    fmt(d["first_paint_ms"], ".0f"),
+                    fmt(d["first_contentful_paint_ms"], ".0f"),
+                    fmt(d["full_view_ms"], ".0f"),
+                    fmt(d["update_p50_ms"], ".1f"),
+                    fmt(d["update_p99_ms"], ".1f"),
+                ]
+            ],
+        ),
+    ]
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "ingest": ingest_section,
     "hotpath": hotpath_section,
@@ -910,6 +937,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "geo": geo_section,
     "compaction": compaction_section,
     "nexmark": nexmark_section,
+    "console": console_section,
 }
 
 

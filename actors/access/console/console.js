@@ -644,4 +644,4 @@ socket.start();
 poll();
 setInterval(poll, POLL_MS);
 window.addEventListener("resize", () => throughput.resize());
-window.tierflow = { socket, results, tail }; // for the curious (and for tests): read-only use
+window.tierflow = { socket, results, tail, poll }; // for the curious (and for tests and the bench)
