@@ -17,23 +17,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import ray
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cluster.admin import serve
 from cluster.console.feed import StatusFeed
-from cluster.demo.meetup import STREAM, meetup_jobs
 from cluster.deploy.analysis import start_driver, stop_driver
 from cluster.deploy.deployer import deploy
 from cluster.deploy.gateway import scale_gateways, start_gateways, stop_gateways
 from cluster.deploy.spec import RoleSpec, Start, SupervisorSpec
 from cluster.pipeline import start_collection_tier
-from cluster.replay import ReplayServer
 from cluster.roles import RoleView, load, rates, scalars
 from runtime import runstate
-from runtime.config import Config, SourceConfig
+from runtime.config import Config
 from runtime.engines.services import Services, connect_nats, ensure_streams
 from runtime.geo.replication import SourceWatch, local_site, replication_lag
 from runtime.job_specs import decode_spec
@@ -50,13 +47,9 @@ ROOT_SUPERVISOR = "tierflow-root"
 class Runtime:
     """The engines and actors of one `tierflow up`, with the status they report."""
 
-    def __init__(self, cfg: Config, *, demo_rate: float = 0.0, analysis: bool = False) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.demo_rate = demo_rate
-        # the Meetup analyses on request (demo, chaos); the file's `[[jobs]]` whenever it has some
-        self.meetup_analysis = analysis or bool(demo_rate)
-        self.analysis = self.meetup_analysis or bool(cfg.jobs)
-        self.replay: Any = None
+        self.analysis = bool(cfg.jobs)  # the driver starts with the file's `[[jobs]]`
         self.services: Services | None = None
         self.root: Any = None
         self.nc: Any = None
@@ -90,8 +83,6 @@ class Runtime:
         await ensure_results_bucket(self.nc)
         await self._start_geo_watch()
         self.root = await loop.run_in_executor(None, start_root_supervisor, self.cfg)
-        if self.demo_rate:
-            await self._start_demo_source()
         self.tier = await loop.run_in_executor(
             None, lambda: start_collection_tier(self.cfg, nats_url=self.services.nats_url)
         )
@@ -129,9 +120,6 @@ class Runtime:
     def _start_gateways(self) -> None:
         """The data access tier: gateways sharing one port (dashboard at `/`)."""
         options = self.cfg.gateway.options
-        if self.meetup_analysis and not options.topn_subject:
-            # the demo's `/streaming` is its all-time top-N query (cluster/demo/meetup.py)
-            options = msgspec.structs.replace(options, topn_subject="results.meetup_topn")
         self.gateways = start_gateways(
             self.cfg,
             self.services.nats_url,
@@ -184,24 +172,10 @@ class Runtime:
         return fresh
 
     def _start_analysis(self) -> None:
-        """The analyses in the Spark driver actor (its first query takes ~10 s): the config's
-        `[[jobs]]`, plus the Meetup ones when asked for and a `meetup` stream exists."""
+        """The analyses in the Spark driver actor (its first query takes ~10 s): the
+        config's `[[jobs]]`."""
         specs = [decode_spec(j) for j in self.cfg.jobs]
-        if self.meetup_analysis and STREAM in self.cfg.streams:
-            mine = {s.name for s in specs}
-            specs = [s for s in meetup_jobs() if s.name not in mine] + specs
         self.driver = start_driver(self.cfg, self.services.nats_url, specs)
-
-    async def _start_demo_source(self) -> None:
-        """The retired Meetup RSVP API's stand-in: synthetic RSVPs over WebSocket, read by
-        the `meetup` stream's ingest nodes (the book's stream pattern)."""
-        self.replay = ReplayServer(0, rate=self.demo_rate)
-        await self.replay.start()
-        streams = dict(self.cfg.streams)
-        meetup = streams["meetup"]
-        source = SourceConfig(url=self.replay.stream_url, kind="ws", k=meetup.source.k)
-        streams["meetup"] = msgspec.structs.replace(meetup, source=source)
-        self.cfg = msgspec.structs.replace(self.cfg, streams=streams)
 
     async def stop(self) -> None:
         self._auto_stop.set()
@@ -241,9 +215,6 @@ class Runtime:
             self.root = None
         if self.services is not None:
             await loop.run_in_executor(None, sweep_named_actors, self.cfg.ray.namespace)
-        if self.replay is not None:
-            await self.replay.stop()
-            self.replay = None
         if self.nc is not None:
             await self.nc.close()
             self.nc = None
@@ -274,7 +245,6 @@ class Runtime:
             "admin": {"url": self.admin_url},
             "streams": self.streams,
             "collector": {"url": self.tier.url if self.tier else None},
-            "replay": {"url": self.replay.stream_url if self.replay else None},
             "gateway": {"url": self.gateway_url or None, "replicas": self.gateways},
         }
 
@@ -458,8 +428,6 @@ async def serve_forever(
     *,
     on_ready: Callable[[Runtime, asyncio.Event], None] | None = None,
     record_state: bool = True,
-    demo_rate: float = 0.0,
-    analysis: bool = False,
 ) -> None:
     """Run until SIGTERM/SIGINT (or `stop` is set); the run-state file exists while it runs."""
     stop = asyncio.Event()
@@ -470,7 +438,7 @@ async def serve_forever(
             loop.add_signal_handler(sig, stop.set)
 
     handle_signals()
-    rt = Runtime(cfg, demo_rate=demo_rate, analysis=analysis)
+    rt = Runtime(cfg)
     try:
         await rt.start()
         # ray.init installs its own SIGTERM handler, which skips our cleanup: take it back.

@@ -388,7 +388,7 @@ class GatewayConfig(_Strict):
     filters: dict[str, str] = {}
     options: GatewayOptions = msgspec.field(default_factory=GatewayOptions)
     # pages served beside the console: name -> a directory of static files (index.html,
-    # its scripts and styles), at /<name>/; the Meetup demo's is `cluster/demo/view`
+    # its scripts and styles), at /<name>/; `make demo` adds its own page this way
     views: dict[str, str] = {}
 
     def __post_init__(self) -> None:
@@ -492,9 +492,9 @@ def system_streams() -> dict[str, dict[str, Any]]:
 
 
 def default_streams() -> dict[str, dict[str, Any]]:
-    """The Meetup pipeline's streams, present unless the file defines its own (the system
-    streams are added either way)."""
-    return {"meetup": {"subjects": ["raw.meetup"]}, **system_streams()}
+    """The streams of a file that names none: the system streams alone (a demo adds its
+    own, cluster/demo)."""
+    return system_streams()
 
 
 # Names and subjects the runtime uses without a `[streams]` entry: the stream pattern's

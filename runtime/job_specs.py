@@ -179,7 +179,7 @@ _LIST_KEYS = {"by", "by_as", "tables"}
 def parse_job(text: str) -> JobSpec:
     """A spec from CLI text: a JSON object, or ``key=value`` words.
 
-    ``name=topics kind=topn stream=meetup field=group.group_topics[].topic_name n=5``;
+    ``name=top_skus kind=topn stream=orders field=items[].sku n=5``;
     ``by=a,b`` gives a list; ``window=5m`` or ``window=5m/10s`` (length/slide) and
     ``watermark=1m`` set the window.
     """

@@ -337,3 +337,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+# the demo's stream, for tests that feed it Meetup RSVPs (a config names it: none has it
+# by default; cluster/demo adds it to the demo's)
+MEETUP_STREAMS = {"meetup": {"subjects": ["raw.meetup"]}}

@@ -47,7 +47,7 @@ from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
 from runtime.job_specs import deadletter_query_name
 from runtime.waiting import wait_until
-from tests.support import BackgroundLoad, NatsFactory, running_driver, with_nats
+from tests.support import MEETUP_STREAMS, BackgroundLoad, NatsFactory, running_driver, with_nats
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -246,7 +246,7 @@ def test_progress_timestamps_read_as_epoch_seconds() -> None:
 
 @pytest.mark.unit
 def test_jobs_resolve_from_the_catalog_or_a_spec() -> None:
-    cfg = load(environ={})
+    cfg = load(environ={}, overrides={"streams": MEETUP_STREAMS})
     assert [s.name for s in resolve_jobs(cfg, "meetup")] == list(QUERIES)
     assert resolve_jobs(cfg, "meetup_topn")[0].capacity == 100_000
     (spec,) = resolve_jobs(cfg, "name=x kind=distinct stream=meetup field=member.member_id")
@@ -282,6 +282,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Config:
         overrides={
             "state_dir": str(tmp_path_factory.mktemp("driver-state")),
             "nats": {"url": nats_url},
+            "streams": MEETUP_STREAMS,
             # not the test process's own namespace: the pair finds each other by the config
             "ray": {"namespace": "tierflow-tests-driver"},
             # a warm pair (jobs/standby.py): each SIGKILL of the active driver is a

@@ -68,7 +68,9 @@ def test_detached_runtime_serves_every_tier_runs_a_job_and_down_leaves_no_proces
     from cluster.demo.rsvps import RsvpGenerator
     from runtime.waiting import wait_until
 
+    cli_env["TIERFLOW_STREAMS__MEETUP__SUBJECTS"] = '["raw.meetup"]'  # the user's own stream
     cfg = load(environ=cli_env)
+    assert cfg.streams["meetup"].subjects == ["raw.meetup"]
     up = run(["up", "--detach"], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     state = runstate.read_state(cfg)

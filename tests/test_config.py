@@ -29,7 +29,7 @@ def test_defaults_are_the_embedded_setup() -> None:
     assert cfg.logging.mode == "hml"
     assert cfg.roles.logger.k == 1
     assert cfg.roles.collector.port == 8000 and cfg.roles.gateway.port == 8080
-    assert set(cfg.streams) == {"meetup", "results", "deadletter"}
+    assert set(cfg.streams) == {"results", "deadletter"}  # a demo brings its own (cluster/demo)
 
 
 def test_file_then_env_then_overrides(tmp_path: Path) -> None:
@@ -141,6 +141,9 @@ def test_shown_config_loads_back_to_the_same(tmp_path: Path) -> None:
 
 def test_shown_config_with_jobs_loads_back_to_the_same(tmp_path: Path) -> None:
     text = """
+[streams.meetup]
+subjects = ["raw.meetup"]
+
 [[jobs]]
 name = "late_city"
 kind = "count"
@@ -198,9 +201,10 @@ def test_a_bad_job_is_refused_as_the_config_loads_naming_its_entry(
     job: dict[str, Any], error: str
 ) -> None:
     good = {"name": "ok", "kind": "topn", "stream": "meetup", "field": "x"}
-    assert validate({"jobs": [good]}).jobs == [good]
+    meetup = {"meetup": {"subjects": ["raw.meetup"]}}
+    assert validate({"streams": meetup, "jobs": [good]}).jobs == [good]
     with pytest.raises(ConfigError, match=error):
-        validate({"jobs": [good, job]})
+        validate({"streams": meetup, "jobs": [good, job]})
 
 
 def test_jobs_may_analyse_a_users_own_stream_and_the_results_stream() -> None:
@@ -222,7 +226,7 @@ def test_extra_logger_replicas_need_as_much_k() -> None:
 
 def test_stream_logic_is_checked_at_load() -> None:
     with pytest.raises(ConfigError, match=r"streams\.clicks\.logic\.filter: .*line 1, column"):
-        validate({"streams": {"clicks": {"logic": {"filter": "kind LIKE 'b%'"}}}})
+        validate({"streams": {"clicks": {"logic": {"filter": "kind + 1 = 2"}}}})
     with pytest.raises(ConfigError, match=r"streams\.clicks\.logic\.validate"):
         validate({"streams": {"clicks": {"logic": {"validate": {"kind": "string-ish"}}}}})
     ok = validate({"streams": {"clicks": {"logic": {"filter": "kind != 'bot'"}}}})

@@ -352,6 +352,18 @@ async def test_the_console_shows_every_tier_moving_and_each_job_drawn_by_kind(
         n = int(await page.inner_text("#sql-result tbody td"))
         assert n >= before > 0, pipeline["producer"].errors[:3]
         assert "orders" in await page.inner_text("#archive")
+        # an audit reads every stream back; the promise panel shows its verdict
+        audited = await asyncio.to_thread(
+            run, ["audit", "--json", "--config", str(pipeline["path"])], pipeline["env"]
+        )
+        assert audited.returncode == 0, audited.stdout + audited.stderr
+        verdict = json.loads(audited.stdout)
+        assert verdict["verdict"] == "ok" and verdict["streams"]["orders"]["events"] >= before
+        await page.click("nav [data-tab=pipeline]")
+        await page.wait_for_function(
+            "() => document.getElementById('promise').dataset.verdict === 'ok'", timeout=WAIT_MS
+        )
+        assert "audit" in await page.inner_text("#promise")
     finally:
         await context.close()
     assert not errors, f"script errors in the page: {errors}"

@@ -192,3 +192,58 @@ def test_a_view_takes_no_path_of_the_gateway_and_is_a_plain_name(tmp_path: Any) 
     for bad in ("v1", "static", "Demo", "../x", "a/b", ""):
         with pytest.raises(ConfigError, match="view name"):
             cfg({bad: "/somewhere"})
+
+
+def test_jetstream_is_behind_on_a_far_copy_or_archive_and_down_on_a_silent_copy() -> None:
+    from cluster.console.view import jetstream_health
+
+    up = {"services": {"nats": {"healthy": True}}}
+    assert jetstream_health(up, [], []) == ("ok", "")
+    assert jetstream_health({"services": {"nats": {"healthy": False}}}, [], [])[0] == "down"
+    far = [{"stream": "orders", "site": "b", "lag": BEHIND_LAG + 1, "up": True}]
+    state, why = jetstream_health(up, [], far)
+    assert state == "behind" and "orders on b" in why
+    silent = [{"stream": "orders", "site": "b", "lag": None, "up": False}]
+    assert jetstream_health(up, [], silent)[0] == "down"
+    archive = [{"name": "orders", "archive": {"partitioning": "day", "lag": BEHIND_LAG + 1}}]
+    assert "archive of orders" in jetstream_health(up, archive, [])[1]
+
+
+def test_a_streams_archive_lag_and_copies_come_from_its_queries_and_sites() -> None:
+    cfg = SimpleNamespace(compact=None, archive=SimpleNamespace(partitioning="day"))
+    status = {
+        **STATUS,
+        "analysis": {
+            **STATUS["analysis"],
+            "queries": [
+                {"name": "archive_orders", "kind": "archive", "stream": "orders", "lag": 42}
+            ],
+        },
+        "replication": [{"stream": "orders", "site": "b", "from": "a", "lag": 7, "up": True}],
+    }
+    view = console_view(status, [stream_record(info("orders", 100), cfg)], None, 1.0)
+    (orders,) = view["streams"]
+    assert orders["archive"] == {"partitioning": "day", "lag": 42}
+    assert orders["copies"] == [{"site": "b", "from": "a", "lag": 7, "up": True}]
+    assert view["jobs"] == []  # an archive is no job
+    tiers = {t["tier"]: t for t in view["tiers"]}
+    assert tiers["jetstream"]["archive_lag"] == 42 and tiers["jetstream"]["replication_lag"] == 7
+
+
+def test_an_audit_is_ok_unless_an_id_is_stored_twice_in_one_stream() -> None:
+    from collections import Counter
+
+    from cluster.audit import judge_audit
+
+    same_id_two_streams = {"a": Counter({"x": 1, "y": 1}), "b": Counter({"x": 1})}
+    ok = judge_audit(same_id_two_streams, {"a": 2})
+    assert ok["verdict"] == "ok" and ok["why"] == ""
+    assert ok["streams"]["a"] == {
+        "events": 4,
+        "without_id": 2,
+        "ids_stored_twice": 0,
+        "examples": [],
+    }
+    bad = judge_audit({"a": Counter({"x": 2, "y": 1})}, {})
+    assert bad["verdict"] == "duplicates" and "a" in bad["why"]
+    assert bad["streams"]["a"]["examples"] == ["x"]

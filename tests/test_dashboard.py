@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from cluster.demo import VIEW_DIR
+from cluster.demo import VIEW_DIR, demo_config
 from cluster.demo.rsvps import RsvpGenerator
 from jobs.event_time import iso_ms
 from jobs.sink import ResultSink
@@ -48,15 +48,21 @@ NOT_MOUNTED = (
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return load(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path_factory.mktemp("state")),
-            "ray": {"namespace": NS},
-            "auth": {"consumer_tokens": [TOKEN]},
-            "gateway": {"views": {"demo": str(VIEW_DIR)}},
-        },
+    """A stranger's settings with the demo added, as `make demo` adds it (cluster/demo):
+    the `meetup` stream, its page at /demo/, its queries."""
+    cfg = demo_config(
+        load(
+            environ={},
+            overrides={
+                "state_dir": str(tmp_path_factory.mktemp("state")),
+                "ray": {"namespace": NS},
+                "auth": {"consumer_tokens": [TOKEN]},
+            },
+        )
     )
+    assert "meetup" in cfg.streams and cfg.gateway.views == {"demo": str(VIEW_DIR)}
+    assert {j["name"] for j in cfg.jobs} >= {"meetup_topn", "meetup_city_minute"}
+    return cfg
 
 
 @pytest.fixture(scope="module")

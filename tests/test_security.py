@@ -438,12 +438,13 @@ def test_permission_names_match_the_modules_that_use_them() -> None:
     assert nats_roles.CURSOR_BUCKET == cursors.BUCKET
     assert nats_roles.WEBHOOK_BUCKET == webhooks.BUCKET
     assert nats_roles.WEBHOOK_DEADLETTER == webhooks.DEADLETTER_SUBJECT
-    perms = role_permissions(load(environ={}))
+    own = {"orders": {"subjects": ["raw.orders"]}}
+    perms = role_permissions(load(environ={}, overrides={"streams": own}))
     assert perms["admin"]["publish"]["allow"] == [">"]
-    assert "raw.meetup" in perms["bridge"]["publish"]["allow"]
+    assert "raw.orders" in perms["bridge"]["publish"]["allow"]
     assert "results.>" not in perms["bridge"]["publish"]["allow"]
     for role in ("gateway", "collector", "analysis", "producer"):
-        assert "raw.meetup" not in perms[role]["publish"]["allow"]
+        assert "raw.orders" not in perms[role]["publish"]["allow"]
         assert ">" not in perms[role]["publish"]["allow"]
 
 

@@ -93,7 +93,11 @@ async def test_external_nats_with_credentials_is_used_not_started(
     from runtime.engines.services import Services, connect_nats, ensure_streams
 
     with nats_factory(user="app", password="pw") as ext:
-        over = {"state_dir": str(tmp_path / "s"), "nats": {"url": ext.url}}
+        over = {
+            "state_dir": str(tmp_path / "s"),
+            "nats": {"url": ext.url},
+            "streams": {"meetup": {"subjects": ["raw.meetup"]}},
+        }
         good = load(
             environ={},
             overrides={**over, "nats": {**over["nats"], "user": "app", "password": "pw"}},

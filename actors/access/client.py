@@ -7,7 +7,7 @@ delivery it handed out and resubscribes from the next one (to the next gateway U
 failure), and it drops anything at or below that seq a server sends again.
 
     async with TierflowClient("http://127.0.0.1:8080", token="t") as client:
-        async for d in client.subscribe("meetup", filter="SELECT rsvp_id WHERE guests > 0"):
+        async for d in client.subscribe("orders", filter="SELECT id WHERE qty > 0"):
             print(d.seq, d.data)
 
 `ExactlyOnce` is the book's "processed" store on LevelDB: a handler runs only for a message

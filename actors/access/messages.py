@@ -79,7 +79,7 @@ class StreamMessage:
 
         A payload that is one line of valid JSON is served as stored, so a subscriber with no
         filter never keeps its objects: `surely_json` checks it without building any (a
-        quarter of a decode's CPU on a Meetup RSVP); only what it cannot vouch for is
+        quarter of a decode's CPU on a 1 KB event); only what it cannot vouch for is
         checked by a decode whose objects are dropped at once. Anything else gets the
         bytes `data` re-encoded.
         """

@@ -2,7 +2,7 @@
 
 `page_routes(app, views)` serves `actors/access/console/index.html` at `/` and its files at
 `/static/<name>`; each `[gateway.views]` entry (name -> a directory of static files, such
-as the Meetup demo's `cluster/demo/view`) at `/<name>/` with its files at
+as the demo's page `make demo` adds) at `/<name>/` with its files at
 `/<name>/static/<file>` (its page names them relatively: `static/app.js`). The pages need
 nothing from the internet (no CDN, no build step): they talk only to the gateway that
 served them, which the Content-Security-Policy enforces.

@@ -177,7 +177,7 @@ async def _take_batch(
 class BufferWriter:
     """Pushes frames of one stream into the buffer, batched, with dedup ids.
 
-        writer = BufferWriter(nc, "meetup", source_id="meetup")
+        writer = BufferWriter(nc, "orders", source_id="orders")
         await writer.pump(source)          # until the source ends; or write(frames) yourself
 
     Guarantees: `write` returns only when every frame is stored (or was already: a

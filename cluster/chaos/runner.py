@@ -48,7 +48,8 @@ from cluster.chaos.report import (
 )
 from cluster.chaos.scenarios import SITE_LOSS, SITE_SCHEDULES
 from cluster.chaos.schedule import Scenario, at_s, load_span, plan
-from cluster.demo.meetup import meetup_jobs, reference
+from cluster.demo import SUBJECT
+from cluster.demo.meetup import STREAM, meetup_jobs, reference
 from cluster.demo.rsvps import RsvpGenerator
 from cluster.deploy.analysis import start_driver, stop_driver, wait_running
 from cluster.deploy.gateway import start_gateways, stop_gateways
@@ -57,7 +58,7 @@ from cluster.pipeline import start_collection_tier
 from cluster.verify import judge_streams, stream_records
 from jobs.sink import results_by_query
 from jobs.sketches import Distinct
-from runtime.config import default_streams, load
+from runtime.config import load
 from runtime.engines.services import local_ray
 from runtime.nats.server import NatsCluster, NatsServer, connect
 from runtime.waiting import WaitTimeout, await_until
@@ -126,7 +127,9 @@ def scenario_events(scn: Scenario, n: int, seed: int, max_payload: int) -> tuple
 
 def _config(scn: Scenario, work: Path, namespace: str, nats_url: str) -> Any:
     streams: dict[str, Any] = (
-        default_streams() if scn.analysis else {GENERIC_STREAM: {"subjects": [GENERIC_SUBJECT]}}
+        {STREAM: {"subjects": [SUBJECT]}}
+        if scn.analysis
+        else {GENERIC_STREAM: {"subjects": [GENERIC_SUBJECT]}}
     )
     streams.update({s: {"subjects": [f"raw.{s}"]} for s in EXTRA_STREAMS})
     if scn.duplicate_window_s:

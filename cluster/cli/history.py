@@ -1,4 +1,5 @@
-"""`tierflow sql "SELECT ..."` and `tierflow archive status`: the streams' history.
+"""`tierflow sql "SELECT ..."`, `tierflow archive status` and `tierflow audit`: the streams'
+history, and what they hold judged.
 
 SQL prints a readable table by default, ``--json`` (one object a row) or ``--csv``; a
 query that is refused or runs past ``--timeout`` exits 1 with the reason on stderr.
@@ -6,14 +7,15 @@ query that is refused or runs past ``--timeout`` exits 1 with the reason on stde
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from cluster.cli.common import ConfigOpt, JsonOpt, WideOpt, err_console, load_config
+from cluster.cli.common import ConfigOpt, JsonOpt, WideOpt, console, err_console, load_config
 from cluster.tables import Column, build, print_tables
 
 archive_app = typer.Typer(help="The streams' long-term archive (Parquet).", no_args_is_help=True)
@@ -95,3 +97,56 @@ def archive_status(
                 "stream (another site, or the stream was recreated); the driver will not resume "
                 "it here (docs/geo.md, Analysis on another copy)[/yellow]"
             )
+
+
+AUDIT_COLUMNS = (
+    Column("stream", max_width=20),
+    Column("events", justify="right"),
+    Column("without_id", "without id", justify="right"),
+    Column("ids_stored_twice", "ids stored twice", justify="right"),
+)
+
+
+def audit(
+    config: ConfigOpt = None,
+    stream: Annotated[
+        list[str] | None, typer.Option("--stream", "-s", help="these streams (default: every one)")
+    ] = None,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+) -> None:
+    """Read back every stream of the running tierflow: no event id stored twice. The
+    verdict also goes to the console's "last verifier run"; exit 1 unless ok."""
+    from cluster.audit import SYSTEM
+    from cluster.audit import audit as run_audit
+    from cluster.history import NoNats, endpoint
+
+    cfg = load_config(config)
+    names = list(stream or [s for s in cfg.streams if s not in SYSTEM])
+    unknown = sorted(set(names) - set(cfg.streams))
+    if unknown:
+        err_console.print(f"[red]no stream {unknown} in the config[/red]")
+        raise typer.Exit(2)
+
+    async def go() -> dict[str, Any]:
+        nc = await endpoint(cfg, "admin", "tierflow-audit").connect()
+        try:
+            return await run_audit(nc, names)
+        finally:
+            await nc.close()
+
+    try:
+        verdict = asyncio.run(go())
+    except NoNats as err:
+        err_console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(verdict, default=str))
+    else:
+        rows = [{"stream": n, **s} for n, s in verdict["streams"].items()]
+        print_tables(
+            lambda w: [build(AUDIT_COLUMNS, rows, wide=wide, width=w, title="audit")], wide=wide
+        )
+        console.print(f"verdict: {verdict['verdict']} {verdict['why']}")
+    if verdict["verdict"] != "ok":
+        raise typer.Exit(1)

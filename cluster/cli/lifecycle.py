@@ -35,8 +35,9 @@ def where(info: dict[str, Any], cfg: Config | None = None) -> None:
     )
     console.print(f"  Spark     {info.get('spark', {}).get('master')}")
     console.print(f"  admin     {info.get('admin', {}).get('url')}/status  /metrics")
-    if info.get("replay", {}).get("url"):
-        console.print(f"  source    {info['replay']['url']}  (synthetic Meetup RSVPs)")
+    for name, stream in (cfg.streams if cfg is not None else {}).items():
+        if stream.source.url:
+            console.print(f"  source    {stream.source.url}  (read into stream {name!r})")
     if info.get("collector", {}).get("url"):
         console.print(f"  collector {info['collector']['url']}/v1/streams/<stream>/events")
     if info.get("gateway", {}).get("url"):
@@ -147,20 +148,19 @@ def demo(
 ) -> None:
     """The Meetup RSVP pipeline on this machine: a synthetic RSVP stream flows in."""
     # Imported here: the launcher loads Ray (about a second) that other commands never need.
-    from cluster.demo import with_view
-    from cluster.launcher import serve_forever
+    from cluster.demo import run_demo
 
-    cfg = with_view(load_config(config))
+    cfg = load_config(config)
 
     def ready(rt: Any, stop: asyncio.Event) -> None:
         console.print("[green]tierflow demo is up[/green] (Ctrl-C stops it)")
-        where(rt.describe(), cfg)
+        where(rt.describe(), rt.cfg)
         loop = asyncio.get_running_loop()
         if duration:
             loop.call_later(duration, stop.set)
         loop.create_task(_report_flow(rt, stop))
 
-    asyncio.run(serve_forever(cfg, on_ready=ready, record_state=False, demo_rate=rate))
+    asyncio.run(run_demo(cfg, rate=rate, on_ready=ready, record_state=False))
     console.print("tierflow demo stopped")
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from cluster.console.view import console_view, stream_record
-from runtime.nats.roles import STATUS_BUCKET, STATUS_KEY
+from runtime.nats.roles import STATUS_BUCKET, STATUS_KEY, VERIFIER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,15 @@ async def status_bucket(js: Any) -> Any:
         return await js.create_key_value(
             KeyValueConfig(bucket=STATUS_BUCKET, history=1, storage=StorageType.MEMORY)
         )
+
+
+async def last_verdict(kv: Any) -> dict[str, Any] | None:
+    """The last audit's verdict (cluster/audit.py), if one ran."""
+    try:
+        entry = await kv.get(VERIFIER_KEY)
+    except KeyNotFoundError:
+        return None
+    return msgspec.json.decode(entry.value) if entry.value else None
 
 
 async def stream_records(js: Any, configs: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -66,8 +75,9 @@ class StatusFeed:
         js = self.nc.jetstream()
         status = await self.status()
         streams = await stream_records(js, self.configs)
-        view = console_view(status, streams, self.last, time.time())
         kv = await status_bucket(js)
+        status["verifier"] = await last_verdict(kv)
+        view = console_view(status, streams, self.last, time.time())
         await kv.put(STATUS_KEY, msgspec.json.encode(view))
         self.last = view
         self.rounds += 1

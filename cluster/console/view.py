@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "BEHIND_LAG",
+    "jetstream_health",
     "BEHIND_PENDING",
     "TIERS",
     "console_view",
@@ -67,6 +68,29 @@ def role_health(
         slow = (rates.get("lag_warnings") or 0.0) + (rates.get("dropped") or 0.0)
         if slow > 0:
             return "behind", f"{slow:,.1f} lag warnings and drops/s"
+    return _ok()
+
+
+def jetstream_health(
+    status: Mapping[str, Any],
+    streams: Sequence[Mapping[str, Any]],
+    replication: Sequence[Mapping[str, Any]],
+) -> tuple[str, str]:
+    """NATS answering; every copy on another site answering and within `BEHIND_LAG` of its
+    origin; every archive within `BEHIND_LAG` of its stream."""
+    if ((status.get("services") or {}).get("nats") or {}).get("healthy") is False:
+        return "down", "NATS does not answer"
+    gone = [r for r in replication if not r.get("up")]
+    if gone:
+        return "down", f"copy of {gone[0].get('stream')} on {gone[0].get('site')} not answering"
+    far = [r for r in replication if int(r.get("lag") or 0) > BEHIND_LAG]
+    if far:
+        r = far[0]
+        return "behind", f"{r.get('stream')} on {r.get('site')}: {int(r['lag']):,} behind"
+    for s in streams:
+        lag = (s.get("archive") or {}).get("lag")
+        if lag is not None and lag > BEHIND_LAG:
+            return "behind", f"archive of {s['name']}: {lag:,} events behind"
     return _ok()
 
 
@@ -122,14 +146,33 @@ def _streams(
     streams: Sequence[Mapping[str, Any]],
     prev: Mapping[str, Any] | None,
     dt: float,
-    dead_letters: Mapping[str, int],
+    analysis: Mapping[str, Any],
+    replication: Sequence[Mapping[str, Any]],
 ) -> list[dict[str, Any]]:
+    """Each stream with its rate, dead letters, its archive's lag (events not archived
+    yet) and its copies' lag on other sites."""
     before = {s["name"]: s for s in (prev or {}).get("streams", [])}
+    dead = analysis.get("dead_letters") or {}
+    archives = {
+        q.get("stream"): q.get("lag")
+        for q in analysis.get("queries") or []
+        if q.get("kind") == "archive"
+    }
     out = []
     for s in sorted(streams, key=lambda s: s["name"]):
         was = before.get(s["name"])
         rate = _per_s(s["last_seq"], was["last_seq"], dt) if was else None
-        out.append({**s, "rate": rate, "dead_letters": int(dead_letters.get(s["name"], 0))})
+        row = {**s, "rate": rate, "dead_letters": int(dead.get(s["name"], 0))}
+        if row.get("archive") is not None:
+            row["archive"] = {**row["archive"], "lag": archives.get(s["name"])}
+        copies = [
+            {"site": r.get("site"), "from": r.get("from"), "lag": r.get("lag"), "up": r.get("up")}
+            for r in replication
+            if r.get("stream") == s["name"]
+        ]
+        if copies:
+            row["copies"] = copies
+        out.append(row)
     return out
 
 
@@ -196,7 +239,8 @@ def console_view(
     children = status.get("children") or []
     analysis = status.get("analysis") or {}
     dead = analysis.get("dead_letters") or {}
-    stream_rows = _streams(streams, prev, dt, dead)
+    replication = status.get("replication") or []
+    stream_rows = _streams(streams, prev, dt, analysis, replication)
     jobs = _jobs(analysis, prev)
     tiers: list[dict[str, Any]] = []
     for role in ("collector", "logger", "bridge"):
@@ -217,15 +261,17 @@ def console_view(
             }
         )
     user = [s for s in stream_rows if s["name"] not in ("results", "deadletter")]
-    nats_ok = ((status.get("services") or {}).get("nats") or {}).get("healthy")
+    j_state, j_why = jetstream_health(status, user, replication)
     tiers.append(
         {
             "tier": "jetstream",
             "replicas": len(user),
             "rates": {"stored": round(sum(s["rate"] or 0 for s in user), 2)},
             "messages": sum(s["messages"] for s in user),
-            "state": "down" if nats_ok is False else "ok",
-            "why": "NATS does not answer" if nats_ok is False else "",
+            "archive_lag": sum(int((s.get("archive") or {}).get("lag") or 0) for s in user),
+            "replication_lag": max((int(r.get("lag") or 0) for r in replication), default=None),
+            "state": j_state,
+            "why": j_why,
         }
     )
     a_state, a_why = _analysis_health(analysis, jobs)

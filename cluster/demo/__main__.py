@@ -17,10 +17,9 @@ from typing import Any
 import msgspec
 
 from cluster.analysis import connect_ray, runtime_nats_url
-from cluster.demo import with_view
+from cluster.demo import run_demo
 from cluster.demo.meetup import meetup_jobs
 from cluster.deploy.analysis import start_driver, wait_running
-from cluster.launcher import serve_forever
 from runtime.config import load
 
 
@@ -41,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--demo-rate", type=float, default=0.0, help="synthetic RSVPs per s")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after N s (0: never)")
     args = parser.parse_args(argv)
-    cfg = with_view(load(args.config))
+    cfg = load(args.config)
     if args.attach:
         return _attach(cfg, args.nats_url, args.wait)
     return run_pipeline(cfg, demo_rate=args.demo_rate, duration=args.duration)
@@ -59,7 +58,7 @@ def run_pipeline(cfg: Any, *, demo_rate: float = 0.0, duration: float = 0.0) -> 
         if duration:
             asyncio.get_running_loop().call_later(duration, stop.set)
 
-    asyncio.run(serve_forever(cfg, on_ready=ready, demo_rate=demo_rate, analysis=True))
+    asyncio.run(run_demo(cfg, rate=demo_rate, on_ready=ready))
     print(json.dumps({"tierflow": "stopped"}), flush=True)
     return 0
 

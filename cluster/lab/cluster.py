@@ -114,6 +114,7 @@ class LabCluster:
         path.write_text(
             f'state_dir = "{self.work / "state"}"\n'
             + toml_text({"jobs": windowed})
+            + '[streams.meetup]\nsubjects = ["raw.meetup"]\n'
             + f'[nats]\nurl = "{self.nats_url}"\nstream_replicas = {min(3, len(self.nats))}\n'
             f'[ray]\nnamespace = "{self.namespace}"\n'
             '[roles.collector]\nhost = "node"\nreplicas = 3\n'

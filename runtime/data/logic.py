@@ -39,12 +39,12 @@ class LogicConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     """A stream's `[streams.NAME.logic]` table; every key optional (default: no logic).
 
     ```toml
-    [streams.meetup.logic]
-    validate = { response = "str", guests = "int", "group.group_city" = "str" }
+    [streams.orders.logic]
+    validate = { sku = "str", qty = "int", "shop.country" = "str" }
     validate_hook = "mypkg.rules:check"      # fn(data) -> None/True ok, False/str invalid
     enrich = ["received_at", "collector", "mypkg.rules:add_geo"]  # hook: fn(data) -> dict|None
-    filter = "response = 'yes' AND guests >= 0"   # keep where true; or "mypkg.rules:keep"
-    route = "raw.meetup.{group.group_country}"    # subject template over dotted paths
+    filter = "status = 'paid' AND qty >= 0"       # keep where true; or "mypkg.rules:keep"
+    route = "raw.orders.{shop.country}"           # subject template over dotted paths
     route_default = "unknown"                     # token for a missing field
     ```
 

@@ -121,7 +121,7 @@ class CheckedQuery:
         for node in list(root.find_all(exp.Table)):
             name = node.name.lower()
             if name not in ctes and name in lower:
-                if not node.alias:  # `meetup.city` still names the table it was written as
+                if not node.alias:  # `orders.city` still names the table it was written as
                     node.set("alias", exp.TableAlias(this=exp.to_identifier(node.name)))
                 node.set("this", exp.to_identifier(lower[name], quoted=True))
         return render_spark(root)

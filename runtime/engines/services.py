@@ -287,7 +287,7 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
     PySpark's Python DataSources run Python workers that must find pyarrow, so the
     workers use this interpreter (the venv's), not whatever `python3` is on PATH.
 
-    Micro-batch settings, measured with the Meetup top-N (batches of 100 and of 5,000
+    Micro-batch settings, measured with a top-N job (batches of 100 and of 5,000
     events, local[2]): 2 shuffle partitions (one stateful task per core; 4 cost a task's
     overhead twice per batch) and RocksDB state with changelog checkpointing (each batch
     writes only its changes; at least as fast as the in-memory HDFS-backed store here and

@@ -5,7 +5,7 @@ webhook's sender) holds a lease on one key of a KV bucket and does the work only
 holds it:
 
     kv = await ensure_lease_bucket(nc.jetstream())              # bucket `tierflow_leases`
-    lease = KvLease(nc, kv, "ingest.meetup", holder="node-a/3", ttl_s=3)
+    lease = KvLease(nc, kv, "ingest.orders", holder="node-a/3", ttl_s=3)
     await Leadership(lease, work).run(stop)     # work() runs only while the lease is held
 
 - `KvLease`: acquire / renew / release with revision-checked puts. Every write carries a

@@ -33,6 +33,7 @@ RESULTS_BUCKET = "results"
 # the operations console's view, put by tierflow itself, read by the gateways
 STATUS_BUCKET = "tierflow_status"
 STATUS_KEY = "console"
+VERIFIER_KEY = "verifier"  # the last audit's verdict (cluster/audit.py)
 # Subjects only the analysis tier writes (the results stream of runtime.config.system_streams):
 # the bridge publishes what producers sent, so it must not reach them.
 ANALYSIS_ONLY = ("results.",)

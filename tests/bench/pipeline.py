@@ -19,6 +19,7 @@ import msgspec
 from cluster.pipeline import CollectionTier, start_collection_tier
 from runtime.config import Config, load
 from runtime.nats.server import NatsServer, connect
+from tests.support import MEETUP_STREAMS
 
 TOPN_SUBJECT = "results.meetup_topn"
 
@@ -297,6 +298,7 @@ def pipeline(
             "state_dir": str(state / "state"),
             "ray": {"namespace": namespace},
             "roles": {"collector": {"port": 0}, "gateway": {"port": 0}},
+            "streams": MEETUP_STREAMS,  # the Meetup RSVPs the benches send
             **(overrides or {}),
             "spark": {"master": master, "conf": spark_conf, **(overrides or {}).get("spark", {})},
         },

@@ -179,8 +179,12 @@ function tierFigures(t) {
       return [["logged/s", r.logged], ["pending", t.load]];
     case "bridge":
       return [["published/s", r.published], ["failed/s", r.failed], ["in flight", t.load]];
-    case "jetstream":
-      return [["stored/s", r.stored], ["events", t.messages]];
+    case "jetstream": {
+      const out = [["stored/s", r.stored], ["events", t.messages]];
+      if (t.archive_lag) out.push(["archive lag", t.archive_lag]);
+      if (t.replication_lag !== null && t.replication_lag !== undefined) out.push(["copy lag", t.replication_lag]);
+      return out;
+    }
     case "analysis":
       return [["processed/s", r.processed], ["lag", t.lag], ["late", t.late_events]];
     case "results":
@@ -222,10 +226,21 @@ function renderPromise(v) {
   const facts = [
     ["dead letters", fmt(v.dead_letters)],
     ["escalation", v.escalated ?? "none"],
-    ["last verifier run", v.verifier ? `${v.verifier.verdict ?? ""} ${v.verifier.at ?? ""}` : "none on record"],
+    ["last verifier run", verdictText(v.verifier)],
     ["nodes", fmt((v.nodes ?? []).filter((n) => n.alive).length)],
   ];
   $("promise").replaceChildren(...facts.flatMap(([k, val]) => [el("dt", "", k), el("dd", "", String(val))]));
+  $("promise").dataset.verdict = v.verifier?.verdict ?? "";
+}
+
+/** The last audit's verdict (`tierflow audit`): what, over how much, and when. */
+function verdictText(verdict) {
+  if (!verdict) return "none on record (tierflow audit)";
+  const streams = Object.values(verdict.streams ?? {});
+  const events = streams.reduce((a, s) => a + (s.events ?? 0), 0);
+  const when = new Date(verdict.at * 1000).toLocaleTimeString([], { hour12: false });
+  const why = verdict.why ? `: ${verdict.why}` : "";
+  return `${verdict.verdict}${why} (${verdict.kind}, ${fmt(events)} events in ${streams.length} streams, ${when})`;
 }
 
 function limitsText(l) {
@@ -257,7 +272,7 @@ function renderStreams(streams) {
         el("td", "num", fmt(s.bytes)),
         el("td", "", limitsText(s.limits)),
         el("td", "", s.compact ? `by ${s.compact.key}, keep ${s.compact.keep}` : "–"),
-        el("td", "", s.archive ? `archived by ${s.archive.partitioning}` : "–"),
+        el("td", "", s.archive ? `by ${s.archive.partitioning}, ${fmt(s.archive.lag)} behind` : "–"),
         el("td", "num", fmt(s.dead_letters)),
       );
       return tr;
@@ -307,13 +322,13 @@ function renderArchive(streams) {
   const archived = streams.filter((s) => s.archive);
   const rows = archived.map((s) => {
     const tr = el("tr");
-    tr.append(el("th", "", s.name), el("td", "", s.archive.partitioning), el("td", "num", fmt(s.messages)), el("td", "num", fmt(s.first_seq)));
+    tr.append(el("th", "", s.name), el("td", "", s.archive.partitioning), el("td", "num", fmt(s.archive.lag)), el("td", "num", fmt(s.messages)), el("td", "num", fmt(s.first_seq)));
     return tr;
   });
   if (!rows.length) {
     const tr = el("tr");
     const td = el("td", "meta", "no stream is archived");
-    td.colSpan = 4;
+    td.colSpan = 5;
     tr.append(td);
     rows.push(tr);
   }
