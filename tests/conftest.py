@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from runtime.config import Config, load
 from runtime.engines.services import local_ray, spark_session
 from runtime.nats.server import PORT_SLICE_ENV, NatsServer, quiet_ports
 from tests.ordering import costliest_first, load_costs, module_of
-from tests.support import NatsFactory
+from tests.support import CHROMIUM, CHROMIUM_ARGS, NatsFactory
 
 
 def _port_slice(environ: dict[str, str], ports: range | None = None) -> str | None:
@@ -148,3 +148,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Costliest modules first (tests/ordering.py says why): make test's two workers then
     end together instead of one finishing a long module alone."""
     items[:] = costliest_first(items, lambda item: module_of(item.nodeid), load_costs())
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    """Debian's Chromium through Playwright, one per module (the console's and the demo
+    page's tests)."""
+    from playwright.async_api import async_playwright
+
+    if not os.access(CHROMIUM, os.X_OK):  # fail, not skip: an untested page is a bug
+        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (make test does it)")
+    async with async_playwright() as pw:
+        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        await chromium.close()

@@ -26,18 +26,23 @@ from tests.support import NatsFactory
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def mtls(nats_factory: NatsFactory, tmp_path: Path) -> Any:
+def mtls_config(tmp_path: Path, **more: Any) -> Config:
+    """Client verification on, with dev certificates made under the state dir."""
     state = tmp_path / "state"
     make_dev_certs(state / "certs")
-    cfg = load(
+    return load(
         environ={},
         overrides={
             "state_dir": str(state),
             "tls": {"enabled": True, "verify_clients": True},
-            "streams": {"flights": {}},
+            **more,
         },
     )
+
+
+@pytest.fixture
+def mtls(nats_factory: NatsFactory, tmp_path: Path) -> Any:
+    cfg = mtls_config(tmp_path, streams={"flights": {}})
     with nats_factory.from_config(cfg) as server:
         yield cfg, server
 
@@ -128,17 +133,11 @@ def test_a_sql_job_joins_a_kv_table_as_the_analysis_user_under_mutual_tls(
     from jobs.sink import results_by_query
     from runtime.job_specs import decode_spec
 
-    state = tmp_path / "state"
-    make_dev_certs(state / "certs")
-    cfg = load(
-        environ={},
-        overrides={
-            "state_dir": str(state),
-            "tls": {"enabled": True, "verify_clients": True},
-            "nats": {"role_users": True},
-            "streams": {"orders": {"schema": "id BIGINT, item STRING, qty BIGINT"}},
-            "tables": {"prices": {"bucket": "prices", "prefix": "item", "schema": "price DOUBLE"}},
-        },
+    cfg = mtls_config(
+        tmp_path,
+        nats={"role_users": True},
+        streams={"orders": {"schema": "id BIGINT, item STRING, qty BIGINT"}},
+        tables={"prices": {"bucket": "prices", "prefix": "item", "schema": "price DOUBLE"}},
     )
     with nats_factory.from_config(cfg) as server:
 

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ import pytest
 from runtime import runstate
 from runtime.config import load
 from runtime.waiting import wait_until
-from tests.support import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -209,18 +208,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             producer.join(30)
         down = run(["down", "--config", str(path)], env)
         assert down.returncode == 0, down.stdout + down.stderr
-
-
-@pytest.fixture(scope="module")
-async def browser() -> AsyncIterator[Any]:
-    from playwright.async_api import async_playwright
-
-    if not os.access(CHROMIUM, os.X_OK):  # fail, not skip: an untested console is a bug
-        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (make test does it)")
-    async with async_playwright() as pw:
-        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        await chromium.close()
 
 
 FIGURE_JS = """([tier, label]) => {

@@ -31,7 +31,6 @@ from jobs.sink import ResultSink
 from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
 from runtime.nats.server import NatsServer, connect
-from tests.support import CHROMIUM, CHROMIUM_ARGS
 
 NS = "tf-dashboard"
 TOKEN = "dash-token"
@@ -151,18 +150,6 @@ async def producer(gateway: str, nats_server: NatsServer) -> AsyncIterator[Produ
 
 
 # --------------------------------------------------------------------------- the browser
-
-
-@pytest.fixture(scope="module")
-async def browser() -> AsyncIterator[Any]:
-    from playwright.async_api import async_playwright
-
-    if not os.access(CHROMIUM, os.X_OK):  # fail, not skip: an untested dashboard is a bug
-        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium (make test does it)")
-    async with async_playwright() as pw:
-        chromium = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        await chromium.close()
 
 
 @contextlib.asynccontextmanager
