@@ -181,9 +181,13 @@ class Producer(threading.Thread):
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("console")
     path = tmp / "tierflow.toml"
+    page = tmp / "shop-page"  # the stranger's own page beside the console
+    page.mkdir()
+    (page / "index.html").write_text("<!doctype html><title>shop</title><h1>our shop</h1>")
     text = f'state_dir = "{tmp / "state"}"\n' + CONFIG.format(
         producer=PRODUCER, consumer=CONSUMER, orders_only=ORDERS_ONLY
     )
+    text += f'\n[gateway.views]\nshop = "{page}"\n'
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
     cfg = load(path, environ=env)
@@ -285,6 +289,13 @@ async def test_the_console_shows_every_tier_moving_and_each_job_drawn_by_kind(
             "() => document.getElementById('feed').dataset.state === 'live'", timeout=WAIT_MS
         )
         await page.wait_for_selector("#token-form", state="hidden", timeout=WAIT_MS)
+        # the config's own page is one click away, and served
+        links = await page.eval_on_selector_all(
+            "#views a", "(nodes) => nodes.map((a) => [a.textContent, a.getAttribute('href')])"
+        )
+        assert links == [["shop", "/shop/"]], links
+        with urllib.request.urlopen(gateway + "/shop/", timeout=30) as resp:
+            assert b"our shop" in resp.read()
         # the tail: the orders stream through a filter (the gateway sends: its rate moves)
         await page.click("nav [data-tab=streams]")
         await page.wait_for_selector('#streams tr[data-stream="orders"] button', timeout=WAIT_MS)
@@ -323,6 +334,15 @@ async def test_the_console_shows_every_tier_moving_and_each_job_drawn_by_kind(
             )
             if job == "top_skus":
                 await page.screenshot(path=str(REPORTS / "console-jobs.png"), full_page=True)
+        # counts: the rows, and their total over time
+        await page.click('#jobs tr[data-job="orders_per_sku"] button')
+        await page.wait_for_function(
+            "() => Number(document.getElementById('results').dataset.total) > 0 "
+            "&& document.querySelector('#results canvas') !== null",
+            timeout=WAIT_MS,
+        )
+        await page.click('#jobs tr[data-job="top_skus"] button')
+        await page.wait_for_function(DRAWN_JS, arg=["top_skus", "bars"], timeout=WAIT_MS)
         bars = await page.eval_on_selector_all(
             "#results li.bar", "(nodes) => nodes.map((n) => n.dataset.item)"
         )

@@ -247,3 +247,21 @@ def test_an_audit_is_ok_unless_an_id_is_stored_twice_in_one_stream() -> None:
     bad = judge_audit({"a": Counter({"x": 2, "y": 1})}, {})
     assert bad["verdict"] == "duplicates" and "a" in bad["why"]
     assert bad["streams"]["a"]["examples"] == ["x"]
+
+
+def test_nothing_below_the_operating_layer_nor_the_launcher_names_the_demo() -> None:
+    """The demo is a config and its generator (cluster/demo): the runtime, the actors and
+    the launcher deploy what a config describes and know no demo."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "runtime").rglob("*.py"), *(root / "actors").rglob("*.*")]
+    files.append(root / "cluster" / "launcher.py")
+    naming = [
+        str(p.relative_to(root))
+        for p in files
+        if p.is_file()
+        and p.suffix in (".py", ".js", ".html", ".css")
+        and any(w in p.read_text(errors="replace").lower() for w in ("meetup", "rsvp"))
+    ]
+    assert naming == []

@@ -78,4 +78,5 @@ class ConsoleRoutes:
 
         out = visible_view(view, may_read)
         out["age_s"] = round(max(0.0, time.time() - float(view.get("at") or 0)), 1)
+        out["views"] = sorted(plane.cfg.gateway.views)  # the pages beside the console
         return reply(200, out)

@@ -153,6 +153,7 @@ async function poll() {
 }
 
 function render(v, fresh) {
+  renderViews(v.views ?? []);
   renderTiers(v.tiers);
   renderPromise(v);
   renderStreams(v.streams);
@@ -167,6 +168,21 @@ function render(v, fresh) {
       served: rate("gateway", "events_sent"),
     });
   }
+}
+
+/** Links to the pages a config serves beside the console (`[gateway.views]`). */
+function renderViews(names) {
+  const box = $("views");
+  if (box.dataset.names === names.join()) return;
+  box.dataset.names = names.join();
+  const token = new URLSearchParams(location.search).get("token");
+  box.replaceChildren(
+    ...names.map((n) => {
+      const a = el("a", "view", n);
+      a.href = `/${encodeURIComponent(n)}/${token ? `?token=${encodeURIComponent(token)}` : ""}`;
+      return a;
+    }),
+  );
 }
 
 /** The headline figures of a tier's box: its rate, then what says whether it keeps up. */
@@ -497,6 +513,7 @@ const results = {
     this.job = job;
     this.rows = new Map();
     this.chart = null;
+    this.totals = [[], []];
     $("results").replaceChildren();
     $("results-name").textContent = `${job.name} (${job.kind})`;
     $("results-status").textContent = "reading…";
@@ -540,8 +557,35 @@ const results = {
       return this.drawSeries(box, rows, job.kind === "count" ? "count" : job.kind === "distinct" ? "distinct" : "events");
     }
     if (job.kind === "distinct") return drawDistinct(box, rows[0]);
-    if (job.kind === "count") return drawTable(box, [...rows].sort((a, b) => (b.count ?? 0) - (a.count ?? 0)));
+    if (job.kind === "count") return this.drawCounts(box, rows);
     return drawTable(box, rows);
+  },
+
+  /** Counts: the total over time (one point per change seen here), and the rows. */
+  drawCounts(box, rows) {
+    const count = (r) => {
+      const last = Object.values(r).at(-1); // the count is each row's last field (count_as)
+      return typeof last === "number" ? last : 0;
+    };
+    this.totals[0].push(Date.now() / 1000);
+    this.totals[1].push(rows.reduce((a, r) => a + count(r), 0));
+    if (this.totals[0].length > HISTORY) this.totals.forEach((d) => d.shift());
+    if (!this.chart) {
+      const node = el("div", "chart");
+      node.setAttribute("role", "img");
+      node.setAttribute("aria-label", "total count over time");
+      box.replaceChildren(node, el("div", "scroll"));
+      this.chart = new uPlot(
+        { width: Math.max(300, box.clientWidth), height: 160, series: [{}, { label: "total count", stroke: "#16a34a", width: 2 }], axes: [{}, { size: 60 }] },
+        this.totals,
+        node,
+      );
+    } else {
+      this.chart.setData(this.totals);
+    }
+    drawTable(box.lastChild, [...rows].sort((a, b) => count(b) - count(a)));
+    box.dataset.drawn = "table";
+    box.dataset.total = this.totals[1].at(-1);
   },
 
   drawSeries(box, rows, field) {
