@@ -62,6 +62,7 @@ def test_an_encoded_batch_is_logged_as_the_events_would_be(tmp_path: Path) -> No
                     len(encode_event(e)) for e in (ev(1), ev(2, token="T"), ev(3, stream="t"))
                 ),
                 "tokens": 1,
+                "logged": 3,  # this process's appends: the 3 new ones each
             }
         )
         assert list(a._ns[NS_TRANSIENT].scan()) == list(b._ns[NS_TRANSIENT].scan())

@@ -26,7 +26,7 @@ from runtime.config import Config, load
 from runtime.engines.services import ensure_streams
 from runtime.nats.server import NatsServer, connect
 from runtime.waiting import await_until
-from tests.test_dashboard import browser, open_page  # noqa: F401 - the browser fixture
+from tests.test_dashboard import open_page
 
 pytestmark = pytest.mark.timeout(600)
 NS = "tf-sql-gateway"
@@ -148,12 +148,13 @@ async def test_refusals_name_the_problem(
     assert got == status and reason in answer["error"], answer
 
 
-async def test_the_dashboard_sql_box_shows_the_rows(
+async def test_the_consoles_sql_box_shows_the_rows(
     stack: dict[str, Any],
     orders: list[dict[str, Any]],
-    browser: Any,  # noqa: F811
+    browser: Any,
 ) -> None:
     async with open_page(browser, f"{stack['url']}/?token={ALICE}") as page:
+        await page.click("nav [data-tab=history]")
         sql = "SELECT item, count(*) AS n FROM orders GROUP BY item ORDER BY item"
         await page.fill("#sql-input", sql)
         await page.click("#sql-form button")

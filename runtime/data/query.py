@@ -112,7 +112,7 @@ def _node_offset(node: exp.Expression) -> int:
 
 # --------------------------------------------------------------------------- WHERE
 
-_SUPPORTED = "=, !=, <, <=, >, >=, AND, OR, NOT, IN (...), IS [NOT] NULL"
+_SUPPORTED = "=, !=, <, <=, >, >=, AND, OR, NOT, IN (...), [NOT] LIKE 'a%', IS [NOT] NULL"
 _ORDER = {exp.LT: operator.lt, exp.LTE: operator.le, exp.GT: operator.gt, exp.GTE: operator.ge}
 _NUMBER = re.compile(r"^[0-9]+$")
 

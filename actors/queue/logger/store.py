@@ -550,7 +550,8 @@ class LogStore:
 
     def scan_counts(self) -> dict[str, int]:
         """The counters recomputed by a full scan, plus the index sizes (a consistency check:
-        `by_time == transient`, `by_retry == failed`, `tokens_done` == done records)."""
+        `by_time == transient`, `by_retry == failed`, `tokens_done` == done records), and
+        `logged` as it is (no scan recounts this process's appends)."""
         nbytes = sum(len(v) for _, v in self._ns[NS_TRANSIENT].scan())
         failed = 0
         for _, v in self._ns[NS_FAILED].scan():
@@ -565,6 +566,7 @@ class LogStore:
             "by_time": self._ns[NS_BY_TIME].count(),
             "by_retry": self._ns[NS_BY_RETRY].count(),
             "index_mismatches": self.index_mismatches(),
+            "logged": self.logged,
         }
 
     def index_mismatches(self) -> int:
