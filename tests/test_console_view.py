@@ -121,11 +121,15 @@ def test_the_view_has_every_tier_in_flow_order_with_rates_between_views() -> Non
     assert first["streams"][0]["rate"] is None  # no view before: no rate yet
     second = console_view(
         STATUS,
-        [stream_record(info("orders", 300)), stream_record(info("results", 10))],
+        [
+            stream_record(info("orders", 300)),
+            stream_record(info("results", 10)),
+            stream_record(info("buffer", 900)),  # the stream pattern's, not stored events
+        ],
         first,
         now=102.0,
     )
-    orders = second["streams"][0]
+    orders = next(s for s in second["streams"] if s["name"] == "orders")
     assert orders["rate"] == 100.0 and orders["dead_letters"] == 2
     tiers = {t["tier"]: t for t in second["tiers"]}
     assert tiers["jetstream"]["rates"]["stored"] == 100.0  # results are not a user stream

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runtime.config import RESERVED_STREAM_NAMES as INTERNAL
+
 __all__ = [
     "BEHIND_LAG",
     "jetstream_health",
@@ -260,7 +262,8 @@ def console_view(
                 "why": why,
             }
         )
-    user = [s for s in stream_rows if s["name"] not in ("results", "deadletter")]
+    # the streams events are stored in: not the system ones, not the stream pattern's buffer
+    user = [s for s in stream_rows if s["name"] not in ("results", "deadletter", *INTERNAL)]
     j_state, j_why = jetstream_health(status, user, replication)
     tiers.append(
         {
