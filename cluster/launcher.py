@@ -118,14 +118,13 @@ class Runtime:
         )
 
     def _start_gateways(self) -> None:
-        """The data access tier: gateways sharing one port (dashboard at `/`)."""
-        options = self.cfg.gateway.options
+        """The data access tier: gateways sharing one port (the console at `/`)."""
         self.gateways = start_gateways(
             self.cfg,
             self.services.nats_url,
             named_filters=self.cfg.gateway.filters,
             token_streams=self.cfg.auth.consumer_streams,
-            options=options,
+            options=self.cfg.gateway.options,
         )
         ep = ray.get(
             ray.get_actor(self.gateways[0], namespace=self.cfg.ray.namespace).endpoints.remote(),
@@ -333,14 +332,17 @@ class Runtime:
         except Exception as err:
             return {"state": "unreachable", "error": repr(err)}
         js = self.nc.jetstream()
+        lasts: dict[str, int | None] = {}  # one look per stream: its jobs, scan and archive
         queries = []
         for name, q in (st.get("queries") or {}).items():
-            lag = None
-            try:
-                last = (await js.stream_info(q["stream"])).state.last_seq
-                lag = max(0, last - int(q.get("committed_seq") or 0))
-            except Exception:  # the stream is not there yet
-                pass
+            stream = q["stream"]
+            if stream not in lasts:
+                try:
+                    lasts[stream] = (await js.stream_info(stream)).state.last_seq
+                except Exception:  # the stream is not there yet
+                    lasts[stream] = None
+            last = lasts[stream]
+            lag = None if last is None else max(0, last - int(q.get("committed_seq") or 0))
             queries.append({"name": name, **scalars(q), "lag": lag})
         # with a warm standby (spark.standby): which process runs the queries, and its
         # takeover when it took them over from the other
