@@ -49,23 +49,17 @@ def judge_audit(ids: Mapping[str, Counter[str]], no_id: Mapping[str, int]) -> di
 async def audit(nc: Any, streams: list[str], timeout: float = 300.0) -> dict[str, Any]:
     """Read `streams` whole, judge them, and put the verdict where the console reads it."""
     from cluster.console.feed import status_bucket
-    from cluster.verify import read_stream
+    from cluster.verify import stream_ids
 
     ids: dict[str, Counter[str]] = {}
     no_id: dict[str, int] = {}
     for name in streams:
-        found: Counter[str] = Counter()
-        missing = 0
-
-        def take(seq: int, eid: str, data: bytes, found: Counter[str] = found) -> None:
-            nonlocal missing
-            if eid.startswith(NO_ID):
-                missing += 1
-            else:
-                found[eid] += 1
-
-        await read_stream(nc, name, take, timeout=timeout)
-        ids[name], no_id[name] = found, missing
+        found = await stream_ids(nc, name, timeout=timeout)
+        placeholders = [i for i in found if i.startswith(NO_ID)]  # one per message, unique
+        no_id[name] = len(placeholders)
+        for i in placeholders:
+            del found[i]
+        ids[name] = found
     verdict = judge_audit(ids, no_id)
     kv = await status_bucket(nc.jetstream())
     await kv.put(VERIFIER_KEY, msgspec.json.encode(verdict))
