@@ -36,6 +36,7 @@ from jobs.event_time import source_events
 from jobs.plans import Plan
 from jobs.sql import ENVELOPE
 from jobs.topn import BatchRows
+from runtime.config import KvTableConfig
 from runtime.data.sql_check import SqlRefused
 from runtime.data.sql_jobs import SqlJobQuery, check_tables, sql_job_query
 from runtime.errors import JobError
@@ -44,7 +45,7 @@ from runtime.job_specs import JobSpec, interval
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from runtime.config import KvTableConfig, StreamConfig
+    from runtime.config import StreamConfig
 
 __all__ = ["SqlJobPlan", "explain", "keyed_rows", "plan_sql_job", "sql_streams", "stream_table"]
 
@@ -177,8 +178,6 @@ def _as_timestamp(value: Any, form: str) -> Any:
 
 def kv_names(streams: Mapping[str, Any]) -> set[str]:
     """The names in a sql catalog (`Config.sql_tables`) that are KV tables."""
-    from runtime.config import KvTableConfig
-
     return {name for name, cfg in streams.items() if isinstance(cfg, KvTableConfig)}
 
 
@@ -213,15 +212,11 @@ def plan_sql_job(
     kv = kv_names(streams)
     for i, stream in enumerate(query.streams):
         cfg = streams[stream]
-        if stream in kv:
-            table, times[stream] = kv_table(sources[stream], stream, cfg)  # type: ignore[arg-type]
+        if isinstance(cfg, KvTableConfig):
+            table, times[stream] = kv_table(sources[stream], stream, cfg)
         else:
             table, times[stream] = stream_table(
-                sources[stream],
-                stream,
-                cfg,
-                spec.watermark,
-                query.stateful,  # type: ignore[arg-type]
+                sources[stream], stream, cfg, spec.watermark, query.stateful
             )
         views[stream] = f"tf_sqljob_{tag}_{i}"
         table.createOrReplaceTempView(views[stream])

@@ -22,10 +22,10 @@ from runtime.config import RESERVED_STREAM_NAMES as INTERNAL
 
 __all__ = [
     "BEHIND_LAG",
-    "jetstream_health",
     "BEHIND_PENDING",
     "TIERS",
     "console_view",
+    "jetstream_health",
     "job_health",
     "role_health",
     "stream_record",
@@ -39,8 +39,7 @@ BEHIND_LAG = 50_000
 TIERS = ("collector", "logger", "bridge", "jetstream", "analysis", "results", "gateway")
 
 
-def _ok() -> tuple[str, str]:
-    return "ok", ""
+OK = ("ok", "")  # a health with nothing to say
 
 
 def role_health(
@@ -70,7 +69,7 @@ def role_health(
         slow = (rates.get("lag_warnings") or 0.0) + (rates.get("dropped") or 0.0)
         if slow > 0:
             return "behind", f"{slow:,.1f} lag warnings and drops/s"
-    return _ok()
+    return OK
 
 
 def jetstream_health(
@@ -93,7 +92,7 @@ def jetstream_health(
         lag = (s.get("archive") or {}).get("lag")
         if lag is not None and lag > BEHIND_LAG:
             return "behind", f"archive of {s['name']}: {lag:,} events behind"
-    return _ok()
+    return OK
 
 
 def job_health(job: Mapping[str, Any], lag_before: int | None) -> tuple[str, str]:
@@ -107,7 +106,7 @@ def job_health(job: Mapping[str, Any], lag_before: int | None) -> tuple[str, str
     lag = job.get("lag")
     if lag is not None and lag > BEHIND_LAG and (lag_before is None or lag >= lag_before):
         return "behind", f"{lag:,} events behind"
-    return _ok()
+    return OK
 
 
 def stream_record(info: Any, cfg: Any = None) -> dict[str, Any]:
@@ -226,7 +225,7 @@ def _analysis_health(
         job = next((j for j in jobs if j["health"] == health), None)
         if job is not None:
             return health, f"{job['name']}: {job['why']}"
-    return _ok()
+    return OK
 
 
 def console_view(
