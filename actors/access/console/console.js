@@ -648,17 +648,22 @@ function drawTable(box, rows) {
   const shown = rows.slice(0, RESULT_ROWS);
   const columns = [...new Set(shown.flatMap((r) => Object.keys(r)))];
   const table = el("table", "grid");
+  fillTable(table, columns, shown.map((r) => columns.map((c) => r[c])));
+  box.replaceChildren(table);
+}
+
+/** `table` with a head of `columns` and a row per array of cells (objects as JSON). */
+function fillTable(table, columns, rows) {
+  table.replaceChildren();
   const head = table.createTHead().insertRow();
   for (const c of columns) head.append(Object.assign(el("th", "", c), { scope: "col" }));
   const body = table.createTBody();
-  for (const r of shown) {
+  for (const cells of rows) {
     const tr = body.insertRow();
-    for (const c of columns) {
-      const v = r[c];
-      tr.insertCell().textContent = v !== null && typeof v === "object" ? JSON.stringify(v) : v === undefined ? "" : String(v);
+    for (const v of cells) {
+      tr.insertCell().textContent = v === undefined ? "" : v !== null && typeof v === "object" ? JSON.stringify(v) : String(v);
     }
   }
-  box.replaceChildren(table);
 }
 
 // ------------------------------------------------------------------------------ history
@@ -678,19 +683,7 @@ $("sql-form").addEventListener("submit", async (e) => {
       status.textContent = `refused (${resp.status}): ${body.error}`;
       return;
     }
-    const rows = body.rows.map((r) => Object.fromEntries(body.columns.map((c, i) => [c, r[i]])));
-    const table = $("sql-result");
-    table.replaceChildren();
-    const head = table.createTHead().insertRow();
-    for (const c of body.columns) head.append(Object.assign(el("th", "", c), { scope: "col" }));
-    const tb = table.createTBody();
-    for (const r of rows) {
-      const tr = tb.insertRow();
-      for (const c of body.columns) {
-        const v = r[c];
-        tr.insertCell().textContent = v !== null && typeof v === "object" ? JSON.stringify(v) : String(v);
-      }
-    }
+    fillTable($("sql-result"), body.columns, body.rows);
     status.textContent = `${body.rows.length} rows from ${body.tables.join(", ") || "no table"}${body.truncated ? " (more rows than shown)" : ""}`;
   } catch (err) {
     status.textContent = `failed: ${err}`;
