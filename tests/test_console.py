@@ -30,6 +30,7 @@ import pytest
 from runtime import runstate
 from runtime.config import load
 from runtime.waiting import wait_until
+from tests.support import with_nats
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -202,6 +203,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         producer.start()
         yield {
             "gateway": state["gateway"]["url"],
+            "nats": state["nats"]["url"],
             "path": path,
             "env": env,
             "producer": producer,
@@ -359,13 +361,23 @@ async def test_the_console_shows_every_tier_moving_and_each_job_drawn_by_kind(
         n = int(await page.inner_text("#sql-result tbody td"))
         assert n >= before > 0, pipeline["producer"].errors[:3]
         assert "orders" in await page.inner_text("#archive")
-        # an audit reads every stream back; the promise panel shows its verdict
+
+        # an audit reads every stream back; the promise panel shows its verdict. A stranger's
+        # other publishers: one id on both streams (two events), one event with no id
+        async def publish(nc: Any) -> None:
+            js = nc.jetstream()
+            for subject in ("shop.orders", "shop.clicks"):
+                await js.publish(subject, b'{"id": -1}', headers={"Nats-Msg-Id": "same-id"})
+            await js.publish("shop.orders", b'{"id": -2}')
+
+        await asyncio.to_thread(with_nats, publish, pipeline["nats"])
         audited = await asyncio.to_thread(
             run, ["audit", "--json", "--config", str(pipeline["path"])], pipeline["env"]
         )
         assert audited.returncode == 0, audited.stdout + audited.stderr
         verdict = json.loads(audited.stdout)
         assert verdict["verdict"] == "ok" and verdict["streams"]["orders"]["events"] >= before
+        assert verdict["streams"]["orders"]["without_id"] == 1
         await page.click("nav [data-tab=pipeline]")
         await page.wait_for_function(
             "() => document.getElementById('promise').dataset.verdict === 'ok'", timeout=WAIT_MS
