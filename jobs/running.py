@@ -93,10 +93,13 @@ def read_stream(
     start_seq: int = 0,
     invalid_only: bool = False,
 ) -> DataFrame:
-    """The jetstream source over `stream` (the format must be registered), from the
+    """The jetstream source over `stream` (the JVM one where it can, jobs/jvm_source.py; the
+    Python one must be registered), from the
     beginning or, on a fresh checkpoint, from `start_seq`; with `invalid_only`, its
     malformed events alone (the source's ``invalidOnly``)."""
-    reader = spark.readStream.format("jetstream").options(**nats.to_options())
+    from jobs.jvm_source import stream_format
+
+    reader = spark.readStream.format(stream_format(spark, nats)).options(**nats.to_options())
     reader = reader.option("stream", stream)
     if start_seq:
         reader = reader.option("startingOffset", str(start_seq))

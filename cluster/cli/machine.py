@@ -16,6 +16,7 @@ import typer
 from cluster.cli.common import ConfigOpt, console, err_console, load_config
 from cluster.replay import run_replay
 from jobs.class_training import build as build_class_archive
+from jobs.jvm_source import build as build_jvm_source
 from runtime.certs import make_dev_certs, server_names
 from runtime.config import dumps_toml, redact
 from runtime.engines.class_archive import archive_path
@@ -37,7 +38,8 @@ def check(
         ),
     ] = True,
 ) -> None:
-    """Check the machine: Java 17+ for Spark and the nats-server binary."""
+    """Check the machine: Java 17+ for Spark and the nats-server binary; build the JVM
+    jetstream source's jar (seconds, once per change of its sources)."""
     try:
         java = require_java()
         binary = nats_server_binary()
@@ -45,6 +47,14 @@ def check(
         err_console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     console.print(f"java {java}, nats-server {binary}: ok")
+    try:
+        jar = build_jvm_source()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        # not fatal: streams are then read through the Python source
+        err_console.print(f"[yellow]no JVM jetstream source: {err}[/yellow]")
+    else:
+        state = f"built in {jar.seconds:.0f} s" if jar.fresh else "present"
+        console.print(f"jvm jetstream source {jar.path}: {state}")
     if class_archive:
         if (path := archive_path()) is not None and not path.is_file():
             console.print("building Spark's class archive (once per venv)...")

@@ -27,6 +27,7 @@ from runtime.engines.class_archive import (
     use_option,
     with_java_option,
 )
+from runtime.engines.source_jar import with_source_jar
 from runtime.errors import TierflowError
 from runtime.geo.replication import ensure_copies, with_local_sources
 from runtime.nats.roles import server_users
@@ -321,6 +322,7 @@ def spark_session(cfg: Config, app_name: str = "tierflow") -> SparkSession:
             "spark.driver.bindAddress", LOCAL_HOST
         )
     conf = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cfg.spark.conf.items()}
+    conf = with_source_jar(conf)
     for key, value in {**driver_class_archive(cfg, conf), **NO_SUBSTITUTION}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()

@@ -1,0 +1,111 @@
+package io.tierflow.jetstream;
+
+import java.util.Map;
+import java.util.Set;
+
+import org.apache.spark.sql.connector.catalog.SupportsRead;
+import org.apache.spark.sql.connector.catalog.Table;
+import org.apache.spark.sql.connector.catalog.TableCapability;
+import org.apache.spark.sql.connector.catalog.TableProvider;
+import org.apache.spark.sql.connector.expressions.Transform;
+import org.apache.spark.sql.connector.read.Scan;
+import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.read.streaming.MicroBatchStream;
+import org.apache.spark.sql.types.DataTypes;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.util.CaseInsensitiveStringMap;
+
+/**
+ * The jetstream source on the JVM: `spark.readStream.format("io.tierflow.jetstream.JetStreamProvider")`,
+ * the options, schema, offsets and rows of `jobs/jetstream.py`'s Python source, read by
+ * Spark's own task threads instead of a Python worker per task (which costs as much CPU per
+ * event as Spark's whole query on the stateless Nexmark queries, docs/benchmarks.md).
+ * Streaming reads only: batch reads (a stream-static join's table) stay on the Python source.
+ */
+public final class JetStreamProvider implements TableProvider {
+  static final StructType SCHEMA = new StructType()
+      .add("seq", DataTypes.LongType)
+      .add("subject", DataTypes.StringType)
+      .add("ts", DataTypes.TimestampType)
+      .add("msg_id", DataTypes.StringType)
+      .add("data", DataTypes.StringType)
+      .add("valid", DataTypes.BooleanType)
+      .add("error", DataTypes.StringType)
+      .add("raw", DataTypes.BinaryType);
+
+  @Override
+  public StructType inferSchema(CaseInsensitiveStringMap options) {
+    return SCHEMA;
+  }
+
+  @Override
+  public Table getTable(StructType schema, Transform[] partitioning, Map<String, String> properties) {
+    return new JetStreamTable(properties);
+  }
+
+  /** Whether the options name an endpoint this source can reach (else: the Python source). */
+  public static String unsupported(Map<String, String> options) {
+    return new Endpoint(lower(options)).unsupported();
+  }
+
+  static Map<String, String> lower(Map<String, String> options) {
+    Map<String, String> o = new java.util.HashMap<>();
+    options.forEach((k, v) -> o.put(k.toLowerCase(java.util.Locale.ROOT), v));
+    return o;
+  }
+
+  private static final class JetStreamTable implements Table, SupportsRead {
+    private final Map<String, String> properties;
+
+    JetStreamTable(Map<String, String> properties) {
+      this.properties = properties;
+    }
+
+    @Override
+    public String name() {
+      return "jetstream(" + properties.getOrDefault("stream", "?") + ")";
+    }
+
+    @Override
+    public StructType schema() {
+      return SCHEMA;
+    }
+
+    @Override
+    public Set<TableCapability> capabilities() {
+      return Set.of(TableCapability.MICRO_BATCH_READ);
+    }
+
+    @Override
+    public ScanBuilder newScanBuilder(CaseInsensitiveStringMap options) {
+      return () -> new JetStreamScan(options.asCaseSensitiveMap());
+    }
+  }
+
+  private static final class JetStreamScan implements Scan {
+    private final Map<String, String> options;
+
+    JetStreamScan(Map<String, String> options) {
+      this.options = options;
+    }
+
+    @Override
+    public StructType readSchema() {
+      return SCHEMA;
+    }
+
+    @Override
+    public String description() {
+      return "jetstream(stream=" + lower(options).get("stream") + ")";
+    }
+
+    @Override
+    public MicroBatchStream toMicroBatchStream(String checkpointLocation) {
+      try {
+        return new JetStreamMicroBatchStream(new SourceOptions(options));
+      } catch (SourceException e) {
+        throw new IllegalArgumentException(e.getMessage(), e);
+      }
+    }
+  }
+}

@@ -1,0 +1,260 @@
+"""The JVM jetstream source (jobs/jvm, jobs/jvm_source.py) against a real nats-server and Spark:
+the same rows, offsets and errors as the Python source, over what a stranger's stream holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+
+from jobs.jetstream import register
+from jobs.jvm_source import CHOICE_KEY, JVM_FORMAT, PYTHON_FORMAT, jvm_loaded, speaks, stream_format
+from runtime.certs import make_dev_certs
+from runtime.nats.endpoint import NatsEndpoint
+from tests.support import NatsFactory, with_nats
+
+pytestmark = pytest.mark.timeout(300)
+
+COLUMNS = ("seq", "subject", "ts", "msg_id", "data", "valid", "error", "raw")
+
+
+@pytest.mark.unit
+def test_the_jvm_source_speaks_plain_and_tls_urls_not_creds_or_websockets() -> None:
+    assert speaks(NatsEndpoint(url="nats://127.0.0.1:4222", token="t"))
+    assert speaks(NatsEndpoint(url="tls://a:4222,nats://b:4222", user="u", password="p"))
+    assert not speaks(NatsEndpoint(url="nats://127.0.0.1:4222", creds="/x.creds"))
+    assert not speaks(NatsEndpoint(url="nats://a:4222,WSS://b:443"))
+
+
+async def _publish(nc: Client, msgs: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+    js = nc.jetstream()
+    futs = [await js.publish_async(s, p, headers=h) for s, p, h in msgs]
+    await asyncio.wait_for(asyncio.gather(*futs), 60)
+
+
+def publish(url: str, msgs: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+    with_nats(lambda nc: _publish(nc, msgs), url)
+
+
+def add_stream(url: str, name: str, subjects: list[str], **kw: Any) -> None:
+    async def go(nc: Client) -> None:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects, **kw))
+
+    with_nats(go, url)
+
+
+@pytest.fixture(scope="module")
+def sp(spark: Any) -> Any:
+    register(spark)
+    assert jvm_loaded(spark), "the JVM source's jar is not on spark.jars: run `tierflow check`"
+    return spark
+
+
+def read_all(sp: Any, fmt: str, ckpt: Path, options: dict[str, str]) -> list[tuple[Any, ...]]:
+    """Every row an availableNow query of `fmt` reads (from its checkpoint on), by sequence."""
+    reader = sp.readStream.format(fmt)
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    rows: list[tuple[Any, ...]] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        rows.extend(tuple(r) for r in df.collect())
+
+    q = (
+        reader.load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert q.awaitTermination(180)
+        if q.exception() is not None:
+            raise RuntimeError(str(q.exception()))
+    finally:
+        q.stop()
+    return sorted(tuple(bytes(v) if isinstance(v, bytearray) else v for v in r) for r in rows)
+
+
+def same_but_reasons(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Rows with each error cut to its kind ("payload is not JSON"): the parsers that find
+    the fault word their details differently."""
+    return [(*r[:6], r[6] and r[6].split(":")[0], r[7]) for r in rows]
+
+
+def both(sp: Any, tmp: Path, **options: str) -> tuple[list[Any], list[Any]]:
+    return (
+        read_all(sp, JVM_FORMAT, tmp / "jvm", options),
+        read_all(sp, PYTHON_FORMAT, tmp / "py", options),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(nats_factory: NatsFactory) -> Any:
+    return nats_factory(sync_interval="2m", max_payload=64 * 1024)
+
+
+@pytest.fixture(scope="module")
+def odd(server: Any) -> list[tuple[str, bytes, dict[str, str] | None]]:
+    """A stranger's stream: ids on some events, none on others, the same id on two
+    subjects, ids with spaces around them and another header first, malformed JSON, bytes
+    that are not UTF-8, an empty payload, multi-byte text, and events at the server's
+    max_payload, far above the pull's byte cap the reads set."""
+    url = server.url
+    add_stream(url, "odd", ["in.>"])
+    # payload and headers within the limit together (the id header takes about 30 bytes)
+    big = json.dumps({"pad": "x" * (64 * 1024 - 100)}).encode()
+    msgs: list[tuple[str, bytes, dict[str, str] | None]] = []
+    for i in range(3000):
+        subject = f"in.{'abc'[i % 3]}"
+        fields = {"i": i, "k": f"k{i % 5}", "t": "zürich ✓"}
+        payload = json.dumps(fields, ensure_ascii=False).encode()
+        headers: dict[str, str] | None = {"Nats-Msg-Id": f"id-{i}"} if i % 4 else None
+        if i % 97 == 0:
+            payload = b"{not json"
+        if i % 101 == 0:
+            payload = b"\xff\xfe\x00bad"
+        if i % 211 == 0:
+            payload = b""
+        if i % 113 == 0:
+            headers = {"Other": "1", "Nats-Msg-Id": f"  spaced-{i}\t"}
+        if i % 500 == 7:
+            payload = big
+        msgs.append((subject, payload, headers))
+    msgs.append(("in.a", b'{"same":1}', {"Nats-Msg-Id": "shared"}))
+    msgs.append(("in.b", b'{"same":2}', {"Nats-Msg-Id": "shared-too"}))
+    publish(url, msgs)
+    return msgs
+
+
+def test_rows_equal_the_python_sources_for_every_shape_of_event(
+    sp: Any, server: Any, odd: list[Any], tmp_path: Path
+) -> None:
+    base = {"url": server.url, "stream": "odd", "fetchMaxBytes": "4096", "fetchBatch": "700"}
+    jvm, py = both(sp, tmp_path / "all", **base, maxEventsPerTrigger="900", partitionSize="400")
+    assert len(jvm) == len(odd)
+    assert same_but_reasons(jvm) == same_but_reasons(py)
+    by_seq = {r[0]: dict(zip(COLUMNS, r, strict=True)) for r in jvm}
+    assert by_seq[114]["msg_id"] == "spaced-113"
+    assert by_seq[5]["msg_id"] is None  # no header at all
+    assert by_seq[8]["data"].startswith('{"pad"')  # an event at max_payload came through
+    bad = by_seq[102]
+    assert not bad["valid"] and bad["data"] is None and bad["raw"] == b"\xff\xfe\x00bad"
+    assert "not UTF-8" in bad["error"]
+    assert "in position 0" in bad["error"]
+    assert "not JSON" in by_seq[98]["error"] and by_seq[98]["raw"] == b"{not json"
+    assert by_seq[2]["data"].endswith('"t": "z\u00fcrich \u2713"}')
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"subject": "in.a,in.c", "validate": "utf8"},
+        {"subject": "in.b", "invalidOnly": "true"},
+        {"validate": "none", "startingOffset": "1500"},
+    ],
+    ids=["two-subjects-utf8", "invalid-only", "no-validation-from-1500"],
+)
+def test_filters_validation_and_start_read_as_the_python_source_does(
+    sp: Any, server: Any, odd: list[Any], tmp_path: Path, options: dict[str, str]
+) -> None:
+    jvm, py = both(sp, tmp_path, url=server.url, stream="odd", **options)
+    assert same_but_reasons(jvm) == same_but_reasons(py) and jvm
+    if "subject" in options:
+        assert {r[1] for r in jvm} <= set(options["subject"].split(","))
+    if options.get("invalidOnly"):
+        assert not any(r[5] for r in jvm)
+
+
+def test_a_checkpoint_moves_between_the_sources_without_gap_or_repeat(
+    sp: Any, server: Any, tmp_path: Path
+) -> None:
+    add_stream(server.url, "handoff", ["handoff"])
+    publish(server.url, [("handoff", b'{"n":%d}' % i, None) for i in range(1000)])
+    ckpt = tmp_path / "ck"
+    opts = {"url": server.url, "stream": "handoff", "maxEventsPerTrigger": "300"}
+    first = read_all(sp, PYTHON_FORMAT, ckpt, opts)
+    publish(server.url, [("handoff", b'{"n":%d}' % i, None) for i in range(1000, 1700)])
+    second = read_all(sp, JVM_FORMAT, ckpt, opts)
+    publish(server.url, [("handoff", b'{"n":%d}' % i, None) for i in range(1700, 2000)])
+    third = read_all(sp, PYTHON_FORMAT, ckpt, opts)
+    assert [r[0] for r in first + second + third] == list(range(1, 2001))
+
+
+def test_aged_out_and_missing_streams_fail_with_the_python_sources_words(
+    sp: Any, server: Any, tmp_path: Path
+) -> None:
+    add_stream(server.url, "short", ["short"], max_msgs=100)
+    publish(server.url, [("short", b"{}", None) for _ in range(50)])
+    ckpt = tmp_path / "ck"
+    opts = {"url": server.url, "stream": "short"}
+    assert len(read_all(sp, JVM_FORMAT, ckpt, opts)) == 50
+    publish(server.url, [("short", b"{}", None) for _ in range(300)])
+    with pytest.raises(Exception, match=r"'short': start sequence 51 has aged out.*is 251"):
+        read_all(sp, JVM_FORMAT, ckpt, opts)
+    rows = read_all(sp, JVM_FORMAT, ckpt, {**opts, "onAgedOut": "skip"})
+    assert [r[0] for r in rows] == list(range(251, 351))
+    with pytest.raises(Exception, match="stream 'nosuch' does not exist"):
+        read_all(sp, JVM_FORMAT, tmp_path / "none", {**opts, "stream": "nosuch"})
+
+
+def test_tls_with_a_client_certificate_a_password_and_a_jetstream_domain(
+    sp: Any, nats_factory: NatsFactory, tmp_path: Path
+) -> None:
+    """Mutual TLS and a user: the handshake and CONNECT as nats-py makes them; a domain
+    makes the server send deliveries' reply subjects in their longer form."""
+    certs = make_dev_certs(tmp_path / "certs", [])
+    server = nats_factory(
+        user="reader",
+        password="s3cret pass",
+        tls_cert=str(certs.cert),
+        tls_key=str(certs.key),
+        tls_ca=str(certs.ca),
+        tls_verify=True,
+        js_domain="hub",
+    )
+    conn = {
+        "user": "reader",
+        "password": "s3cret pass",
+        "tls_ca": str(certs.ca),
+        "tls_cert": str(certs.client_cert),
+        "tls_key": str(certs.client_key),
+    }
+    ep = NatsEndpoint(url=server.url, **conn)
+
+    async def go(nc: Client) -> None:
+        await nc.jetstream().add_stream(StreamConfig(name="secure", subjects=["sec.*"]))
+        await _publish(nc, [(f"sec.{i % 2}", b'{"i":%d}' % i, None) for i in range(2500)])
+
+    async def run() -> None:
+        nc = await ep.connect()
+        try:
+            await go(nc)
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
+    options = {**ep.to_options(), "stream": "secure"}
+    jvm, py = both(sp, tmp_path, **options)
+    assert len(jvm) == 2500 and jvm == py
+    wrong = {**options, "password": "wrong"}
+    with pytest.raises(Exception, match="(?i)authorization"):
+        read_all(sp, JVM_FORMAT, tmp_path / "wrong", wrong)
+
+
+def test_jobs_read_through_the_jvm_source_unless_the_session_says_python(
+    sp: Any, server: Any
+) -> None:
+    ep = NatsEndpoint(url=server.url)
+    assert stream_format(sp, ep) == JVM_FORMAT
+    assert stream_format(sp, NatsEndpoint(url=server.url, creds="/x.creds")) == PYTHON_FORMAT
+    sp.conf.set(CHOICE_KEY, "python")
+    try:
+        assert stream_format(sp, ep) == PYTHON_FORMAT
+    finally:
+        sp.conf.unset(CHOICE_KEY)
