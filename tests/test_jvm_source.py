@@ -258,3 +258,36 @@ def test_jobs_read_through_the_jvm_source_unless_the_session_says_python(
         assert stream_format(sp, ep) == PYTHON_FORMAT
     finally:
         sp.conf.unset(CHOICE_KEY)
+
+
+def test_a_lost_consumer_is_replaced_without_gap_or_repeat(sp: Any, server: Any) -> None:
+    """The reader's consumer deleted mid-range (a server restart loses in-memory consumers):
+    the pulls answered "consumer deleted" (or not at all) bring a new consumer from the next
+    sequence, and the range reads on with nothing missed or repeated."""
+    add_stream(server.url, "lost", ["lost"])
+    publish(server.url, [("lost", b'{"n":%d}' % i, None) for i in range(5000)])
+    jvm = sp.sparkContext._jvm
+    options = {"url": server.url, "stream": "lost", "fetchBatch": "200", "timeout": "2"}
+    probe = jvm.io.tierflow.jetstream.RangeProbe(options, 1, 5001)
+
+    async def delete_consumers(nc: Client) -> int:
+        js = nc.jetstream()
+        names = [c.name for c in await js.consumers_info("lost")]
+        for name in names:
+            await js.delete_consumer("lost", name)
+        return len(names)
+
+    seqs: list[int] = []
+    try:
+        for _ in range(6000):  # bounded: the range holds 5000
+            seq = probe.next()
+            if seq < 0:
+                break
+            seqs.append(seq)
+            if len(seqs) == 1500:
+                assert with_nats(delete_consumers, server.url) == 1
+        consumers = probe.consumers()
+    finally:
+        probe.close()
+    assert seqs == list(range(1, 5001))
+    assert consumers >= 2

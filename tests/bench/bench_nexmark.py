@@ -21,7 +21,8 @@ to the last one's end (query progress). Per core counts as Nexmark does, every g
 event over the time the query took to process its share (q3 and q8 read only persons and
 auctions, 8% of the events), divided by the 2 cores of local[2], beside Flink 1.13's
 published per-core figures (`nexmark/nexmark` README). An unmeasured warm-up (q1 over both
-sources) first starts the JVM's compiler and the source's Python workers.
+sources) first starts the JVM's compiler. The jetstream runs read through the source jobs
+use (`jobs.jvm_source.stream_format`: the JVM source when the session has its jar).
 
 Then end-to-end latency for q5 and q7: events at a steady `TIERFLOW_BENCH_NEXMARK_RATE`
 (default 10,000/s) for `TIERFLOW_BENCH_NEXMARK_SECONDS` (default 30), stamped with the wall
@@ -183,8 +184,9 @@ def noop_run(spark: Any, spec: Any, sources: dict[str, Any], ckpt: Path) -> dict
 
 
 class Cores:
-    """Where a run's CPU went, per event read: Spark's JVM, its Python workers (the
-    jetstream source), nats-server, and this process (the exactly-once sink's batches)."""
+    """Where a run's CPU went, per event read: Spark's JVM (with the JVM jetstream source),
+    its Python workers (the Python source, where it reads), nats-server, and this process
+    (the exactly-once sink's batches)."""
 
     def __init__(self, spark: Any, nats_pid: int) -> None:
         jvm = spark.sparkContext._jvm

@@ -66,6 +66,7 @@ final class NatsConnection implements Closeable {
   private int pos;
   private int lim;
   private boolean broken;
+  private boolean inBody; // `next` has taken a message's line and waits for its body
   private int requestId;
   private int lastSid = 1;
 
@@ -192,7 +193,9 @@ final class NatsConnection implements Closeable {
   /**
    * Reads the next frame; answers the server's pings on the way. FRAME_MSG for a message on
    * the inbox (fields set), FRAME_OTHER for anything else. Waits at most until
-   * `deadlineNanos` (System.nanoTime), then throws SocketTimeoutException.
+   * `deadlineNanos` (System.nanoTime): then SocketTimeoutException when no byte of a frame
+   * came (the connection stays usable), or an IOException that marks it broken when a frame
+   * was cut off.
    */
   int next(long deadlineNanos) throws IOException {
     try {
@@ -211,9 +214,17 @@ final class NatsConnection implements Closeable {
         throw new IOException("nats: " + new String(buf, start, eol - start, StandardCharsets.UTF_8));
       }
       return FRAME_OTHER;
+    } catch (SocketTimeoutException e) {
+      if (!inBody && pos == lim) {
+        throw e; // no byte of a frame read: the connection is as it was
+      }
+      broken = true; // a frame cut off: what follows on this connection cannot be parsed
+      throw new IOException("nats: timed out inside a frame", e);
     } catch (IOException e) {
       broken = true;
       throw e;
+    } finally {
+      inBody = false;
     }
   }
 
@@ -247,6 +258,7 @@ final class NatsConnection implements Closeable {
       throw new IOException("nats: header size past the message's size");
     }
     int lineLen = eol + 2 - start;
+    inBody = true;
     start = ensure(start, lineLen + total + 2, deadlineNanos);
     sid = number(start + tok[4], tok[5]);
     subjectOff = start + tok[2];

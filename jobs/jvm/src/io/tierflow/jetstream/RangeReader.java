@@ -31,7 +31,6 @@ final class RangeReader implements Closeable {
   private static final long INACTIVE_NS = 60_000_000_000L;
   private static final int PULL_BYTES_SLACK = 16 * 1024;
 
-  private static final boolean DEBUG = System.getenv("TF_DEBUG") != null;
   private final SourceOptions opts;
   private final long end;
   private final NatsConnection nc;
@@ -170,7 +169,6 @@ final class RangeReader implements Closeable {
       nc.publish("$JS.API.CONSUMER.MSG.NEXT." + opts.stream + "." + consumer, deliverSubject,
           body.getBytes(StandardCharsets.US_ASCII));
       pulls.addLast(new int[] {want, 0});
-      if (DEBUG) System.err.println("pull " + body + " next=" + next);
     }
   }
 
@@ -180,7 +178,6 @@ final class RangeReader implements Closeable {
 
   /** A status message ends the oldest pull in flight; what it means for the range. */
   private void status(String code, String text) throws IOException {
-    if (DEBUG) System.err.println("status " + text.replace("\r\n", " | ") + " next=" + next + " pulls=" + pulls.size() + (pulls.isEmpty() ? "" : " head=" + pulls.peekFirst()[0] + "/" + pulls.peekFirst()[1]));
     if (text.startsWith("409 Batch Completed")) {
       return; // said after a pull that ended on its count: already taken off
     }
