@@ -341,3 +341,16 @@ CHROMIUM_ARGS = [
 # the demo's stream, for tests that feed it Meetup RSVPs (a config names it: none has it
 # by default; cluster/demo adds it to the demo's)
 MEETUP_STREAMS = {"meetup": {"subjects": ["raw.meetup"]}}
+
+
+def delete_consumers(url: str, stream: str) -> int:
+    """Delete every consumer of `stream` (as a server restart loses in-memory ones); how many."""
+
+    async def go(nc: Any) -> int:
+        js = nc.jetstream()
+        names = [c.name for c in await js.consumers_info(stream)]
+        for name in names:
+            await js.delete_consumer(stream, name)
+        return len(names)
+
+    return int(with_nats(go, url))

@@ -28,7 +28,7 @@ from jobs.jetstream_options import (
 )
 from jobs.jetstream_read import _parse_reply, _reply_columns, check_payload, read_range
 from runtime.nats.server import NatsEndpoint
-from tests.support import NatsFactory, with_nats
+from tests.support import NatsFactory, delete_consumers, with_nats
 
 pytestmark = pytest.mark.timeout(180)
 T = TypeVar("T")
@@ -280,18 +280,11 @@ def test_a_lost_consumer_is_replaced_without_gap_or_repeat(
         {"url": nats_url, "stream": "ev", "fetchBatch": "1000", "timeout": "1"}
     )
 
-    async def delete_consumers(nc: Client) -> int:
-        js = nc.jetstream()
-        names = [c.name for c in await js.consumers_info("ev")]
-        for name in names:
-            await js.delete_consumer("ev", name)
-        return len(names)
-
     seqs: list[int] = []
     for i, batch in enumerate(read_range(opts, SeqRange(1, N + 1))):
         seqs.extend(batch.column("seq").to_pylist())
         if i == 2:
-            assert with_nats(delete_consumers, nats_url) == 1
+            assert delete_consumers(nats_url, "ev") == 1
     assert seqs == list(range(1, N + 1))
     assert "starting a new consumer" in caplog.text
 

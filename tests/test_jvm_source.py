@@ -16,7 +16,7 @@ from jobs.jetstream import register
 from jobs.jvm_source import CHOICE_KEY, JVM_FORMAT, PYTHON_FORMAT, jvm_loaded, speaks, stream_format
 from runtime.certs import make_dev_certs
 from runtime.nats.endpoint import NatsEndpoint
-from tests.support import NatsFactory, with_nats
+from tests.support import NatsFactory, delete_consumers, with_nats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -270,13 +270,6 @@ def test_a_lost_consumer_is_replaced_without_gap_or_repeat(sp: Any, server: Any)
     options = {"url": server.url, "stream": "lost", "fetchBatch": "200", "timeout": "2"}
     probe = jvm.io.tierflow.jetstream.RangeProbe(options, 1, 5001)
 
-    async def delete_consumers(nc: Client) -> int:
-        js = nc.jetstream()
-        names = [c.name for c in await js.consumers_info("lost")]
-        for name in names:
-            await js.delete_consumer("lost", name)
-        return len(names)
-
     seqs: list[int] = []
     try:
         for _ in range(6000):  # bounded: the range holds 5000
@@ -285,7 +278,7 @@ def test_a_lost_consumer_is_replaced_without_gap_or_repeat(sp: Any, server: Any)
                 break
             seqs.append(seq)
             if len(seqs) == 1500:
-                assert with_nats(delete_consumers, server.url) == 1
+                assert delete_consumers(server.url, "lost") == 1
         consumers = probe.consumers()
     finally:
         probe.close()

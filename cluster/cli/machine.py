@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,25 +48,24 @@ def check(
         err_console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     console.print(f"java {java}, nats-server {binary}: ok")
-    try:
-        jar = build_jvm_source()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        # not fatal: streams are then read through the Python source
-        err_console.print(f"[yellow]no JVM jetstream source: {err}[/yellow]")
-    else:
-        state = f"built in {jar.seconds:.0f} s" if jar.fresh else "present"
-        console.print(f"jvm jetstream source {jar.path}: {state}")
+    # neither is fatal: without the jar streams are read through the Python source, and
+    # without the archive Spark starts more slowly
+    _build("jvm jetstream source", "no JVM jetstream source", build_jvm_source)
     if class_archive:
         if (path := archive_path()) is not None and not path.is_file():
             console.print("building Spark's class archive (once per venv)...")
-        try:
-            built = build_class_archive()
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            # not fatal: Spark starts without the archive, only slower
-            err_console.print(f"[yellow]no class archive: {err}[/yellow]")
-        else:
-            state = f"built in {built.seconds:.0f} s" if built.fresh else "present"
-            console.print(f"spark class archive {built.path}: {state}")
+        _build("spark class archive", "no class archive", build_class_archive)
+
+
+def _build(name: str, missing: str, build: Callable[[], Any]) -> None:
+    """Build one of `check`'s artifacts and say where it is, or why there is none."""
+    try:
+        built = build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        err_console.print(f"[yellow]{missing}: {err}[/yellow]")
+    else:
+        state = f"built in {built.seconds:.0f} s" if built.fresh else "present"
+        console.print(f"{name} {built.path}: {state}")
 
 
 @config_app.command("show")
