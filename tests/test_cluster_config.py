@@ -61,6 +61,8 @@ def test_ray_cluster_yaml_installs_tierflow_and_agrees_on_token_auth() -> None:
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     setup = "\n".join(config["setup_commands"])
     assert "pip install -q -e ~/tierflow" in setup
+    assert "openjdk-17-jdk-headless" in setup  # javac, for the JVM jetstream source
+    assert setup.index("tierflow check") > setup.index("pip install -q -e ~/tierflow")
     assert "export RAY_AUTH_MODE=token" in setup  # for `ray submit` scripts and ray.init
     head, worker = config["head_start_ray_commands"], config["worker_start_ray_commands"]
     assert head[0] == worker[0] == "ray stop"
