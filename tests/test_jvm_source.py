@@ -284,3 +284,41 @@ def test_a_lost_consumer_is_replaced_without_gap_or_repeat(sp: Any, server: Any)
         probe.close()
     assert seqs == list(range(1, 5001))
     assert consumers >= 2
+
+
+def test_a_range_ending_in_deleted_or_other_subjects_ends_with_one_consumer(
+    sp: Any, server: Any
+) -> None:
+    """Nothing pending before the range's end is its end when the stream's leader agrees:
+    the last sequences deleted, or a filter whose subject has no more events in the range.
+    The reader asks the leader once and starts no second consumer."""
+    add_stream(server.url, "gaps", ["gaps.*"])
+    publish(server.url, [(f"gaps.{'ab'[i % 5 == 0]}", b'{"i":%d}' % i, None) for i in range(600)])
+
+    async def delete(nc: Client) -> None:
+        js = nc.jetstream()
+        for seq in [*range(100, 110), *range(590, 601)]:
+            await js.delete_msg("gaps", seq)
+
+    with_nats(delete, server.url)
+    jvm = sp.sparkContext._jvm
+
+    def read(end: int, **extra: str) -> tuple[list[int], int]:
+        probe = jvm.io.tierflow.jetstream.RangeProbe(
+            {"url": server.url, "stream": "gaps", "fetchBatch": "64", **extra}, 1, end
+        )
+        seqs: list[int] = []
+        try:
+            for _ in range(end + 1):  # bounded: the range holds fewer
+                seq = probe.next()
+                if seq < 0:
+                    break
+                seqs.append(seq)
+            return seqs, probe.consumers()
+        finally:
+            probe.close()
+
+    kept = [s for s in range(1, 601) if not (100 <= s < 110 or s >= 590)]
+    assert read(601) == (kept, 1)
+    only_b = [s for s in kept if (s - 1) % 5 == 0]
+    assert read(601, subject="gaps.b") == (only_b, 1)

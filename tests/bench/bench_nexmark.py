@@ -400,3 +400,32 @@ def measure_latency(spark: Any, url: str, q: str, tmp_path: Path) -> dict[str, A
 
 def _iso_ms(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000
+
+
+@pytest.mark.timeout(1800)
+def test_the_jvm_source_alone_cpu_per_event(tmp_path: Path) -> None:
+    """The JVM source's own CPU per event, without Spark: one thread reads the bid stream
+    whole (`RangeProbe.readAll`: frames, replies, the payload check), as a task does, with
+    ``validate=none`` and ``json``; three rounds each, the last one counted (the first ones
+    compile). nats-server's CPU over the same reads is measured beside it."""
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path / "state")})
+    spark = spark_session(cfg, app_name="tierflow-bench-jvm-source")
+    jvm = spark.sparkContext._jvm
+    events = load_events(GEN, EVENTS)
+    with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
+        asyncio.run(publish_all(server.url, events[EVENTS:]))
+        out: dict[str, Any] = {}
+        for validate in ("none", "json"):
+            opts = {"url": server.url, "stream": "bid", "validate": validate}
+            for _ in range(3):
+                meter = CpuMeter({"nats": server.pid or 0})
+                n, cpu_ns, size = jvm.io.tierflow.jetstream.RangeProbe.readAll(opts, 1, 2**40)
+                nats_s = meter.stop()["nats"]
+            out[validate] = {
+                "events": n,
+                "bytes_per_event": round(size / max(1, n)),
+                "source_us_per_event": round(cpu_ns / 1000 / max(1, n), 2),
+                "nats_us_per_event": round(nats_s * 1e6 / max(1, n), 2),
+            }
+            print(f"\njvm source alone, validate={validate}: {out[validate]}")
+    assert out["json"]["events"] == out["none"]["events"] > 0

@@ -60,8 +60,8 @@ final class RangeReader implements Closeable {
     this.timeoutNs = (long) (opts.timeoutSeconds * 1e9);
   }
 
-  NatsConnection connection() {
-    return nc;
+  SourceOptions options() {
+    return opts;
   }
 
   int consumersStarted() {
