@@ -104,7 +104,7 @@ def _java_bin_path() -> str | None:
 
 
 def jvm_loaded(spark: SparkSession) -> bool:
-    """Whether this session's JVM can load the JVM source (its jar was on ``spark.jars``)."""
+    """Whether the Spark session's JVM can load the JVM source (its jar was on ``spark.jars``)."""
     jvm = spark.sparkContext._jvm
     assert jvm is not None
     return bool(jvm.org.apache.spark.util.Utils.classIsLoadable(JVM_FORMAT))

@@ -67,7 +67,7 @@ SETTLE_S = 2.0  # probes answered normally this long before each kill
 RECOVERY_S = 60.0
 PROFILE = os.environ.get("TIERFLOW_BENCH_FAILOVER_PROFILE", "0") == "1"
 # the analysis driver as a warm pair (spark.standby, jobs/standby.py); 0: one driver that
-# Ray restarts (a new JVM and session before its first batch)
+# Ray restarts (a new JVM and Spark session ahead of its first batch)
 STANDBY = os.environ.get("TIERFLOW_BENCH_FAILOVER_STANDBY", "1") == "1"
 PROFILE_S = 8.0  # py-spy's window: attach, the kill, and the whole restart
 ATTACH_S = 1.5  # py-spy attached to every running worker before the kill
