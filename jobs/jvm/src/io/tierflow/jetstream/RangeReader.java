@@ -11,6 +11,8 @@ import java.util.UUID;
 import com.fasterxml.jackson.databind.JsonNode;
 import com.fasterxml.jackson.databind.ObjectMapper;
 import com.fasterxml.jackson.databind.node.ObjectNode;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
 
 /**
  * Reads stream sequences [start, end) of one stream, in order, through an ephemeral pull
@@ -26,6 +28,7 @@ import com.fasterxml.jackson.databind.node.ObjectNode;
  */
 final class RangeReader implements Closeable {
   private static final ObjectMapper MAPPER = new ObjectMapper();
+  private static final Logger LOG = LoggerFactory.getLogger(RangeReader.class);
   private static final int RESTARTS = 5;
   private static final long LAGGING_REPLICA_WAIT_MS = 500;
   private static final long INACTIVE_NS = 60_000_000_000L;
@@ -227,6 +230,8 @@ final class RangeReader implements Closeable {
           + "': its consumers end at sequence " + (next - 1) + ", the stream's leader holds "
           + left + " in the range up to " + (end - 1));
     }
+    LOG.warn("jetstream source: stream '{}': the consumer had nothing after sequence {}, the"
+        + " stream's leader has {}; reading on from a new consumer", opts.stream, next - 1, left);
     sleep(LAGGING_REPLICA_WAIT_MS);
     startConsumer();
   }
@@ -257,6 +262,8 @@ final class RangeReader implements Closeable {
       throw new SourceException("jetstream source: reading stream '" + opts.stream
           + "' from sequence " + next + ": " + problem);
     }
+    LOG.warn("jetstream source: stream '{}' at sequence {}: {}; starting a new consumer",
+        opts.stream, next, problem);
     startConsumer();
   }
 
