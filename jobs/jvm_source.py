@@ -21,10 +21,10 @@ import subprocess
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobs.class_training import Built
 from runtime.engines.class_archive import spark_jars
 from runtime.engines.source_jar import source_jar
 
@@ -38,13 +38,6 @@ PYTHON_FORMAT = "jetstream"
 CHOICE_KEY = "spark.tierflow.jetstreamSource"  # auto (default), jvm or python
 SOURCES = Path(__file__).resolve().parent / "jvm" / "src"
 JAVAC_TIMEOUT_S = 300
-
-
-@dataclass(frozen=True)
-class Built:
-    path: Path
-    seconds: float
-    fresh: bool
 
 
 def sources() -> list[Path]:

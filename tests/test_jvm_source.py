@@ -15,6 +15,7 @@ from nats.js.api import StreamConfig
 from jobs.jetstream import register
 from jobs.jvm_source import CHOICE_KEY, JVM_FORMAT, PYTHON_FORMAT, jvm_loaded, speaks, stream_format
 from runtime.certs import make_dev_certs
+from runtime.engines.source_jar import with_source_jar
 from runtime.nats.endpoint import NatsEndpoint
 from tests.support import NatsFactory, delete_consumers, with_nats
 
@@ -29,6 +30,17 @@ def test_the_jvm_source_speaks_plain_and_tls_urls_not_creds_or_websockets() -> N
     assert speaks(NatsEndpoint(url="tls://a:4222,nats://b:4222", user="u", password="p"))
     assert not speaks(NatsEndpoint(url="nats://127.0.0.1:4222", creds="/x.creds"))
     assert not speaks(NatsEndpoint(url="nats://a:4222,WSS://b:443"))
+
+
+@pytest.mark.unit
+def test_the_jar_joins_spark_jars_once_and_only_when_it_is_built(tmp_path: Path) -> None:
+    jar = tmp_path / "source.jar"
+    assert with_source_jar({"spark.jars": "/a.jar"}, jar) == {"spark.jars": "/a.jar"}
+    jar.write_bytes(b"PK")
+    once = with_source_jar({"spark.jars": "/a.jar"}, jar)
+    assert once == {"spark.jars": f"/a.jar,{jar}"}
+    assert with_source_jar(once, jar) == once
+    assert with_source_jar({}, jar) == {"spark.jars": str(jar)}
 
 
 async def _publish(nc: Client, msgs: list[tuple[str, bytes, dict[str, str] | None]]) -> None:

@@ -11,12 +11,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-JAR_NAME = "tierflow-jetstream.jar"
 JARS_KEY = "spark.jars"
 
 
 def source_jar() -> Path:
-    return Path(sys.prefix) / "share" / "tierflow" / JAR_NAME
+    """Per pyspark version: a jar compiled against other Spark jars is never loaded (a venv
+    whose pyspark changed reads through the Python source until `tierflow check` runs)."""
+    import pyspark
+
+    return Path(sys.prefix) / "share" / "tierflow" / f"tierflow-jetstream-{pyspark.__version__}.jar"
 
 
 def with_source_jar(conf: Mapping[str, str], jar: Path | None = None) -> dict[str, str]:
@@ -31,4 +34,4 @@ def with_source_jar(conf: Mapping[str, str], jar: Path | None = None) -> dict[st
     return out
 
 
-__all__ = ["JARS_KEY", "JAR_NAME", "source_jar", "with_source_jar"]
+__all__ = ["JARS_KEY", "source_jar", "with_source_jar"]
