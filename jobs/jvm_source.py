@@ -16,7 +16,6 @@ a WebSocket URL, batch reads, and a session whose ``spark.tierflow.jetstreamSour
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobs.class_training import Built
-from runtime.engines.class_archive import spark_jars
+from runtime.engines.class_archive import spark_jars, spark_java
 from runtime.engines.source_jar import source_jar
 
 if TYPE_CHECKING:
@@ -56,15 +55,19 @@ def build(dest: Path | None = None, *, force: bool = False) -> Built:
         and path.stat().st_mtime >= max(f.stat().st_mtime for f in files)
     ):
         return Built(path, 0.0, fresh=False)
-    javac = shutil.which("javac", path=_java_bin_path())
-    if javac is None:
-        raise RuntimeError("javac (a JDK 17+) is needed to build the JVM jetstream source")
+    java = spark_java()
+    javac = Path(java).with_name("javac") if java else None
+    if javac is None or not javac.is_file():
+        raise RuntimeError(
+            f"javac (a JDK 17+) beside the java Spark runs ({java}) is needed to build the JVM "
+            "jetstream source"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tierflow-jvm-source-") as tmp:
         classes = Path(tmp, "classes")
         result = subprocess.run(
             [
-                javac,
+                str(javac),
                 "--release",
                 "17",
                 "-nowarn",
@@ -88,12 +91,6 @@ def build(dest: Path | None = None, *, force: bool = False) -> Built:
                 jar.write(f, f.relative_to(classes).as_posix())
         os.replace(partial, path)
     return Built(path, time.monotonic() - t0, fresh=True)
-
-
-def _java_bin_path() -> str | None:
-    home = os.environ.get("JAVA_HOME")
-    paths = [str(Path(home, "bin"))] if home else []
-    return os.pathsep.join([*paths, os.environ.get("PATH", "")])
 
 
 def jvm_loaded(spark: SparkSession) -> bool:
@@ -129,7 +126,6 @@ __all__ = [
     "CHOICE_KEY",
     "JVM_FORMAT",
     "PYTHON_FORMAT",
-    "Built",
     "build",
     "jvm_loaded",
     "speaks",

@@ -33,20 +33,6 @@ final class Endpoint implements Serializable {
     tlsKey = blank(options.get("tlskey"));
   }
 
-  /** Why this source cannot connect there (null when it can): the Python source can. */
-  String unsupported() {
-    if (creds != null) {
-      return "a credentials file (creds)";
-    }
-    for (String u : url.split(",")) {
-      String t = u.trim().toLowerCase();
-      if (t.startsWith("ws://") || t.startsWith("wss://")) {
-        return "a WebSocket URL";
-      }
-    }
-    return null;
-  }
-
   /** A connection to the first server of the URL list that answers. */
   NatsConnection connect(int timeoutMs) throws IOException {
     IOException last = null;

@@ -43,17 +43,6 @@ public final class JetStreamProvider implements TableProvider {
     return new JetStreamTable(properties);
   }
 
-  /** Whether the options name an endpoint this source can reach (else: the Python source). */
-  public static String unsupported(Map<String, String> options) {
-    return new Endpoint(lower(options)).unsupported();
-  }
-
-  static Map<String, String> lower(Map<String, String> options) {
-    Map<String, String> o = new java.util.HashMap<>();
-    options.forEach((k, v) -> o.put(k.toLowerCase(java.util.Locale.ROOT), v));
-    return o;
-  }
-
   private static final class JetStreamTable implements Table, SupportsRead {
     private final Map<String, String> properties;
 
@@ -96,7 +85,7 @@ public final class JetStreamProvider implements TableProvider {
 
     @Override
     public String description() {
-      return "jetstream(stream=" + lower(options).get("stream") + ")";
+      return "jetstream(stream=" + SourceOptions.lower(options).get("stream") + ")";
     }
 
     @Override

@@ -45,7 +45,7 @@ import com.fasterxml.jackson.databind.ObjectMapper;
  * read buffer and stay valid until the next {@link #next} call, so a delivery is copied once,
  * into its row. Plain TCP or TLS (server-verified, with a client certificate when given), a
  * token or a user and password; credentials files and WebSocket URLs are left to the Python
- * source ({@link Endpoint#unsupported}).
+ * source (`jobs.jvm_source.speaks` decides).
  */
 final class NatsConnection implements Closeable {
   static final int FRAME_MSG = 1;

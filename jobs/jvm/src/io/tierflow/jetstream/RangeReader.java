@@ -53,7 +53,6 @@ final class RangeReader implements Closeable {
   /** The delivery `advance` stopped at: its sequence, time (ns since the epoch) and frame. */
   long seq;
   long tsNanos;
-  long skipped;
 
   RangeReader(SourceOptions opts, long start, long end, NatsConnection nc) {
     this.opts = opts;
@@ -78,7 +77,8 @@ final class RangeReader implements Closeable {
       if (!opts.skipAgedOut) {
         throw new SourceException(Bounds.agedOutMessage(opts.stream, next, b.first));
       }
-      skipped = Math.min(b.first, end) - next;
+      LOG.warn("jetstream stream '{}': {} sequences from {} aged out before they were read",
+          opts.stream, Math.min(b.first, end) - next, next);
     }
     if (next < end) {
       startConsumer();

@@ -29,8 +29,7 @@ final class SourceOptions implements Serializable {
   final double timeoutSeconds;
 
   SourceOptions(Map<String, String> given) throws SourceException {
-    Map<String, String> o = new java.util.HashMap<>();
-    given.forEach((k, v) -> o.put(k.toLowerCase(Locale.ROOT), v));
+    Map<String, String> o = lower(given);
     if (empty(o.get("url"))) {
       throw new SourceException("jetstream source: option 'url' (the NATS server URL) is required");
     }
@@ -85,6 +84,13 @@ final class SourceOptions implements Serializable {
       }
     }
     timeoutSeconds = timeout;
+  }
+
+  /** The options with their keys lower-cased (Spark's option names are case-insensitive). */
+  static Map<String, String> lower(Map<String, String> options) {
+    Map<String, String> o = new java.util.HashMap<>();
+    options.forEach((k, v) -> o.put(k.toLowerCase(Locale.ROOT), v));
+    return o;
   }
 
   private static boolean empty(String v) {
