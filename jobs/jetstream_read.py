@@ -44,6 +44,7 @@ from jobs.jetstream_options import (
     pull_max_bytes,
     websocket_ready,
 )
+from runtime.data.json_depth import depth_error, may_be_too_deep
 from runtime.loop_thread import LoopThread
 from runtime.nats.endpoint import NatsEndpoint
 from runtime.nats.publisher import MSG_ID_HEADER
@@ -743,11 +744,28 @@ def check_payload(payload: bytes, validate: str) -> tuple[str | None, str | None
     except UnicodeDecodeError as err:
         return None, f"payload is not UTF-8: {err}"
     if validate == "json":
-        try:
-            _RAW.decode(payload)
-        except msgspec.DecodeError as err:
-            return text, f"payload is not JSON: {err}"
+        error = json_error(payload)
+        if error is not None:
+            return text, f"payload is not JSON: {error}"
     return text, None
+
+
+_ERROR_BYTE = re.compile(r"\(byte (\d+)\)$")
+
+
+def json_error(payload: bytes) -> str | None:
+    """Why `payload` is not one JSON document (msgspec's words), or None: msgspec's rule with
+    `runtime.data.json_depth`'s limit, so a deeply nested event is malformed here as in the
+    JVM source, never a RecursionError that ends the read."""
+    try:
+        _RAW.decode(payload)
+    except msgspec.DecodeError as err:
+        found = _ERROR_BYTE.search(str(err))
+        deep = depth_error(payload, int(found.group(1)) if found else None)
+        return deep or str(err)
+    except RecursionError:
+        return depth_error(payload, None) or "JSON is malformed: nested too deeply"
+    return depth_error(payload, None)
 
 
 def _as_text(values: pa.Array) -> pa.Array:
@@ -793,9 +811,13 @@ def payload_errors(
         for i, payload in enumerate(payloads):
             try:
                 decode(payload)
-            except msgspec.DecodeError as err:
-                if i not in errors:
-                    errors[i] = f"payload is not JSON: {err}"
+                if not may_be_too_deep(payload):
+                    continue
+            except (msgspec.DecodeError, RecursionError):
+                pass
+            error = json_error(payload)
+            if error is not None and i not in errors:
+                errors[i] = f"payload is not JSON: {error}"
     return errors, text
 
 

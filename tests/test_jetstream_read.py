@@ -34,6 +34,7 @@ from jobs.jetstream_read import (
     read_range,
     take_deliveries,
 )
+from runtime.data.json_depth import MAX_DEPTH, too_deep_at
 from tests.support import NatsFactory, with_nats
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,6 +58,7 @@ payloads = st.one_of(
     st.text().map(str.encode),  # UTF-8, rarely JSON
     st.binary(max_size=40),  # often not UTF-8
     st.sampled_from([b"", b" ", b"{}", b"[1,2]", b"1,2", b"\xc3", b'"\xed\xa0\x80"', b"nul\x00"]),
+    st.integers(500, 2500).map(lambda n: b"[" * n + b"]" * n),  # nested past the limit
 )
 
 
@@ -82,6 +84,46 @@ def test_validate_none_keeps_every_event_as_text(batch: list[bytes]) -> None:
     assert data.to_pylist() == [p.decode("utf-8", "replace") for p in batch]
     assert valid.to_pylist() == [True] * len(batch)
     assert error.null_count == raw.null_count == len(batch)
+
+
+def nested(depth: int, inner: bytes = b"1") -> bytes:
+    """`inner` inside `depth` levels, alternating arrays and objects."""
+    out = inner
+    for level in range(depth):
+        out = b"[" + out + b"]" if level % 2 else b'{"k":' + out + b"}"
+    return out
+
+
+@pytest.mark.unit
+def test_an_event_nested_past_the_limit_is_malformed_at_its_bracket_never_a_crash() -> None:
+    assert check_payload(nested(MAX_DEPTH), "json")[1] is None
+    for depth in (MAX_DEPTH + 1, 900, 5000):  # 5000: msgspec itself ends in RecursionError
+        payload = nested(depth)
+        # every bracket opens before any closes: the one past the limit is the 513th
+        at = [i for i, c in enumerate(payload) if c in b"[{"][MAX_DEPTH]
+        assert too_deep_at(payload) == at
+        want = f"payload is not JSON: JSON is malformed: nested deeper than {MAX_DEPTH} levels"
+        assert check_payload(payload, "json")[1] == f"{want} (byte {at})"
+        assert payload_columns([b"{}", payload], "json")[2].to_pylist() == [
+            None,
+            f"{want} (byte {at})",
+        ]
+
+
+@pytest.mark.unit
+def test_brackets_inside_strings_and_escapes_do_not_count_as_depth() -> None:
+    quoted = b'["' + b"[{" * 600 + b'\\"\\\\[", "\\u005b"]'
+    assert check_payload(quoted, "json")[1] is None and too_deep_at(quoted) is None
+    # a syntax fault before the level past the limit is the one named, as a reader finds it
+    early = b'{"a" ' + nested(600)
+    assert check_payload(early, "json")[1] == (
+        "payload is not JSON: JSON is malformed: expected ':' (byte 5)"
+    )
+    late = b"[" * (MAX_DEPTH + 1) + b"}"
+    assert check_payload(late, "json")[1] == (
+        f"payload is not JSON: JSON is malformed: nested deeper than {MAX_DEPTH} levels "
+        f"(byte {MAX_DEPTH})"
+    )
 
 
 # ---- chunks: reply subjects, headers, the range's end --------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
 from jobs.jetstream import register
+from jobs.jetstream_read import check_payload
 from jobs.jvm_source import CHOICE_KEY, JVM_FORMAT, PYTHON_FORMAT, jvm_loaded, speaks, stream_format
 from runtime.certs import make_dev_certs
 from runtime.engines.source_jar import with_source_jar
@@ -93,12 +95,6 @@ def read_all(sp: Any, fmt: str, ckpt: Path, options: dict[str, str]) -> list[tup
     return sorted(tuple(bytes(v) if isinstance(v, bytearray) else v for v in r) for r in rows)
 
 
-def same_but_reasons(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Rows with each error cut to its kind ("payload is not JSON"): the parsers that find
-    the fault word their details differently."""
-    return [(*r[:6], r[6] and r[6].split(":")[0], r[7]) for r in rows]
-
-
 def both(sp: Any, tmp: Path, **options: str) -> tuple[list[Any], list[Any]]:
     return (
         read_all(sp, JVM_FORMAT, tmp / "jvm", options),
@@ -111,12 +107,32 @@ def server(nats_factory: NatsFactory) -> Any:
     return nats_factory(sync_interval="2m", max_payload=64 * 1024)
 
 
+MALFORMED = [
+    b'{"a" 1}',
+    b"[1,2,]",
+    b'{"a":1,}',
+    b'"\\ud800"',
+    b'"\\udc00"',
+    b'{"a":"\\q"}',
+    b"nulx",
+    b'{"a":1} x',
+    b"-01",
+    b'{"t":"\xe2\x9c"}',  # a character cut short inside
+    b'{"t":"\xe2\x9c',  # ... and at the end
+    b'"\xed\xa0\x80"',  # a surrogate in UTF-8
+    b"\xf0\x90\x80",
+    b"[" * 600 + b"]" * 600,
+    b"[" * 3000,
+]
+
+
 @pytest.fixture(scope="module")
 def odd(server: Any) -> list[tuple[str, bytes, dict[str, str] | None]]:
     """A stranger's stream: ids on some events, none on others, the same id on two
-    subjects, ids with spaces around them and another header first, malformed JSON, bytes
-    that are not UTF-8, an empty payload, multi-byte text, and events at the server's
-    max_payload, far above the pull's byte cap the reads set."""
+    subjects, ids with spaces around them and another header first, malformed JSON of every
+    kind (nested past the depth limit too), bytes that are not UTF-8 (cut short, a
+    surrogate), an empty payload, multi-byte text, and events at the server's max_payload,
+    far above the pull's byte cap the reads set."""
     url = server.url
     add_stream(url, "odd", ["in.>"])
     # payload and headers within the limit together (the id header takes about 30 bytes)
@@ -133,6 +149,8 @@ def odd(server: Any) -> list[tuple[str, bytes, dict[str, str] | None]]:
             payload = b"\xff\xfe\x00bad"
         if i % 211 == 0:
             payload = b""
+        if i % 199 == 3:
+            payload = MALFORMED[(i // 199) % len(MALFORMED)]
         if i % 113 == 0:
             headers = {"Other": "1", "Nats-Msg-Id": f"  spaced-{i}\t"}
         if i % 500 == 7:
@@ -150,17 +168,73 @@ def test_rows_equal_the_python_sources_for_every_shape_of_event(
     base = {"url": server.url, "stream": "odd", "fetchMaxBytes": "4096", "fetchBatch": "700"}
     jvm, py = both(sp, tmp_path / "all", **base, maxEventsPerTrigger="900", partitionSize="400")
     assert len(jvm) == len(odd)
-    assert same_but_reasons(jvm) == same_but_reasons(py)
+    assert jvm == py  # every column, the words of every error too
     by_seq = {r[0]: dict(zip(COLUMNS, r, strict=True)) for r in jvm}
     assert by_seq[114]["msg_id"] == "spaced-113"
     assert by_seq[5]["msg_id"] is None  # no header at all
     assert by_seq[8]["data"].startswith('{"pad"')  # an event at max_payload came through
     bad = by_seq[102]
     assert not bad["valid"] and bad["data"] is None and bad["raw"] == b"\xff\xfe\x00bad"
-    assert "not UTF-8" in bad["error"]
-    assert "in position 0" in bad["error"]
-    assert "not JSON" in by_seq[98]["error"] and by_seq[98]["raw"] == b"{not json"
+    assert bad["error"] == (
+        "payload is not UTF-8: 'utf-8' codec can't decode byte 0xff in position 0: "
+        "invalid start byte"
+    )
+    assert by_seq[98]["error"] == ("payload is not JSON: JSON is malformed: expected '\"' (byte 1)")
+    assert by_seq[98]["raw"] == b"{not json"
+    reasons = {r["error"] for r in by_seq.values() if r["error"]}
+    assert any("nested deeper than 512 levels" in e for e in reasons)
+    assert any("unexpected end of data" in e for e in reasons)
     assert by_seq[2]["data"].endswith('"t": "z\u00fcrich \u2713"}')
+
+
+def mutants(seed: int, count: int) -> list[bytes]:
+    """Payloads a byte or a few away from JSON, or not UTF-8: inserted, replaced, deleted
+    and cut, from an alphabet of JSON's own bytes and the ones UTF-8 gets wrong."""
+    rng = random.Random(seed)
+    docs = [
+        b'{"a":1,"b":[1,2.5e-3,{"c":"x\\u00e9\\ud83d\\ude00"}],"d":null,"e":true,"f":false}',
+        b'{"t":"z\xc3\xbcrich \xe2\x9c\x93 \xf0\x9f\x98\x80"}',
+        b'[[[[1]]], -0.5E+10, "\\"\\\\\\/\\b\\f\\n\\r\\t"]',
+    ]
+    alphabet = b'{}[]:,"\\ -+.eE019afnlrstu\t\r\n\x00\x1f\x7f'
+    alphabet += b"\x80\xbf\xc0\xc2\xe0\xed\xa0\xf0\xf4\x90\xff"
+    out = []
+    for _ in range(count):
+        p = bytearray(rng.choice(docs))
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(p) + 1)
+            kind = rng.randrange(4)
+            if kind == 0 and p:
+                del p[min(i, len(p) - 1)]
+            elif kind == 1:
+                p[i:i] = bytes([rng.choice(alphabet)])
+            elif kind == 2 and p:
+                p[min(i, len(p) - 1)] = rng.choice(alphabet)
+            else:
+                del p[i:]
+        out.append(bytes(p))
+    return out
+
+
+def test_the_payload_check_words_every_fault_as_the_python_source_does(sp: Any) -> None:
+    """The check a task runs on each payload, against `check_payload` over thousands of
+    near-JSON payloads: the same verdict and the same words (msgspec's for JSON, CPython's
+    for UTF-8), so a dead-letter reason does not depend on which source read the event; and
+    the same U+FFFD where text is kept without validation."""
+    probe = sp.sparkContext._jvm.io.tierflow.jetstream.RangeProbe
+    cases = [*mutants(11, 4000), *MALFORMED, b"", b" ", b"[" * 512 + b"]" * 512]
+    differ = []
+    for payload in cases:
+        for validate in ("json", "utf8"):
+            want = check_payload(payload, validate)[1]
+            got = probe.payloadError(bytearray(payload), validate)
+            if got != want:
+                differ.append((payload, validate, want, got))
+        text = payload.decode("utf-8", "replace")  # the row's text with validate=none
+        if probe.asText(bytearray(payload)) != text:
+            differ.append((payload, "none", text, probe.asText(bytearray(payload))))
+    assert not differ, differ[:5]
+    assert sum(check_payload(p, "json")[1] is None for p in cases) > 100  # some stayed JSON
 
 
 @pytest.mark.parametrize(
@@ -176,7 +250,7 @@ def test_filters_validation_and_start_read_as_the_python_source_does(
     sp: Any, server: Any, odd: list[Any], tmp_path: Path, options: dict[str, str]
 ) -> None:
     jvm, py = both(sp, tmp_path, url=server.url, stream="odd", **options)
-    assert same_but_reasons(jvm) == same_but_reasons(py) and jvm
+    assert jvm == py and jvm
     if "subject" in options:
         assert {r[1] for r in jvm} <= set(options["subject"].split(","))
     if options.get("invalidOnly"):

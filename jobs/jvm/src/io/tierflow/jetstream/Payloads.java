@@ -1,27 +1,23 @@
 package io.tierflow.jetstream;
 
-import java.io.IOException;
-
-import com.fasterxml.jackson.core.JsonFactory;
-import com.fasterxml.jackson.core.JsonParser;
-import com.fasterxml.jackson.core.JsonToken;
-import com.fasterxml.jackson.core.StreamReadConstraints;
-import com.fasterxml.jackson.core.StreamReadFeature;
+import java.lang.invoke.MethodHandles;
+import java.lang.invoke.VarHandle;
+import java.nio.ByteOrder;
 
 /**
  * Whether an event's payload is well formed: `jobs.jetstream_read.check_payload`'s rule
- * (UTF-8, then one JSON document) and the same first words of its error, so a dead-letter
- * reason reads the same from either source.
+ * (UTF-8, then one JSON document) in its words, so a dead-letter reason reads the same from
+ * either source: CPython's UTF-8 decoder's error (`utf8Reason`) and msgspec's JSON one
+ * (`JsonCheck`).
  */
 final class Payloads {
-  // an event may be as big as the server's max_payload: no limit on a string's length
-  private static final JsonFactory JSON = JsonFactory.builder()
-      .disable(StreamReadFeature.INCLUDE_SOURCE_IN_LOCATION)
-      .streamReadConstraints(StreamReadConstraints.builder()
-          .maxStringLength(Integer.MAX_VALUE).maxNumberLength(Integer.MAX_VALUE).build())
-      .build();
-
   static final String NOT_UTF8 = "payload is not UTF-8";
+  static final String NOT_JSON = "payload is not JSON";
+
+  /** Eight bytes at a time, for runs of plain ASCII (most of an event). */
+  private static final VarHandle LONGS =
+      MethodHandles.byteArrayViewVarHandle(long[].class, ByteOrder.LITTLE_ENDIAN);
+  private static final long HIGH_BITS = 0x8080808080808080L;
 
   private Payloads() {}
 
@@ -30,13 +26,12 @@ final class Payloads {
     if (validate.equals("none")) {
       return null;
     }
-    int bad = utf8Error(b, off, len);
-    if (bad >= 0) {
-      return NOT_UTF8 + ": invalid byte 0x" + String.format("%02x", b[off + bad] & 0xff)
-          + " in position " + bad;
+    if (utf8Error(b, off, len) >= 0) {
+      return NOT_UTF8 + ": " + utf8Reason(b, off, len);
     }
     if (validate.equals("json")) {
-      return jsonError(b, off, len);
+      String why = JsonCheck.error(b, off, len);
+      return why == null ? null : NOT_JSON + ": " + why;
     }
     return null;
   }
@@ -46,6 +41,10 @@ final class Payloads {
     int i = off;
     int end = off + len;
     while (i < end) {
+      if (end - i >= 8 && ((long) LONGS.get(b, i) & HIGH_BITS) == 0) {
+        i += 8;
+        continue;
+      }
       int c = b[i] & 0xff;
       if (c < 0x80) {
         i++;
@@ -84,22 +83,102 @@ final class Payloads {
     return -1;
   }
 
-  /** Null when the bytes are exactly one JSON document (whitespace around it allowed). */
-  static String jsonError(byte[] b, int off, int len) {
-    try (JsonParser p = JSON.createParser(b, off, len)) {
-      if (p.nextToken() == null) {
-        return "payload is not JSON: Input data was truncated";
-      }
-      p.skipChildren();
-      JsonToken after = p.nextToken();
-      if (after != null) {
-        return "payload is not JSON: trailing characters after the document";
-      }
-      return null;
-    } catch (IOException e) {
-      String m = e.getMessage();
-      int cut = m == null ? -1 : m.indexOf('\n');
-      return "payload is not JSON: " + (cut > 0 ? m.substring(0, cut) : m);
+  private static boolean cont(byte[] b, int i) {
+    return (b[i] & 0xc0) == 0x80;
+  }
+
+  private static final String[] WHY = {
+    "invalid start byte", "invalid continuation byte", "unexpected end of data"};
+  private static final byte[] REPLACEMENT = {(byte) 0xef, (byte) 0xbf, (byte) 0xbd};
+
+  /**
+   * CPython's UTF-8 decoder (Objects/stringlib/codecs.h) at `s`, a byte from 0x80: the length
+   * of the well-formed sequence there, or, for a fault, `-(reason * 8 + span)` with `span`
+   * the bytes the fault covers (a sequence cut short at the end spans to the end; a bad
+   * continuation spans the bytes before it) and `reason` an index into `WHY`.
+   */
+  private static int sequence(byte[] b, int s, int end) {
+    int ch = b[s] & 0xff;
+    int left = end - s;
+    if (ch < 0xc2 || ch >= 0xf5) {
+      return -(0 * 8 + 1);
     }
+    if (ch < 0xe0) {
+      if (left < 2) {
+        return -(2 * 8 + left);
+      }
+      return cont(b, s + 1) ? 2 : -(1 * 8 + 1);
+    }
+    int c2 = left >= 2 ? b[s + 1] & 0xff : 0;
+    if (ch < 0xf0) {
+      boolean bad2 = left >= 2 && (!cont(b, s + 1) || (c2 < 0xa0 ? ch == 0xe0 : ch == 0xed));
+      if (bad2) {
+        return -(1 * 8 + 1);
+      }
+      if (left < 3) {
+        return -(2 * 8 + left);
+      }
+      return cont(b, s + 2) ? 3 : -(1 * 8 + 2);
+    }
+    if (left >= 2 && (!cont(b, s + 1) || (c2 < 0x90 ? ch == 0xf0 : ch == 0xf4))) {
+      return -(1 * 8 + 1);
+    }
+    if (left >= 3 && !cont(b, s + 2)) {
+      return -(1 * 8 + 2);
+    }
+    if (left < 4) {
+      return -(2 * 8 + left);
+    }
+    return cont(b, s + 3) ? 4 : -(1 * 8 + 3);
+  }
+
+  /** `str(UnicodeDecodeError)` of `bytes.decode("utf-8")`, for bytes that are not UTF-8. */
+  static String utf8Reason(byte[] b, int off, int len) {
+    int end = off + len;
+    for (int s = off; s < end; ) {
+      if ((b[s] & 0x80) == 0) {
+        s++;
+        continue;
+      }
+      int n = sequence(b, s, end);
+      if (n > 0) {
+        s += n;
+        continue;
+      }
+      int span = -n % 8;
+      String why = WHY[-n / 8];
+      int at = s - off;
+      if (span == 1) {
+        return String.format("'utf-8' codec can't decode byte 0x%02x in position %d: %s",
+            b[s] & 0xff, at, why);
+      }
+      return "'utf-8' codec can't decode bytes in position " + at + "-" + (at + span - 1)
+          + ": " + why;
+    }
+    return null;
+  }
+
+  /** `bytes.decode("utf-8", "replace")` as UTF-8 bytes: one U+FFFD for each fault's span. */
+  static byte[] replaceInvalid(byte[] b, int off, int len) {
+    java.io.ByteArrayOutputStream out = new java.io.ByteArrayOutputStream(len + 8);
+    int end = off + len;
+    int from = off;
+    for (int s = off; s < end; ) {
+      if ((b[s] & 0x80) == 0) {
+        s++;
+        continue;
+      }
+      int n = sequence(b, s, end);
+      if (n > 0) {
+        s += n;
+        continue;
+      }
+      out.write(b, from, s - from);
+      out.write(REPLACEMENT, 0, REPLACEMENT.length);
+      s += -n % 8;
+      from = s;
+    }
+    out.write(b, from, end - from);
+    return out.toByteArray();
   }
 }

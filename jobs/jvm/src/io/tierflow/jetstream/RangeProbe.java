@@ -7,7 +7,7 @@ import java.util.Map;
 /**
  * One range read step by step from the driver's JVM (through py4j): what a task's reader
  * does, with the caller in control between events, so a test can take the consumer away
- * mid-read and see the reader replace it.
+ * mid-read and see the reader replace it; and a task's payload check alone.
  */
 public final class RangeProbe implements Closeable {
   private final NatsConnection nc;
@@ -50,6 +50,18 @@ public final class RangeProbe implements Closeable {
       }
     }
     return new long[] {events, mx.getCurrentThreadCpuTime() - cpu0, bytes};
+  }
+
+  /** Why a task would find `payload` malformed under `validate`, or null: the check alone,
+   * for comparing its words with the Python source's over many payloads. */
+  public static String payloadError(byte[] payload, String validate) {
+    return Payloads.error(payload, 0, payload.length, validate);
+  }
+
+  /** A payload as the text a row holds with `validate=none`. */
+  public static String asText(byte[] payload) {
+    return new String(Payloads.replaceInvalid(payload, 0, payload.length),
+        java.nio.charset.StandardCharsets.UTF_8);
   }
 
   /** Consumers this read has started (1 unless one was replaced). */

@@ -324,11 +324,16 @@ final class RangeReader implements Closeable {
     }
   }
 
+  // a delivery's reply tokens, kept between messages: parsing allocates nothing
+  private final long[] replyNums = new long[16];
+  private final boolean[] replyNumeric = new boolean[16];
+  private static final long NO_OVERFLOW = (Long.MAX_VALUE - 9) / 10; // v * 10 + 9 still fits
+
   /** "$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>", or the v2 form
    * with domain and account hash after ACK and a token at the end. */
   private void parseReply(byte[] buf, int off, int len) throws IOException {
-    long[] nums = new long[16];
-    boolean[] numeric = new boolean[16];
+    long[] nums = replyNums;
+    boolean[] numeric = replyNumeric;
     int tokens = 0;
     long v = 0;
     boolean digits = true;
@@ -346,7 +351,7 @@ final class RangeReader implements Closeable {
         tokLen = 0;
       } else {
         tokLen++;
-        if (c >= '0' && c <= '9' && v <= (Long.MAX_VALUE - (c - '0')) / 10) {
+        if (c >= '0' && c <= '9' && v <= NO_OVERFLOW) {
           v = v * 10 + (c - '0');
         } else {
           digits = false;

@@ -143,11 +143,11 @@ final class RangeReaderFactory implements PartitionReaderFactory {
       columns[SEQ].putLong(i, reader.seq);
       text(columns[SUBJECT], i, buf, nc.subjectOff, nc.subjectLen);
       columns[TS].putLong(i, Math.floorDiv(reader.tsNanos, 1000L));
-      int[] id = msgId(buf);
-      if (id == null) {
+      long id = msgId(buf);
+      if (id < 0) {
         columns[ID].putNull(i);
       } else {
-        text(columns[ID], i, buf, id[0], id[1]);
+        text(columns[ID], i, buf, (int) (id >>> 32), (int) id);
       }
       if (error == null) {
         if (opts.validate.equals("none")) {
@@ -171,11 +171,12 @@ final class RangeReaderFactory implements PartitionReaderFactory {
       columns[RAW].putByteArray(i, buf, nc.dataOff, nc.dataLen);
     }
 
-    /** (offset, length) of the header block's Nats-Msg-Id, as `jobs.jetstream_read.msg_ids`
-     * finds it; null when it has none. */
-    private int[] msgId(byte[] buf) {
+    /** The header block's Nats-Msg-Id, as `jobs.jetstream_read.msg_ids` finds it: its offset
+     * in the high 32 bits and its length in the low ones (no allocation per event); -1 when it
+     * has none. */
+    private long msgId(byte[] buf) {
       if (nc.headerOff < 0) {
-        return null;
+        return -1;
       }
       int end = nc.headerOff + nc.headerLen;
       outer:
@@ -200,17 +201,18 @@ final class RangeReaderFactory implements PartitionReaderFactory {
         while (t > s && (buf[t - 1] == ' ' || buf[t - 1] == '\t')) {
           t--;
         }
-        return new int[] {s, t - s};
+        return ((long) s << 32) | (t - s);
       }
-      return null;
+      return -1;
     }
 
-    /** Text as it is when it is UTF-8, else with U+FFFD for what is not (as nats-py would). */
+    /** Text as it is when it is UTF-8, else with U+FFFD for what is not, as Python's
+     * `decode("utf-8", "replace")` puts them. */
     private static void text(OnHeapColumnVector col, int i, byte[] buf, int off, int len) {
       if (Payloads.utf8Error(buf, off, len) < 0) {
         col.putByteArray(i, buf, off, len);
       } else {
-        byte[] fixed = new String(buf, off, len, StandardCharsets.UTF_8).getBytes(StandardCharsets.UTF_8);
+        byte[] fixed = Payloads.replaceInvalid(buf, off, len);
         col.putByteArray(i, fixed, 0, fixed.length);
       }
     }

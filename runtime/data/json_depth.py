@@ -1,0 +1,61 @@
+"""How deep a JSON event may nest: `MAX_DEPTH` levels of arrays and objects.
+
+msgspec leaves depth to Python's recursion limit, which depends on how deep the caller's own
+stack already is, and ends with RecursionError rather than a decode error. A fixed limit
+gives one answer wherever an event is checked (the JVM jetstream source keeps the same one,
+jobs/jvm/.../JsonCheck.java), and a stream cannot hold an event one reader takes and another
+refuses. Real events nest a few levels; 512 leaves room for any of them.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_DEPTH = 512
+_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+
+
+def may_be_too_deep(payload: bytes) -> bool:
+    """A cheap pass: False for every payload that cannot open more than `MAX_DEPTH` levels."""
+    return len(payload) > MAX_DEPTH and (payload.count(b"[") + payload.count(b"{") > MAX_DEPTH)
+
+
+def too_deep_at(payload: bytes) -> int | None:
+    """The byte offset of the bracket that opens level `MAX_DEPTH + 1`, outside strings;
+    None when no such bracket is there. Over the well-formed part of a document this
+    follows its structure exactly."""
+    depth, escape_at = 0, -2
+    in_string = escaped = False
+    for m in _STRUCTURE.finditer(payload):
+        c = m.group()
+        if in_string:
+            if escaped:
+                # an escape is one byte after the backslash; only `"` and `\` are found here
+                escaped = False
+                if m.start() == escape_at + 1:
+                    continue
+            if c == b"\\":
+                escaped, escape_at = True, m.start()
+            elif c == b'"':
+                in_string = False
+            continue
+        if c == b'"':
+            in_string = True
+        elif c in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return m.start()
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return None
+
+
+def depth_error(payload: bytes, error_at: int | None) -> str | None:
+    """msgspec-style words for a payload nested too deep, when its too-deep bracket comes
+    before `error_at` (the byte of the decoder's own error; None: no such byte)."""
+    if not may_be_too_deep(payload):
+        return None
+    at = too_deep_at(payload)
+    if at is None or (error_at is not None and error_at <= at):
+        return None
+    return f"JSON is malformed: nested deeper than {MAX_DEPTH} levels (byte {at})"
