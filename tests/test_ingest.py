@@ -74,7 +74,7 @@ def test_parse_accepts(ct: str, body: bytes, expected: list[dict[str, Any]]) -> 
         (JSON, b'{"a":1} {"b":2}', 400, "malformed JSON at line 1, column 9: trailing characters"),
         (JSON, b'[{"a":1},\n {"b":}]', 400, "malformed JSON at line 2, column 7"),
         (NDJSON, b'{"a":1}\n\n{"b":}\n', 400, "malformed JSON at line 3, column 6"),
-        (JSON, b"[" * 10_000, 400, "nested too deeply"),
+        (JSON, b"[" * 10_000, 400, "line 1, column 514: nested deeper than 512 levels"),
         (JSON, b'"x"', 400, "body must be a JSON object or an array of objects, got string"),
         (JSON, b"[]", 400, "empty array: no events"),
         (JSON, b'[{"a":1}, 3]', 400, "item 1 is not a JSON object, got number"),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from actors.collection.parsing import MAX_ID_CHARS, BadInput, assign_ids, parse_body, parse_events
 from runtime.data.events import Event, new_event_ids
+from runtime.data.json_depth import MAX_DEPTH
 from runtime.data.logic import LogicConfig, compile_logic
 from tests.strategies import json_value
 
@@ -197,7 +198,7 @@ def test_event_at_the_size_limit_and_one_byte_over(form: str) -> None:
         (JSON, b'{"a":' + b"9" * 310 + b".5}", 400, "malformed JSON"),
         (JSON, b'{"a":' + b"9" * 5000 + b"}", 400, "malformed JSON"),
         (JSON, b'{"a":"\\ud800x"}', 400, "malformed JSON"),
-        (JSON, b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+        (JSON, b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested deeper than 512"),
         (JSON, b"\xef\xbb\xbf\xef\xbb\xbf{}", 400, "malformed JSON"),
         (NDJSON, b"{}\n" * 11, 413, "too many events: 11 > max 10"),
         (NDJSON, b"\r\n \n", 400, "empty body"),
@@ -210,6 +211,36 @@ def test_bad_input_is_refused_as_parse_body_refuses_it(
     got = refusal(ct, body)
     assert got[0] == status and reason in got[1], got
     assert got == reference(ct, body)
+
+
+@pytest.mark.parametrize("form", ["object", "array", "ndjson"])
+def test_an_event_nested_512_levels_is_taken_and_513_refused_at_its_bracket(form: str) -> None:
+    """The nesting the sources read (runtime/data/json_depth.py) is the most the collector
+    takes: an event it accepts is never malformed to analysis."""
+
+    def event(levels: int) -> bytes:  # the event object is the first level
+        return b'{"a":' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+    def as_body(item: bytes) -> tuple[str, bytes]:
+        if form == "object":
+            return JSON, item
+        if form == "array":
+            return JSON, b"[" + item + b"]"
+        return NDJSON, b"{}\n" + item
+
+    limits = {"max_events": 10, "max_event_bytes": 1 << 16}
+    ct, body = as_body(event(MAX_DEPTH))
+    assert fast(ct, body, **limits)[-1].data.endswith(event(MAX_DEPTH)[1:])  # an id goes first
+    for levels in (MAX_DEPTH + 1, 5000):  # 5000: past Python's own recursion limit
+        ct, body = as_body(event(levels))
+        got = refusal(ct, body, **limits)
+        column = 5 + MAX_DEPTH + (form == "array")  # `{"a":` then the brackets
+        line = 2 if form == "ndjson" else 1
+        assert got == (
+            400,
+            f"malformed JSON at line {line}, column {column}: nested deeper than 512 levels",
+        )
+        assert got == reference(ct, body, **limits)
 
 
 def test_blank_lines_crlf_and_a_bom_are_not_events() -> None:

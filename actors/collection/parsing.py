@@ -25,6 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from runtime.data.events import Event, json_kind, new_event_ids, skippable_json
+from runtime.data.json_depth import MAX_DEPTH, may_be_too_deep, too_deep_at
 from runtime.errors import TierflowError
 
 __all__ = [
@@ -95,14 +96,33 @@ def _where(data: bytes, offset: int) -> str:
     return f"line {line}, column {column}"
 
 
-def _malformed(data: bytes, err: Exception, line_no: int = 0) -> BadInput:
+def _at(data: bytes, offset: int, line_no: int) -> str:
+    """Where a byte offset is: in the body, or in NDJSON line `line_no` (its column)."""
+    where = _where(data, offset)
+    return f"line {line_no}, " + where.split(", ", 1)[1] if line_no else where
+
+
+def _too_deep(data: bytes, line_no: int = 0, limit: int = MAX_DEPTH) -> BadInput | None:
+    """The 400 for an event nested deeper than analysis reads (runtime/data/json_depth.py);
+    `limit` one more for a body that is an array of events."""
+    if not may_be_too_deep(data, limit):
+        return None
+    at = too_deep_at(data, limit)
+    if at is None:
+        return None
+    return BadInput(
+        400, f"malformed JSON at {_at(data, at, line_no)}: nested deeper than {MAX_DEPTH} levels"
+    )
+
+
+def _malformed(data: bytes, err: Exception, line_no: int = 0, limit: int = MAX_DEPTH) -> BadInput:
     """The 400 for a decode failure of `data` (the body, or one NDJSON line)."""
     bad_utf8 = _utf8_error(data)
     if bad_utf8 is not None:
         return bad_utf8
     if isinstance(err, RecursionError):
-        where = f" at line {line_no}" if line_no else ""
-        return BadInput(400, f"malformed JSON{where}: nested too deeply")
+        deep = _too_deep(data, line_no, limit)
+        return deep or BadInput(400, f"malformed JSON: nested deeper than {MAX_DEPTH} levels")
     text = str(err).removeprefix("JSON is malformed: ")
     m = _BYTE_AT.search(text)
     offset = int(m.group(1)) if m else len(data)
@@ -110,17 +130,19 @@ def _malformed(data: bytes, err: Exception, line_no: int = 0) -> BadInput:
     if text.startswith("trailing characters"):
         offset -= 1  # msgspec names the byte after the first trailing one
     text = text[:1].lower() + text[1:]
-    where = _where(data, offset)
-    if line_no:  # one NDJSON line: its column, the body's line number
-        where = f"line {line_no}, " + where.split(", ", 1)[1]
-    return BadInput(400, f"malformed JSON at {where}: {text}")
+    return BadInput(400, f"malformed JSON at {_at(data, offset, line_no)}: {text}")
 
 
-def _decode(data: bytes, line_no: int = 0) -> Any:
+def _decode(data: bytes, line_no: int = 0, limit: int = MAX_DEPTH) -> Any:
+    """`data` decoded, or the 400 for it: malformed, or nested past the limit."""
     try:
-        return _decode_any(data)
+        value = _decode_any(data)
     except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
-        raise _malformed(data, err, line_no) from None
+        raise _malformed(data, err, line_no, limit) from None
+    deep = _too_deep(data, line_no, limit)
+    if deep is not None:
+        raise deep
+    return value
 
 
 def _too_many(count: int, max_events: int) -> BadInput:
@@ -168,7 +190,7 @@ def _parse_array(body: bytes, max_events: int, max_event_bytes: int) -> list[dic
     try:
         raws = _raw_array.decode(body)
     except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
-        raise _malformed(body, err) from None
+        raise _malformed(body, err, limit=MAX_DEPTH + 1) from None
     if not raws:
         raise BadInput(400, "empty array: no events")
     if len(raws) > max_events:
@@ -180,9 +202,12 @@ def _parse_array(body: bytes, max_events: int, max_event_bytes: int) -> list[dic
             raise _too_big(f"item {i}", size, max_event_bytes)
         try:
             value = _decode_any(raw)
+            deep = may_be_too_deep(bytes(raw))
         except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError) as err:
-            _decode(body)  # re-run on the whole body for an absolute position
+            _decode(body, limit=MAX_DEPTH + 1)  # again on the whole body, for a position
             raise BadInput(400, f"item {i}: malformed JSON: {err}") from None
+        if deep:
+            _decode(body, limit=MAX_DEPTH + 1)  # the body's line and column of the bracket
         if not isinstance(value, dict):
             raise BadInput(400, f"item {i} is not a JSON object, got {json_kind(value)}")
         out.append(value)
@@ -207,6 +232,9 @@ def _parse_ndjson(body: bytes, max_events: int, max_event_bytes: int) -> list[di
                 raise _malformed(line, err, n) from None
         if bad_utf8 is not None:
             raise bad_utf8
+        deep = _too_deep(line, n)
+        if deep is not None:
+            raise deep
         if not isinstance(value, dict):
             raise BadInput(400, f"line {n} is not a JSON object, got {json_kind(value)}")
         out.append(value)
@@ -315,7 +343,7 @@ def _fast_heads(
             for line in body.split(b"\n"):
                 text = line.strip()
                 if text:
-                    if len(line) > max_event_bytes:
+                    if len(line) > max_event_bytes or may_be_too_deep(line):
                         return None
                     ids.append(head(line).id)  # the line as parse_body decodes it
                     raws.append(text)
@@ -327,10 +355,10 @@ def _fast_heads(
             if not items or len(items) > max_events:
                 return None
             raws = [bytes(raw) for raw in items]
-            if max(map(len, raws)) > max_event_bytes:
+            if max(map(len, raws)) > max_event_bytes or any(map(may_be_too_deep, raws)):
                 return None
             return raws, [head(raw).id for raw in raws]
-        if len(body) > max_event_bytes:
+        if len(body) > max_event_bytes or may_be_too_deep(body):
             return None
         return [body.strip()], [head(body).id]
     except _DECODE_ERRORS:

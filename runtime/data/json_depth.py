@@ -4,7 +4,9 @@ msgspec leaves depth to Python's recursion limit, which depends on how deep the 
 stack already is, and ends with RecursionError rather than a decode error. A fixed limit
 gives one answer wherever an event is checked (the JVM jetstream source keeps the same one,
 jobs/jvm/.../JsonCheck.java), and a stream cannot hold an event one reader takes and another
-refuses. Real events nest a few levels; 512 leaves room for any of them.
+refuses. The collector refuses such an event
+(actors/collection/parsing.py), the sources mark one that reached a stream some other way
+malformed. Real events nest a few levels; 512 leaves room for any of them.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ MAX_DEPTH = 512
 _STRUCTURE = re.compile(rb'[\[\]{}"\\]')
 
 
-def may_be_too_deep(payload: bytes) -> bool:
-    """A cheap pass: False for every payload that cannot open more than `MAX_DEPTH` levels."""
-    return len(payload) > MAX_DEPTH and (payload.count(b"[") + payload.count(b"{") > MAX_DEPTH)
+def may_be_too_deep(payload: bytes, limit: int = MAX_DEPTH) -> bool:
+    """A cheap pass: False for every payload that cannot open more than `limit` levels."""
+    return len(payload) > limit and (payload.count(b"[") + payload.count(b"{") > limit)
 
 
-def too_deep_at(payload: bytes) -> int | None:
-    """The byte offset of the bracket that opens level `MAX_DEPTH + 1`, outside strings;
-    None when no such bracket is there. Over the well-formed part of a document this
-    follows its structure exactly."""
+def too_deep_at(payload: bytes, limit: int = MAX_DEPTH) -> int | None:
+    """The byte offset of the bracket that opens level `limit + 1`, outside strings; None
+    when no such bracket is there. Over the well-formed part of a document this follows its
+    structure exactly. (A body that is an array of events: `limit` one more.)"""
     depth, escape_at = 0, -2
     in_string = escaped = False
     for m in _STRUCTURE.finditer(payload):
@@ -43,7 +45,7 @@ def too_deep_at(payload: bytes) -> int | None:
             in_string = True
         elif c in (b"[", b"{"):
             depth += 1
-            if depth > MAX_DEPTH:
+            if depth > limit:
                 return m.start()
         elif c in (b"]", b"}"):
             depth -= 1
