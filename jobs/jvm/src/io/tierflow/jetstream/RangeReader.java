@@ -5,6 +5,7 @@ import java.io.IOException;
 import java.net.SocketTimeoutException;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayDeque;
+import java.util.Arrays;
 import java.util.List;
 import java.util.UUID;
 
@@ -327,55 +328,86 @@ final class RangeReader implements Closeable {
   // a delivery's reply tokens, kept between messages: parsing allocates nothing
   private final long[] replyNums = new long[16];
   private final boolean[] replyNumeric = new boolean[16];
+  private final int[] replyStarts = new int[16];
   private static final long NO_OVERFLOW = (Long.MAX_VALUE - 9) / 10; // v * 10 + 9 still fits
+  // the reply's bytes before its numbers, the same for every delivery of one consumer
+  private byte[] replyPrefix = new byte[0];
+  private int replyTail;
 
   /** "$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>", or the v2 form
-   * with domain and account hash after ACK and a token at the end. */
+   * with domain and account hash after ACK and a token at the end. A reply that starts as
+   * the last one did has only its numbers read. */
   private void parseReply(byte[] buf, int off, int len) throws IOException {
-    long[] nums = replyNums;
-    boolean[] numeric = replyNumeric;
-    int tokens = 0;
-    long v = 0;
-    boolean digits = true;
-    int tokLen = 0;
-    for (int i = off; i <= off + len; i++) {
-      byte c = i < off + len ? buf[i] : (byte) '.';
-      if (c == '.') {
-        if (tokens < 16) {
-          nums[tokens] = v;
-          numeric[tokens] = digits && tokLen > 0;
-        }
-        tokens++;
-        v = 0;
-        digits = true;
-        tokLen = 0;
-      } else {
-        tokLen++;
-        if (c >= '0' && c <= '9' && v <= NO_OVERFLOW) {
-          v = v * 10 + (c - '0');
-        } else {
-          digits = false;
-        }
-      }
+    int plen = replyPrefix.length;
+    if (plen > 0 && len > plen && Arrays.equals(buf, off, off + plen, replyPrefix, 0, plen)
+        && tokens(buf, off + plen, off + len) == replyTail && numbers(0)) {
+      took(0);
+      return;
     }
+    int count = tokens(buf, off, off + len);
     int base;
-    if (tokens == 9) {
+    if (count == 9) {
       base = 4;
-    } else if (tokens >= 11 && tokens <= 16) {
+    } else if (count >= 11 && count <= 16) {
       base = 6;
     } else {
       throw new IOException("jetstream source: unexpected delivery reply "
           + new String(buf, off, len, StandardCharsets.UTF_8));
     }
-    for (int k = base; k < base + 5; k++) {
-      if (!numeric[k]) {
-        throw new IOException("jetstream source: unexpected delivery reply "
-            + new String(buf, off, len, StandardCharsets.UTF_8));
+    if (!numbers(base)) {
+      throw new IOException("jetstream source: unexpected delivery reply "
+          + new String(buf, off, len, StandardCharsets.UTF_8));
+    }
+    took(base);
+    replyPrefix = Arrays.copyOfRange(buf, off, off + replyStarts[base]);
+    replyTail = count - base;
+  }
+
+  /** The dot-separated tokens of buf[from, to): how many, each one's value when it is
+   * digits (`replyNums`, `replyNumeric`) and its start from `from` (`replyStarts`). */
+  private int tokens(byte[] buf, int from, int to) {
+    long[] nums = replyNums;
+    boolean[] numeric = replyNumeric;
+    int count = 0;
+    long v = 0;
+    boolean digits = true;
+    int tokStart = from;
+    for (int i = from; i <= to; i++) {
+      byte c = i < to ? buf[i] : (byte) '.';
+      if (c == '.') {
+        if (count < 16) {
+          nums[count] = v;
+          numeric[count] = digits && i > tokStart;
+          replyStarts[count] = tokStart - from;
+        }
+        count++;
+        v = 0;
+        digits = true;
+        tokStart = i + 1;
+      } else if (c >= '0' && c <= '9' && v <= NO_OVERFLOW) {
+        v = v * 10 + (c - '0');
+      } else {
+        digits = false;
       }
     }
-    seq = nums[base + 1];
-    tsNanos = nums[base + 3];
-    lastPending = nums[base + 4];
+    return count;
+  }
+
+  /** Whether the five tokens from `base` (delivered, stream seq, consumer seq, time,
+   * pending) are numbers. */
+  private boolean numbers(int base) {
+    for (int k = base; k < base + 5; k++) {
+      if (!replyNumeric[k]) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  private void took(int base) {
+    seq = replyNums[base + 1];
+    tsNanos = replyNums[base + 3];
+    lastPending = replyNums[base + 4];
   }
 
   private static void sleep(long ms) {
