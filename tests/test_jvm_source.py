@@ -333,6 +333,34 @@ def test_tls_with_a_client_certificate_a_password_and_a_jetstream_domain(
         read_all(sp, JVM_FORMAT, tmp_path / "wrong", wrong)
 
 
+def test_a_token_server_is_read_with_its_token_and_refuses_a_wrong_one(
+    sp: Any, nats_factory: NatsFactory, tmp_path: Path
+) -> None:
+    """Token auth, the third way a stranger's server asks who connects: the JVM source's
+    CONNECT carries `auth_token` as nats-py's does."""
+    server = nats_factory(extra_conf=['authorization { token: "t0k en/=" }'])
+    ep = NatsEndpoint(url=server.url, token="t0k en/=")
+
+    async def run() -> None:
+        nc = await ep.connect()
+        try:
+            await nc.jetstream().add_stream(StreamConfig(name="tok", subjects=["tok"]))
+            await _publish(nc, [("tok", b'{"i":%d}' % i, None) for i in range(1200)])
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
+    options = {**ep.to_options(), "stream": "tok"}
+    assert speaks(ep)
+    jvm, py = both(sp, tmp_path, **options)
+    assert len(jvm) == 1200 and jvm == py
+    with pytest.raises(Exception, match="(?i)authorization"):
+        read_all(sp, JVM_FORMAT, tmp_path / "wrong", {**options, "token": "nope"})
+    with pytest.raises(Exception, match="(?i)authorization"):
+        anonymous = {k: v for k, v in options.items() if k != "token"}
+        read_all(sp, JVM_FORMAT, tmp_path / "none", anonymous)
+
+
 def test_jobs_read_through_the_jvm_source_unless_the_session_says_python(
     sp: Any, server: Any
 ) -> None:
