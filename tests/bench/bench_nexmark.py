@@ -31,6 +31,10 @@ reached a subscriber of ``results.<job>`` minus the event time it stands for (q7
 newest bid the row counted, a column this run adds; q5: its sliding window's end, so the
 5 s watermark is in it: a window is out only once the watermark passes).
 
+Then q0-q2 once more with nats-server on one core and Spark (`local[1]`) on the other
+(`test_stateless_queries_with_nats_server_on_a_core_of_its_own`): the source's cost to
+Spark's own core when the server has a core of its own, as in a deployment.
+
 Run alone:
 `.venv/bin/python -m pytest -s -o python_files='bench_*.py' tests/bench/bench_nexmark.py`
 """
@@ -38,10 +42,13 @@ Run alone:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import statistics
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +436,110 @@ def test_the_jvm_source_alone_cpu_per_event(tmp_path: Path) -> None:
             }
             print(f"\njvm source alone, validate={validate}: {out[validate]}")
     assert out["json"]["events"] == out["none"]["events"] > 0
+
+
+PINNED_QUERIES = ("q0", "q1", "q2")
+PINNED_ROUNDS = 3
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` onto `cpus` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+@pytest.mark.timeout(3600)
+def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path) -> None:
+    """q0-q2 again with nats-server on one core and Spark (`local[1]`: its JVM, and this
+    process) on the other: what reading JetStream costs Spark's own core when the server
+    does not share it, as in a deployment with NATS on hosts of its own (and as Flink's
+    published figures keep their source apart from the job). Three rounds of each over
+    both sources, alternating; the medians."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    nats_cpu, spark_cpu = {cpus[0]}, {cpus[1]}
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, spark_cpu)
+    try:
+        events = load_events(GEN, EVENTS)
+        files = write_files(tmp_path / "files", events)
+        cfg = load_config(
+            environ={},
+            overrides={
+                "state_dir": str(tmp_path / "state"),
+                "spark": {"conf": {"spark.ui.showConsoleProgress": False}},
+            },
+        )
+        cfg = msgspec.structs.replace(
+            cfg, spark=msgspec.structs.replace(cfg.spark, master="local[1]")
+        )
+        spark = spark_session(cfg, app_name="tierflow-bench-nexmark-pinned")
+        register(spark)
+        jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
+            nats = NatsEndpoint(server.url)
+            pin(server.pid or 0, nats_cpu)
+            asyncio.run(publish_all(server.url, events[EVENTS:]))
+            pin(jvm_pid, spark_cpu)  # a JVM an earlier test started keeps its own mask
+            warm_up(spark, nats, files, tmp_path)
+            cores = Cores(spark, server.pid or 0)
+            for r in range(PINNED_ROUNDS):
+                for q in PINNED_QUERIES:
+                    spec = decode_spec(
+                        {
+                            "name": q,
+                            "kind": "sql",
+                            "sql": QUERIES[q],
+                            "max_events_per_trigger": MAX_PER_TRIGGER,
+                        }
+                    )
+                    sources = {
+                        "jetstream": {
+                            s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER)
+                            for s in STREAMS
+                        },
+                        "files": {s: _file_source(spark, files[s]) for s in STREAMS},
+                    }
+                    for label, src in sources.items():
+                        pin(server.pid or 0, nats_cpu)
+                        pin(jvm_pid, spark_cpu)
+                        ckpt = tmp_path / f"{q}-{r}-{label}"
+                        out = cores.run(partial(noop_run, spark, spec, src, ckpt))
+                        runs.setdefault((q, label), []).append(out)
+        spark.stop()
+    finally:
+        os.sched_setaffinity(0, before)
+    rows: dict[str, Any] = {}
+    for q in PINNED_QUERIES:
+        row: dict[str, Any] = {}
+        for label in ("jetstream", "files"):
+            got = runs[(q, label)]
+            row[label] = {
+                "events_per_s": round(statistics.median(g["events_per_s"] for g in got)),
+                "jvm_us_per_event": statistics.median(g["cpu_us_per_event"]["jvm"] for g in got),
+                "nats_us_per_event": statistics.median(g["cpu_us_per_event"]["nats"] for g in got),
+            }
+        js, fs = row["jetstream"]["events_per_s"], row["files"]["events_per_s"]
+        row["ratio"] = round(js / fs, 2)
+        row["spark_core_events_per_s"] = js  # Spark had one core: this is per core
+        row["of_flink"] = round(js / FLINK_PER_CORE[q], 2)
+        rows[q] = row
+        print(
+            f"\npinned {q}: jetstream {js:,}/s (Spark JVM {row['jetstream']['jvm_us_per_event']}"
+            f" us/event, nats-server {row['jetstream']['nats_us_per_event']}) files {fs:,}/s "
+            f"(Spark JVM {row['files']['jvm_us_per_event']}) ratio {row['ratio']}, "
+            f"{row['of_flink']} of Flink per core"
+        )
+    assert all(rows[q]["jetstream"]["events_per_s"] > 0 for q in PINNED_QUERIES)
+    write_report(
+        "nexmark_pinned",
+        {
+            "events": EVENTS,
+            "rounds": PINNED_ROUNDS,
+            "cpus": {"nats": cpus[0], "spark": cpus[1]},
+            "queries": rows,
+        },
+    )
