@@ -15,6 +15,9 @@ files, and each query then runs, in one Spark session, over the same events:
   stream and KV, `jobs.running.start_job`); its answer is then compared with DuckDB's over
   the same events (tests/nexmark_oracle.py): equal, or the bench fails.
 
+The noop runs go `TIERFLOW_BENCH_NEXMARK_ROUNDS` times (default 3) over both sources,
+alternating, and the run of median events/s is the one reported (its CPU too): single runs
+of a few seconds on two shared cores differ by a fifth from one to the next.
 Each run reads its sources in micro-batches of at most `MAX_PER_TRIGGER` events per stream
 with `availableNow`; events/s is the events read over the time from the first batch's start
 to the last one's end (query progress). Per core counts as Nexmark does, every generated
@@ -45,7 +48,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import time
 from datetime import datetime
 from functools import partial
@@ -75,6 +77,8 @@ RATE = int(os.environ.get("TIERFLOW_BENCH_NEXMARK_RATE", "10000"))
 SECONDS = float(os.environ.get("TIERFLOW_BENCH_NEXMARK_SECONDS", "30"))
 ONLY = [q for q in os.environ.get("TIERFLOW_BENCH_NEXMARK_QUERIES", "").split(",") if q]
 MAX_PER_TRIGGER = 100_000
+# each query's noop runs over both sources, alternating; the median run is reported
+ROUNDS = int(os.environ.get("TIERFLOW_BENCH_NEXMARK_ROUNDS", "3"))
 CORES = 2
 GEN = Generator(seed=11, rate=10_000, disorder=100)
 # Flink 1.13, events/s per core (nexmark/nexmark README)
@@ -157,6 +161,31 @@ async def publish_all(url: str, flush: list[tuple[str, dict[str, Any]]]) -> floa
         return time.perf_counter() - began
     finally:
         await nc.close()
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median events/s (the lower middle of an even count), with every run's
+    events/s beside it."""
+    ordered = sorted(runs, key=lambda run: run["events_per_s"])
+    return {
+        **ordered[(len(ordered) - 1) // 2],
+        "rounds_events_per_s": [run["events_per_s"] for run in runs],
+    }
+
+
+def bench_spark(tmp_path: Path, master: str, app_name: str) -> Any:
+    """A Spark session on `master` with the jetstream sources registered."""
+    cfg = load_config(
+        environ={},
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "spark": {"conf": {"spark.ui.showConsoleProgress": False}},
+        },
+    )
+    cfg = msgspec.structs.replace(cfg, spark=msgspec.structs.replace(cfg.spark, master=master))
+    spark = spark_session(cfg, app_name=app_name)
+    register(spark)
+    return spark
 
 
 def warm_up(spark: Any, nats: NatsEndpoint, files: dict[str, Path], tmp_path: Path) -> None:
@@ -254,16 +283,7 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
     files = write_files(tmp_path / "files", events)
     oracle = Oracle(events, flush_from)
     prepared_s = time.perf_counter() - began
-    cfg = load_config(
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path / "state"),
-            "spark": {"conf": {"spark.ui.showConsoleProgress": False}},
-        },
-    )
-    cfg = msgspec.structs.replace(cfg, spark=msgspec.structs.replace(cfg.spark, master="local[2]"))
-    spark = spark_session(cfg, app_name="tierflow-bench-nexmark")
-    register(spark)
+    spark = bench_spark(tmp_path, "local[2]", "tierflow-bench-nexmark")
     rows: dict[str, dict[str, Any]] = {}
     with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
         nats = NatsEndpoint(server.url)
@@ -288,11 +308,14 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
             }
             file_sources = {s: _file_source(spark, files[s]) for s in STREAMS}
             row: dict[str, Any] = {}
-            row["jetstream"] = cores.run(
-                lambda: noop_run(spark, spec, js_sources, tmp_path / f"{q}-js")  # noqa: B023
-            )
-            row["files"] = cores.run(
-                lambda: noop_run(spark, spec, file_sources, tmp_path / f"{q}-files")  # noqa: B023
+            noop: dict[str, list[dict[str, Any]]] = {"jetstream": [], "files": []}
+            for r in range(ROUNDS):  # alternating, so a slow spell of the machine hits both
+                for label, src in (("jetstream", js_sources), ("files", file_sources)):
+                    ckpt = tmp_path / f"{q}-{label}-{r}"
+                    noop[label].append(cores.run(partial(noop_run, spark, spec, src, ckpt)))
+            row["jetstream"], row["files"] = (
+                median_run(noop["jetstream"]),
+                median_run(noop["files"]),
             )
 
             def exactly_once() -> dict[str, Any]:
@@ -439,7 +462,6 @@ def test_the_jvm_source_alone_cpu_per_event(tmp_path: Path) -> None:
 
 
 PINNED_QUERIES = ("q0", "q1", "q2")
-PINNED_ROUNDS = 3
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -454,8 +476,8 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
     """q0-q2 again with nats-server on one core and Spark (`local[1]`: its JVM, and this
     process) on the other: what reading JetStream costs Spark's own core when the server
     does not share it, as in a deployment with NATS on hosts of its own (and as Flink's
-    published figures keep their source apart from the job). Three rounds of each over
-    both sources, alternating; the medians."""
+    published figures keep their source apart from the job). `ROUNDS` runs of each over
+    both sources, alternating; the median run."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two cores")
@@ -465,18 +487,7 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
     try:
         events = load_events(GEN, EVENTS)
         files = write_files(tmp_path / "files", events)
-        cfg = load_config(
-            environ={},
-            overrides={
-                "state_dir": str(tmp_path / "state"),
-                "spark": {"conf": {"spark.ui.showConsoleProgress": False}},
-            },
-        )
-        cfg = msgspec.structs.replace(
-            cfg, spark=msgspec.structs.replace(cfg.spark, master="local[1]")
-        )
-        spark = spark_session(cfg, app_name="tierflow-bench-nexmark-pinned")
-        register(spark)
+        spark = bench_spark(tmp_path, "local[1]", "tierflow-bench-nexmark-pinned")
         jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         with NatsServer(store_dir=tmp_path / "nats", sync_interval="2m").start() as server:
@@ -486,7 +497,7 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
             pin(jvm_pid, spark_cpu)  # a JVM an earlier test started keeps its own mask
             warm_up(spark, nats, files, tmp_path)
             cores = Cores(spark, server.pid or 0)
-            for r in range(PINNED_ROUNDS):
+            for r in range(ROUNDS):
                 for q in PINNED_QUERIES:
                     spec = decode_spec(
                         {
@@ -516,11 +527,12 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
     for q in PINNED_QUERIES:
         row: dict[str, Any] = {}
         for label in ("jetstream", "files"):
-            got = runs[(q, label)]
+            run = median_run(runs[(q, label)])
             row[label] = {
-                "events_per_s": round(statistics.median(g["events_per_s"] for g in got)),
-                "jvm_us_per_event": statistics.median(g["cpu_us_per_event"]["jvm"] for g in got),
-                "nats_us_per_event": statistics.median(g["cpu_us_per_event"]["nats"] for g in got),
+                "events_per_s": run["events_per_s"],
+                "rounds_events_per_s": run["rounds_events_per_s"],
+                "jvm_us_per_event": run["cpu_us_per_event"]["jvm"],
+                "nats_us_per_event": run["cpu_us_per_event"]["nats"],
             }
         js, fs = row["jetstream"]["events_per_s"], row["files"]["events_per_s"]
         row["ratio"] = round(js / fs, 2)
@@ -538,7 +550,7 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
         "nexmark_pinned",
         {
             "events": EVENTS,
-            "rounds": PINNED_ROUNDS,
+            "rounds": ROUNDS,
             "cpus": {"nats": cpus[0], "spark": cpus[1]},
             "queries": rows,
         },

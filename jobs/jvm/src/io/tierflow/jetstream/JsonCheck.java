@@ -130,30 +130,44 @@ final class JsonCheck {
     return false;
   }
 
+  private static final int CLOSED = -2;
+  private static final int FAILED = -1;
+
+  /** The first byte of a container's next member (0-255), `CLOSED` past its closing
+   * bracket, or `FAILED` with the error set: msgspec's loop head, shared by arrays and
+   * objects. */
+  private int member(char close, boolean first) {
+    if (!skipWsTruncated()) {
+      return FAILED;
+    }
+    int c = b[pos] & 0xff;
+    if (c == close) {
+      pos++;
+      return CLOSED;
+    }
+    if (c == ',' && !first) {
+      pos++;
+      return skipWsTruncated() ? b[pos] & 0xff : FAILED;
+    }
+    if (first) {
+      return c;
+    }
+    invalid("expected ',' or '" + close + "'");
+    return FAILED;
+  }
+
   private boolean array(int depth) {
     if (!deeper(depth)) {
       return false;
     }
     pos++;
-    boolean first = true;
-    while (true) {
-      if (!skipWsTruncated()) {
-        return false;
-      }
-      int c = b[pos];
-      if (c == ']') {
-        pos++;
+    for (boolean first = true; ; first = false) {
+      int c = member(']', first);
+      if (c == CLOSED) {
         return true;
-      } else if (c == ',' && !first) {
-        pos++;
-        if (!skipWsTruncated()) {
-          return false;
-        }
-        c = b[pos];
-      } else if (first) {
-        first = false;
-      } else {
-        return invalid("expected ',' or ']'");
+      }
+      if (c == FAILED) {
+        return false;
       }
       if (c == ']') {
         return invalid("trailing comma in array");
@@ -169,34 +183,22 @@ final class JsonCheck {
       return false;
     }
     pos++;
-    boolean first = true;
-    while (true) {
-      if (!skipWsTruncated()) {
+    for (boolean first = true; ; first = false) {
+      int c = member('}', first);
+      if (c == CLOSED) {
+        return true;
+      }
+      if (c == FAILED) {
         return false;
       }
-      int c = b[pos];
       if (c == '}') {
-        pos++;
-        return true;
-      } else if (c == ',' && !first) {
-        pos++;
-        if (!skipWsTruncated()) {
-          return false;
-        }
-        c = b[pos];
-      } else if (first) {
-        first = false;
-      } else {
-        return invalid("expected ',' or '}'");
-      }
-      if (c == '"') {
-        if (!string()) {
-          return false;
-        }
-      } else if (c == '}') {
         return invalid("trailing comma in object");
-      } else {
+      }
+      if (c != '"') {
         return invalid("expected '\"'");
+      }
+      if (!string()) {
+        return false;
       }
       if (!skipWsTruncated()) {
         return false;

@@ -132,30 +132,37 @@ final class Payloads {
     return cont(b, s + 3) ? 4 : -(1 * 8 + 3);
   }
 
-  /** `str(UnicodeDecodeError)` of `bytes.decode("utf-8")`, for bytes that are not UTF-8. */
-  static String utf8Reason(byte[] b, int off, int len) {
-    int end = off + len;
-    for (int s = off; s < end; ) {
+  /** Where the next fault at or after `from` starts (`sequence` there says what), or -1. */
+  private static int nextFault(byte[] b, int from, int end) {
+    for (int s = from; s < end; ) {
       if ((b[s] & 0x80) == 0) {
         s++;
         continue;
       }
       int n = sequence(b, s, end);
-      if (n > 0) {
-        s += n;
-        continue;
+      if (n < 0) {
+        return s;
       }
-      int span = -n % 8;
-      String why = WHY[-n / 8];
-      int at = s - off;
-      if (span == 1) {
-        return String.format("'utf-8' codec can't decode byte 0x%02x in position %d: %s",
-            b[s] & 0xff, at, why);
-      }
-      return "'utf-8' codec can't decode bytes in position " + at + "-" + (at + span - 1)
-          + ": " + why;
+      s += n;
     }
-    return null;
+    return -1;
+  }
+
+  /** `str(UnicodeDecodeError)` of `bytes.decode("utf-8")`, for bytes that are not UTF-8. */
+  static String utf8Reason(byte[] b, int off, int len) {
+    int s = nextFault(b, off, off + len);
+    if (s < 0) {
+      return null;
+    }
+    int n = -sequence(b, s, off + len);
+    int span = n % 8;
+    int at = s - off;
+    if (span == 1) {
+      return String.format("'utf-8' codec can't decode byte 0x%02x in position %d: %s",
+          b[s] & 0xff, at, WHY[n / 8]);
+    }
+    return "'utf-8' codec can't decode bytes in position " + at + "-" + (at + span - 1) + ": "
+        + WHY[n / 8];
   }
 
   /** `bytes.decode("utf-8", "replace")` as UTF-8 bytes: one U+FFFD for each fault's span. */
@@ -163,20 +170,10 @@ final class Payloads {
     java.io.ByteArrayOutputStream out = new java.io.ByteArrayOutputStream(len + 8);
     int end = off + len;
     int from = off;
-    for (int s = off; s < end; ) {
-      if ((b[s] & 0x80) == 0) {
-        s++;
-        continue;
-      }
-      int n = sequence(b, s, end);
-      if (n > 0) {
-        s += n;
-        continue;
-      }
+    for (int s; (s = nextFault(b, from, end)) >= 0; ) {
       out.write(b, from, s - from);
       out.write(REPLACEMENT, 0, REPLACEMENT.length);
-      s += -n % 8;
-      from = s;
+      from = s + (-sequence(b, s, end)) % 8;
     }
     out.write(b, from, end - from);
     return out.toByteArray();
