@@ -173,6 +173,22 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def query_spec(q: str) -> Any:
+    return decode_spec(
+        {"name": q, "kind": "sql", "sql": QUERIES[q], "max_events_per_trigger": MAX_PER_TRIGGER}
+    )
+
+
+def sources(
+    spark: Any, nats: NatsEndpoint, files: dict[str, Path]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every Nexmark stream read from JetStream, and from its files."""
+    return (
+        {s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER) for s in STREAMS},
+        {s: _file_source(spark, files[s]) for s in STREAMS},
+    )
+
+
 def bench_spark(tmp_path: Path, master: str, app_name: str) -> Any:
     """A Spark session on `master` with the jetstream sources registered."""
     cfg = load_config(
@@ -295,18 +311,8 @@ def test_nexmark_queries_jetstream_vs_files_and_answers_vs_duckdb(tmp_path: Path
         warm_up(spark, nats, files, tmp_path)
         cores = Cores(spark, server.pid or 0)
         for q in queries:
-            spec = decode_spec(
-                {
-                    "name": q,
-                    "kind": "sql",
-                    "sql": QUERIES[q],
-                    "max_events_per_trigger": MAX_PER_TRIGGER,
-                }
-            )
-            js_sources = {
-                s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER) for s in STREAMS
-            }
-            file_sources = {s: _file_source(spark, files[s]) for s in STREAMS}
+            spec = query_spec(q)
+            js_sources, file_sources = sources(spark, nats, files)
             row: dict[str, Any] = {}
             noop: dict[str, list[dict[str, Any]]] = {"jetstream": [], "files": []}
             for r in range(ROUNDS):  # alternating, so a slow spell of the machine hits both
@@ -499,22 +505,9 @@ def test_stateless_queries_with_nats_server_on_a_core_of_its_own(tmp_path: Path)
             cores = Cores(spark, server.pid or 0)
             for r in range(ROUNDS):
                 for q in PINNED_QUERIES:
-                    spec = decode_spec(
-                        {
-                            "name": q,
-                            "kind": "sql",
-                            "sql": QUERIES[q],
-                            "max_events_per_trigger": MAX_PER_TRIGGER,
-                        }
-                    )
-                    sources = {
-                        "jetstream": {
-                            s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER)
-                            for s in STREAMS
-                        },
-                        "files": {s: _file_source(spark, files[s]) for s in STREAMS},
-                    }
-                    for label, src in sources.items():
+                    spec = query_spec(q)
+                    js_sources, file_sources = sources(spark, nats, files)
+                    for label, src in (("jetstream", js_sources), ("files", file_sources)):
                         pin(server.pid or 0, nats_cpu)
                         pin(jvm_pid, spark_cpu)
                         ckpt = tmp_path / f"{q}-{r}-{label}"
