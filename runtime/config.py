@@ -25,6 +25,7 @@ import msgspec
 from runtime.binding import check_host
 from runtime.browsers import ANY, host_name, parse_origin
 from runtime.data.compaction import CompactConfig
+from runtime.data.event_schema import SchemaError, schema_fields
 from runtime.data.logic import LogicConfig, compile_logic
 from runtime.data.query import FilterError, compile_filter
 from runtime.data.sql_check import SqlRefused
@@ -729,6 +730,15 @@ def _check_kv_tables(cfg: Config) -> None:
             raise ConfigError(
                 f"{where}.schema: the values' JSON fields as a Spark DDL ('name STRING, n INT')"
             )
+        _schema_names(f"{where}.schema", table.schema)
+
+
+def _schema_names(key: str, ddl: str) -> list[str]:
+    """The top-level field names of a schema, or a ConfigError naming `key`."""
+    try:
+        return [name for name, _ in schema_fields(ddl)]
+    except SchemaError as err:
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def _check_event_times(cfg: Config) -> None:
@@ -741,9 +751,14 @@ def _check_event_times(cfg: Config) -> None:
                 raise ConfigError(f"{where}.watermark: {err}") from None
         if stream.event_time and not stream.schema:
             raise ConfigError(f"{where}.event_time: needs {where}.schema, which declares it")
-        if stream.event_time and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stream.event_time):
+        names = _schema_names(f"{where}.schema", stream.schema) if stream.schema else []
+        if stream.event_time and (
+            not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stream.event_time)
+            or stream.event_time not in names
+        ):
             raise ConfigError(
-                f"{where}.event_time: {stream.event_time!r}: name a top-level field of the schema"
+                f"{where}.event_time: {stream.event_time!r}: name a top-level field of the "
+                f"schema ({', '.join(names)})"
             )
 
 

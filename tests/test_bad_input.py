@@ -310,11 +310,19 @@ def test_deeply_nested_filter_is_a_filter_error(text: str) -> None:
 # --------------------------------------------------------------------------- the servers
 
 
+BIDS_SCHEMA = "auction BIGINT, price DECIMAL(8,2), at TIMESTAMP, tags ARRAY<STRING>"
+
+
 def _config(state: Path) -> Config:
     return tier_config(
         state,
         NS,
-        {"meetup": {"subjects": ["raw.meetup"]}, "deadletter": {"subjects": ["deadletter.>"]}},
+        {
+            "meetup": {"subjects": ["raw.meetup"]},
+            "deadletter": {"subjects": ["deadletter.>"]},
+            # a stranger's stream with declared types, and no other setting
+            "Bids-2": {"subjects": ["in.bids"], "schema": BIDS_SCHEMA},
+        },
         {"collector": {"replicas": 1}, "bridge": {"replicas": 1}},
     )
 
@@ -325,6 +333,7 @@ class Stack:
     gateway_port: int
     nats: NatsServer
     acked: list[str] = field(default_factory=list)  # every id a producer was told is stored
+    acked_elsewhere: dict[str, list[str]] = field(default_factory=dict)  # other streams'
 
     @property
     def collector_port(self) -> int:
@@ -860,6 +869,64 @@ async def test_collector_ws_answers_bad_json_per_frame_and_keeps_the_socket(stac
         stack.acked.append(eid)
     finally:
         ws.close()
+    await assert_exactly_once(stack)
+
+
+async def test_events_that_break_the_streams_schema_are_400_and_nothing_of_them_is_stored(
+    stack: Stack,
+) -> None:
+    """Spark would read a field of the wrong type as null: the collector refuses the
+    request instead, naming the event and the field, over HTTP and WebSocket alike."""
+    url = f"http://127.0.0.1:{stack.collector_port}/v1/streams/Bids-2/events"
+    good = {"auction": 7, "price": "12.50", "at": "2024-01-02T03:04:05Z", "tags": ["x"]}
+    cases = [
+        ({"price": 12.5}, None),
+        ({"price": "12.5x"}, '`$.price` must be DECIMAL(8, 2), got the string "12.5x"'),
+        ({"auction": "7"}, '`$.auction` must be BIGINT, got the string "7"'),
+        ({"price": 1e7}, "`$.price` must be DECIMAL(8, 2), got 10000000.0, which it cannot hold"),
+        ({"tags": "x"}, '`$.tags` must be ARRAY<STRING>, got the string "x"'),
+        ({"at": [2024]}, "`$.at` must be TIMESTAMP, got an array"),
+    ]
+    refused: list[str] = []
+    async with producing(stack, "schema"), aiohttp.ClientSession() as s:
+        for change, problem in cases:
+            ids = [f"bids-{next(_ids)}" for _ in range(3)]
+            events = [{"id": i, **good} for i in ids]
+            events[1] = {**events[1], **change}
+            for ctype, body in (
+                ("application/json", _enc(events)),
+                ("application/x-ndjson", b"\n".join(_enc(e) for e in events)),
+            ):
+                async with s.post(url, data=body, headers={"Content-Type": ctype}) as r:
+                    answer = await r.json()
+                    if problem is None:
+                        assert r.status == 200 and answer["ids"] == ids, answer
+                        stack.acked_elsewhere.setdefault("Bids-2", []).extend(ids)
+                        break  # the same ids again would be duplicates
+                    assert r.status == 400, answer
+                    assert answer["error"] == (
+                        f"event at index 1 does not fit stream 'Bids-2''s schema: {problem}"
+                    )
+            if problem is not None:
+                refused.extend(ids)
+    ws = await RawWs.open(stack.collector_port, "/v1/streams/Bids-2/ws")
+    try:
+        wrong = {"id": f"bids-ws-{next(_ids)}", **good, "auction": 1.5}
+        await ws.send(frame(_enc(wrong)))
+        _, payload = await ws.read_frame()
+        answer = msgspec.json.decode(payload)
+        assert answer["status"] == 400 and "`$.auction` must be BIGINT" in answer["error"]
+        refused.append(wrong["id"])
+    finally:
+        ws.close()
+    nc = await connect(stack.nats.url)
+    try:
+        found = await stream_ids(nc, "Bids-2")
+        assert not any(found[i] for i in refused)  # refused: never stored
+        verdict = judge(stack.acked_elsewhere["Bids-2"], found)
+        assert verdict.ok, str(verdict)
+    finally:
+        await nc.close()
     await assert_exactly_once(stack)
 
 

@@ -34,6 +34,7 @@ from actors.queue.logger import LogFull, LoggerGroup, LogUnavailable
 from runtime.clock import now_ms
 from runtime.config import Config, system_streams
 from runtime.data.compaction import CompactingLogic, stream_logic
+from runtime.data.event_schema import EventSchema
 from runtime.data.events import Event
 from runtime.data.logic import StreamLogic
 from runtime.errors import TierflowError
@@ -150,6 +151,11 @@ class IngestPath:
         self.logic: Mapping[str, StreamLogic | CompactingLogic] = {
             s: stream_logic(s, sc) for s, sc in cfg.streams.items()
         }
+        # a stream that declares its fields' types refuses an event that breaks them: Spark
+        # would read such a field as null, silently (runtime/data/event_schema.py)
+        self.schemas: Mapping[str, EventSchema] = {
+            s: EventSchema(sc.schema) for s, sc in cfg.streams.items() if sc.schema
+        }
         self.nats: Any = None  # the collector's NATS connection, once the data plane has it
         self._refreshing: asyncio.Future[Any] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -168,17 +174,24 @@ class IngestPath:
     ) -> list[Event]:
         """A checked stream's body to events with ids, each one JetStream can take; every
         refusal is a BadInput. `max_events` 0: the collector's limit."""
-        return self.fit(
-            parse_events(
-                content_type,
-                body,
-                stream,
-                self.cfg.streams[stream].subjects[0],
-                now_ms(),
-                max_events=max_events or self.max_events,
-                max_event_bytes=self.max_event_bytes,
-            )
+        events = parse_events(
+            content_type,
+            body,
+            stream,
+            self.cfg.streams[stream].subjects[0],
+            now_ms(),
+            max_events=max_events or self.max_events,
+            max_event_bytes=self.max_event_bytes,
         )
+        schema = self.schemas.get(stream)
+        if schema is not None:
+            for i, e in enumerate(events):
+                why = schema.problem(e.data)
+                if why is not None:
+                    raise BadInput(
+                        400, f"event at index {i} does not fit stream {stream!r}'s schema: {why}"
+                    )
+        return self.fit(events)
 
     @property
     def max_payload(self) -> int:
