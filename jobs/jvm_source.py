@@ -106,6 +106,10 @@ def speaks(nats: NatsEndpoint) -> bool:
     return not nats.creds and not any(u.startswith(("ws://", "wss://")) for u in urls)
 
 
+# the JVM source's column saying it read the row's `fields` itself (JetStreamProvider.PARSED)
+PARSED = "_tf_parsed"
+
+
 def stream_format(spark: SparkSession, nats: NatsEndpoint) -> str:
     """The format a streaming read of `nats` uses in `spark` (the module's docstring)."""
     choice = (spark.conf.get(CHOICE_KEY, "auto") or "auto").lower()
@@ -125,6 +129,7 @@ def stream_format(spark: SparkSession, nats: NatsEndpoint) -> str:
 __all__ = [
     "CHOICE_KEY",
     "JVM_FORMAT",
+    "PARSED",
     "PYTHON_FORMAT",
     "build",
     "jvm_loaded",

@@ -92,15 +92,21 @@ def read_stream(
     max_events: int = 0,
     start_seq: int = 0,
     invalid_only: bool = False,
+    fields: str = "",
 ) -> DataFrame:
     """The jetstream source over `stream` (the JVM one where it can, jobs/jvm_source.py; the
     Python one must be registered), from the
     beginning or, on a fresh checkpoint, from `start_seq`; with `invalid_only`, its
-    malformed events alone (the source's ``invalidOnly``)."""
-    from jobs.jvm_source import stream_format
+    malformed events alone (the source's ``invalidOnly``). `fields` (the stream's schema):
+    the JVM source reads them into columns of their own where it can (`_tf_parsed`,
+    jobs/sql_jobs.py takes them)."""
+    from jobs.jvm_source import JVM_FORMAT, stream_format
 
-    reader = spark.readStream.format(stream_format(spark, nats)).options(**nats.to_options())
+    fmt = stream_format(spark, nats)
+    reader = spark.readStream.format(fmt).options(**nats.to_options())
     reader = reader.option("stream", stream)
+    if fields and fmt == JVM_FORMAT:
+        reader = reader.option("fields", fields)
     if start_seq:
         reader = reader.option("startingOffset", str(start_seq))
     if subject:
@@ -279,7 +285,12 @@ def sql_sources(
             sources[stream] = read_table(spark, nats, stream)
         else:
             sources[stream] = read_stream(
-                spark, nats, stream, max_events=spec.max_events_per_trigger, start_seq=start
+                spark,
+                nats,
+                stream,
+                max_events=spec.max_events_per_trigger,
+                start_seq=start,
+                fields=cfg.schema,
             )
     return sources
 

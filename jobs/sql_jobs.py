@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from jobs.event_time import source_events
+from jobs.jvm_source import PARSED
 from jobs.plans import Plan
 from jobs.sql import ENVELOPE
 from jobs.topn import BatchRows
@@ -43,7 +44,8 @@ from runtime.errors import JobError
 from runtime.job_specs import JobSpec, interval
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
     from runtime.config import StreamConfig
 
@@ -65,6 +67,19 @@ class SqlJobPlan:
         return self.plan.df
 
 
+def event_fields(df: DataFrame, schema: StructType) -> Column:
+    """The events' fields as a struct of `schema`: Spark's `from_json` of `data`, except
+    where the JVM source has read them already (`_tf_parsed`: the plain events, into
+    columns `_tf_f0`, ...; its FieldParser leaves every other event to `from_json`)."""
+    from pyspark.sql import functions as F
+
+    spark_reads = F.from_json("data", schema)
+    if PARSED not in df.columns:
+        return spark_reads
+    read = F.struct(*(F.col(f"_tf_f{i}").alias(f.name) for i, f in enumerate(schema.fields)))
+    return F.when(F.col(PARSED), read).otherwise(spark_reads)
+
+
 def stream_table(
     source: DataFrame, stream: str, cfg: StreamConfig, watermark: str, stateful: bool
 ) -> tuple[DataFrame, dict[str, str]]:
@@ -84,7 +99,7 @@ def stream_table(
     df = source_events(source)  # the valid events, with every envelope column
     parsed = df.select(
         *(F.col(src).alias(name) for name, src in ENVELOPE.items()),
-        F.from_json("data", schema).alias("_e"),
+        event_fields(df, schema).alias("_e"),
     )
     columns = [F.col(name) for name in ENVELOPE]
     time_col = "_ts"

@@ -436,3 +436,144 @@ def test_a_range_ending_in_deleted_or_other_subjects_ends_with_one_consumer(
     assert read(601) == (kept, 1)
     only_b = [s for s in kept if (s - 1) % 5 == 0]
     assert read(601, subject="gaps.b") == (only_b, 1)
+
+
+FIELDS = "n BIGINT, i INT, d DOUBLE, b BOOLEAN, s STRING, `Two Words` STRING"
+FIELD_VALUES = [
+    "0",
+    "-0",
+    "7",
+    "-12",
+    "2147483647",
+    "2147483648",
+    "-2147483649",
+    "999999999999999999",
+    "1234567890123456",
+    "9007199254740993",
+    "9223372036854775807",
+    "9223372036854775808",
+    "1.5",
+    "-0.0",
+    "1e3",
+    "2E-2",
+    "1.0",
+    '"x"',
+    '""',
+    '"a\\u00e9"',
+    '"say \\"hi\\""',
+    '"z\u00fcrich \u2713"',
+    '"12"',
+    '"NaN"',
+    "true",
+    "false",
+    "null",
+    '{"a": 1}',
+    '[1, "x"]',
+    "[]",
+]
+KEYS = ["n", "i", "d", "b", "s", "Two Words", "N", "two words", "other", "o}{"]
+
+
+def field_events(seed: int, count: int) -> list[bytes]:
+    """JSON events over `FIELDS`: the plain ones the source reads itself and every shape it
+    leaves to Spark (a value of another kind, an escape, a repeated key, a key in another
+    case, an unknown key with brackets inside, spacing, an event that is not an object)."""
+    rng = random.Random(seed)
+    out = [b"[1]", b"5", b'"s"', b"{}", b' {\n "n" : 1 ,\t"s":"x" } ', b'{"n":1,"n":2}']
+    for _ in range(count):
+        keys = rng.sample(KEYS[:6], rng.randint(0, 6))
+        if rng.random() < 0.3:
+            keys.append(rng.choice(KEYS[6:]))
+        if rng.random() < 0.1 and keys:
+            keys.append(rng.choice(keys))
+        plain = rng.random() < 0.5  # each value of its field's own kind
+        members = []
+        for k in keys:
+            if plain and k in ("n", "i"):
+                v = str(rng.randint(-(10**6), 10**6))
+            elif plain and k == "d":
+                v = rng.choice(["0", "-3", "123456789012345", "null"])
+            elif plain and k == "b":
+                v = rng.choice(["true", "false"])
+            elif plain and k in ("s", "Two Words"):
+                v = json.dumps(rng.choice(["", "x", "mixed Case", "caf\u00e9"]), ensure_ascii=False)
+            else:
+                v = rng.choice(FIELD_VALUES)
+            members.append(f"{json.dumps(k)}{rng.choice([':', ': ', ' : '])}{v}")
+        out.append(("{" + rng.choice([",", ", "]).join(members) + "}").encode())
+    return out
+
+
+def test_fields_the_source_reads_equal_spark_from_json_for_every_event(
+    sp: Any, server: Any, tmp_path: Path
+) -> None:
+    """With `fields`, the source reads the plain events' fields into columns of their own
+    (`_tf_parsed`), and a sql job takes them instead of `from_json`: for every event, what
+    the job gets equals what Spark's `from_json` makes of it, to the sign of a zero."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import _parse_datatype_string
+
+    from jobs.jvm_source import PARSED
+    from jobs.sql_jobs import event_fields
+
+    events = field_events(seed=5, count=3000)
+    add_stream(server.url, "fields", ["fields.x"])
+    publish(server.url, [("fields.x", e, None) for e in events])
+    schema = _parse_datatype_string(FIELDS)
+    rows: list[tuple[Any, ...]] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        mine = event_fields(df, schema)
+        spark_reads = F.from_json("data", schema)
+        rows.extend(
+            (r.seq, r.parsed, repr(r.mine), repr(r.spark), r.data)
+            for r in df.select(
+                "seq",
+                F.col(PARSED).alias("parsed"),
+                mine.alias("mine"),
+                spark_reads.alias("spark"),
+                "data",
+            ).collect()
+        )
+
+    q = (
+        sp.readStream.format(JVM_FORMAT)
+        .option("url", server.url)
+        .option("stream", "fields")
+        .option("fields", FIELDS)
+        .load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert q.awaitTermination(180) and q.exception() is None, q.exception()
+    finally:
+        q.stop()
+    assert len(rows) == len(events)
+    differ = [(data, mine, spark) for _, _, mine, spark, data in rows if mine != spark]
+    assert differ == []
+    parsed = sum(1 for r in rows if r[1])
+    # both ways are taken, often: the source's reading, and Spark's for the rest
+    assert len(rows) * 0.3 < parsed < len(rows) * 0.8, parsed
+
+
+@pytest.mark.parametrize(
+    ("options", "columns"),
+    [
+        ({"fields": "n BIGINT, s STRING"}, ["_tf_parsed", "_tf_f0", "_tf_f1"]),
+        ({"fields": "n BIGINT, p DECIMAL(5,2)"}, []),  # a type it leaves to from_json
+        ({"fields": "n BIGINT", "validate": "none"}, []),  # unchecked bytes: from_json
+        ({"fields": "n BIGINT", "invalidOnly": "true"}, []),
+        ({"fields": "not a ddl ("}, []),
+        ({}, []),
+    ],
+)
+def test_the_source_adds_field_columns_only_where_it_reads_them(
+    sp: Any, server: Any, options: dict[str, str], columns: list[str]
+) -> None:
+    reader = sp.readStream.format(JVM_FORMAT).option("url", server.url).option("stream", "odd")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    assert reader.load().columns == [*COLUMNS, *columns]

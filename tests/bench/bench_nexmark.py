@@ -98,6 +98,7 @@ FLINK_PER_CORE = {
     "q20": 19_000,
 }
 STREAMS = {k: msgspec.convert(v, StreamConfig) for k, v in nexmark_streams().items()}
+BID_FIELDS = STREAMS["bid"].schema
 
 
 def rate(progress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,7 +185,10 @@ def sources(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every Nexmark stream read from JetStream, and from its files."""
     return (
-        {s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER) for s in STREAMS},
+        {
+            s: read_stream(spark, nats, s, max_events=MAX_PER_TRIGGER, fields=cfg.schema)
+            for s, cfg in STREAMS.items()
+        },
         {s: _file_source(spark, files[s]) for s in STREAMS},
     )
 
@@ -209,7 +213,7 @@ def warm_up(spark: Any, nats: NatsEndpoint, files: dict[str, Path], tmp_path: Pa
     workers start here, not in the first measured query."""
     spec = decode_spec({"name": "warm", "kind": "sql", "sql": QUERIES["q1"]})
     for label, source in (
-        ("js", read_stream(spark, nats, "bid", max_events=MAX_PER_TRIGGER)),
+        ("js", read_stream(spark, nats, "bid", max_events=MAX_PER_TRIGGER, fields=BID_FIELDS)),
         ("files", _file_source(spark, files["bid"])),
     ):
         noop_run(spark, spec, {"bid": source}, tmp_path / f"warm-{label}")

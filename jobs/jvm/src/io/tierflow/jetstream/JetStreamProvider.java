@@ -12,6 +12,7 @@ import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
 import org.apache.spark.sql.connector.read.streaming.MicroBatchStream;
 import org.apache.spark.sql.types.DataTypes;
+import org.apache.spark.sql.types.StructField;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
@@ -33,9 +34,28 @@ public final class JetStreamProvider implements TableProvider {
       .add("error", DataTypes.StringType)
       .add("raw", DataTypes.BinaryType);
 
+  /** Spark's name for the column that says the row's fields were read by the source. */
+  static final String PARSED = "_tf_parsed";
+
+  /** The rows' schema: `SCHEMA`, then, with a `fields` option the source reads
+   * (SourceOptions.fieldsOf), `_tf_parsed` and each field's column (`_tf_f0`, ...), null
+   * where `_tf_parsed` is false and Spark's from_json is to read the event. */
+  static StructType schemaFor(Map<String, String> options) {
+    String ddl = SourceOptions.fieldsOf(SourceOptions.lower(options));
+    if (ddl == null) {
+      return SCHEMA;
+    }
+    StructType out = SCHEMA.add(PARSED, DataTypes.BooleanType);
+    StructField[] fields = StructType.fromDDL(ddl).fields();
+    for (int i = 0; i < fields.length; i++) {
+      out = out.add("_tf_f" + i, fields[i].dataType());
+    }
+    return out;
+  }
+
   @Override
   public StructType inferSchema(CaseInsensitiveStringMap options) {
-    return SCHEMA;
+    return schemaFor(options.asCaseSensitiveMap());
   }
 
   @Override
@@ -57,7 +77,7 @@ public final class JetStreamProvider implements TableProvider {
 
     @Override
     public StructType schema() {
-      return SCHEMA;
+      return schemaFor(properties);
     }
 
     @Override
@@ -80,7 +100,7 @@ public final class JetStreamProvider implements TableProvider {
 
     @Override
     public StructType readSchema() {
-      return SCHEMA;
+      return schemaFor(options);
     }
 
     @Override

@@ -12,6 +12,7 @@ import org.apache.spark.sql.connector.read.InputPartition;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.execution.vectorized.OnHeapColumnVector;
+import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.vectorized.ColumnarBatch;
 
 /**
@@ -78,12 +79,15 @@ final class RangeReaderFactory implements PartitionReaderFactory {
     private static final int VALID = 5;
     private static final int ERROR = 6;
     private static final int RAW = 7;
+    private static final int PARSED = 8;
 
     private final SourceOptions opts;
     private final RangeReader reader;
     private final int capacity;
     private final OnHeapColumnVector[] columns;
     private final ColumnarBatch batch;
+    /** The events' fields into `columns[PARSED + 1 ...]`, or null (SourceOptions.fields). */
+    private final FieldParser fields;
     private NatsConnection nc;
     private boolean clean;
     private boolean done;
@@ -109,7 +113,10 @@ final class RangeReaderFactory implements PartitionReaderFactory {
       }
       reader = r;
       capacity = (int) Math.max(1, Math.min(opts.fetchBatch, range.end - range.start));
-      columns = OnHeapColumnVector.allocateColumns(capacity, JetStreamProvider.SCHEMA);
+      fields = opts.fields == null ? null : FieldParser.of(StructType.fromDDL(opts.fields));
+      StructType schema = fields == null ? JetStreamProvider.SCHEMA
+          : JetStreamProvider.schemaFor(Map.of("fields", opts.fields, "validate", "json"));
+      columns = OnHeapColumnVector.allocateColumns(capacity, schema);
       batch = new ColumnarBatch(columns);
     }
 
@@ -158,7 +165,15 @@ final class RangeReaderFactory implements PartitionReaderFactory {
         columns[VALID].putBoolean(i, true);
         columns[ERROR].putNull(i);
         columns[RAW].putNull(i);
+        if (fields != null) {
+          columns[PARSED].putBoolean(i,
+              fields.parse(buf, nc.dataOff, nc.dataLen, columns, PARSED + 1, i));
+        }
         return;
+      }
+      if (fields != null) {
+        columns[PARSED].putBoolean(i, false);
+        fields.parse(buf, 0, 0, columns, PARSED + 1, i); // every field null
       }
       if (error.startsWith(Payloads.NOT_UTF8)) {
         columns[DATA].putNull(i); // the bytes are in `raw`

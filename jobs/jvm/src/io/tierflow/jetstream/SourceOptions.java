@@ -6,6 +6,8 @@ import java.util.List;
 import java.util.Locale;
 import java.util.Map;
 
+import org.apache.spark.sql.types.StructType;
+
 /**
  * The options of one jetstream source, parsed and checked as
  * `jobs.jetstream_options.SourceOptions.parse` does (keys lower-cased: Spark's are
@@ -27,6 +29,9 @@ final class SourceOptions implements Serializable {
   final int fetchBatch;
   final long fetchMaxBytes;
   final double timeoutSeconds;
+  /** The events' fields (a Spark DDL) the source reads into columns of their own where it
+   * can (FieldParser), or null: the `fields` option, taken with `validate=json` only. */
+  final String fields;
 
   SourceOptions(Map<String, String> given) throws SourceException {
     Map<String, String> o = lower(given);
@@ -84,6 +89,28 @@ final class SourceOptions implements Serializable {
       }
     }
     timeoutSeconds = timeout;
+    fields = fieldsOf(o);
+  }
+
+  /** The `fields` DDL when the source reads it (the events are checked JSON and every field
+   * is of a type FieldParser reads), else null. */
+  static String fieldsOf(Map<String, String> lowered) {
+    String ddl = lowered.get("fields");
+    if (empty(ddl) || !lowered.getOrDefault("validate", "json").equalsIgnoreCase("json")
+        || flag(lowered, "invalidonly")) {
+      return null;
+    }
+    StructType schema;
+    try {
+      schema = StructType.fromDDL(ddl);
+    } catch (Exception e) { // ParseException is checked, to Java
+      return null; // Spark's from_json names what is wrong with it, in the query
+    }
+    return FieldParser.of(schema) == null ? null : ddl;
+  }
+
+  private static boolean flag(Map<String, String> o, String key) {
+    return "true".equalsIgnoreCase(o.getOrDefault(key, "false").trim());
   }
 
   /** The options with their keys lower-cased (Spark's option names are case-insensitive). */
