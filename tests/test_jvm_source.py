@@ -457,6 +457,15 @@ FIELD_VALUES = [
     "1e3",
     "2E-2",
     "1.0",
+    "0.1",
+    "0.30000000000000004",
+    "1E+2",
+    "1e400",
+    "-1e400",
+    "4.9e-324",
+    "2.2250738585072014E-308",
+    "1.7976931348623157e308",
+    "123456789012345678901234567890",
     '"x"',
     '""',
     '"a\\u00e9"',
@@ -492,7 +501,7 @@ def field_events(seed: int, count: int) -> list[bytes]:
             if plain and k in ("n", "i"):
                 v = str(rng.randint(-(10**6), 10**6))
             elif plain and k == "d":
-                v = rng.choice(["0", "-3", "123456789012345", "null"])
+                v = rng.choice(["0", "-3", "123456789012345", "null", "0.5", "-2.25e3"])
             elif plain and k == "b":
                 v = rng.choice(["true", "false"])
             elif plain and k in ("s", "Two Words"):

@@ -14,8 +14,8 @@ import org.apache.spark.sql.types.StructType;
  * read as it would.
  *
  * Only the plain shape is read here: a JSON object whose declared fields are BIGINT, INT,
- * DOUBLE, BOOLEAN or STRING, each a value of its own kind (an integer in range, a number, a
- * boolean, a string without escapes) or null, no key twice. For anything else (a string for
+ * DOUBLE, BOOLEAN or STRING, each a value of its own kind (an integer in range, any number
+ * for a DOUBLE, a boolean, a string without escapes) or null, no key twice. For anything else (a string for
  * a number, a non-string for a STRING, an escape, a repeated key, a key that differs from a
  * field only in case, a number Jackson would read otherwise) `parse` answers false, and
  * the query takes Spark's own `from_json` for that event: the answer is always Spark's.
@@ -227,9 +227,14 @@ final class FieldParser {
     }
   }
 
-  /** An integer token of at most 18 digits (a long, exactly) for any numeric kind; a
-   * fraction or exponent is left to Spark (Jackson reads it for DOUBLE, refuses it for the
-   * integers). */
+  /**
+   * A number token. The integer kinds take an integer of at most 18 digits (a long,
+   * exactly) in their range, and leave the rest to Spark (Jackson refuses a fraction for
+   * them, and reads a long past their range as an error). DOUBLE takes any number as
+   * Jackson's `getDoubleValue` does: an integer through a long (so `-0` is 0.0), one of more
+   * digits or with a fraction or exponent by `Double.parseDouble`, which rounds correctly,
+   * as Jackson's parser does.
+   */
   private static int number(byte[] b, int p, int end, int kind, OnHeapColumnVector col, int row) {
     boolean negative = b[p] == '-';
     int s = negative ? p + 1 : p;
@@ -240,10 +245,14 @@ final class FieldParser {
       e++;
     }
     int digits = e - s;
-    if (digits == 0 || digits > 18 || (e < end && (b[e] == '.' || b[e] == 'e' || b[e] == 'E'))) {
+    if (digits == 0 || (digits > 1 && b[s] == '0')) {
       return -1;
     }
-    if (digits > 1 && b[s] == '0') {
+    boolean integral = !(e < end && (b[e] == '.' || b[e] == 'e' || b[e] == 'E'));
+    if (kind == DOUBLE && (!integral || digits > 18)) {
+      return fraction(b, p, e, end, col, row);
+    }
+    if (!integral || digits > 18) {
       return -1;
     }
     if (negative) {
@@ -260,14 +269,26 @@ final class FieldParser {
         col.putInt(row, (int) v);
         return e;
       case DOUBLE:
-        if (digits > 15) {
-          return -1; // a long past 2^53 rounds: Jackson's way is left to it
-        }
-        col.putDouble(row, (double) v); // -0 is the integer 0, as Jackson reads it
+        col.putDouble(row, (double) v); // rounds to nearest, as Jackson's long to double
         return e;
       default:
         return -1;
     }
+  }
+
+  /** The rest of a number token from `e` (a fraction, an exponent, or more digits), the
+   * whole token `b[p, end of token)` read as a double. */
+  private static int fraction(byte[] b, int p, int e, int end, OnHeapColumnVector col, int row) {
+    while (e < end && ((b[e] >= '0' && b[e] <= '9') || b[e] == '.' || b[e] == 'e'
+        || b[e] == 'E' || b[e] == '+' || b[e] == '-')) {
+      e++;
+    }
+    try {
+      col.putDouble(row, Double.parseDouble(new String(b, p, e - p, StandardCharsets.ISO_8859_1)));
+    } catch (NumberFormatException notANumber) {
+      return -1;
+    }
+    return e;
   }
 
   private static boolean literal(byte[] b, int p, int end, String word) {
