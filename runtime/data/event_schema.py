@@ -39,6 +39,8 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
+from runtime.errors import TierflowError
+
 DType = exp.DataType.Type
 
 # Spark's names for the non-finite doubles (JacksonParser), as JSON strings
@@ -55,7 +57,7 @@ _ANYTHING = {DType.VARCHAR, DType.CHAR, DType.TEXT, DType.NCHAR, DType.NVARCHAR}
 _TIMESTAMPS = {DType.TIMESTAMP, DType.TIMESTAMPTZ, DType.TIMESTAMPLTZ}
 
 
-class SchemaError(ValueError):
+class SchemaError(TierflowError, ValueError):
     """A schema text that is not a list of fields with Spark types."""
 
 
