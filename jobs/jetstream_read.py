@@ -44,7 +44,7 @@ from jobs.jetstream_options import (
     pull_max_bytes,
     websocket_ready,
 )
-from runtime.data.json_depth import depth_error, may_be_too_deep
+from runtime.data.json_depth import depth_error, error_byte, may_be_too_deep
 from runtime.loop_thread import LoopThread
 from runtime.nats.endpoint import NatsEndpoint
 from runtime.nats.publisher import MSG_ID_HEADER
@@ -750,9 +750,6 @@ def check_payload(payload: bytes, validate: str) -> tuple[str | None, str | None
     return text, None
 
 
-_ERROR_BYTE = re.compile(r"\(byte (\d+)\)$")
-
-
 def json_error(payload: bytes) -> str | None:
     """Why `payload` is not one JSON document (msgspec's words), or None: msgspec's rule with
     `runtime.data.json_depth`'s limit, so a deeply nested event is malformed here as in the
@@ -760,8 +757,7 @@ def json_error(payload: bytes) -> str | None:
     try:
         _RAW.decode(payload)
     except msgspec.DecodeError as err:
-        found = _ERROR_BYTE.search(str(err))
-        deep = depth_error(payload, int(found.group(1)) if found else None)
+        deep = depth_error(payload, error_byte(str(err))[1])
         return deep or str(err)
     except RecursionError:
         return depth_error(payload, None) or "JSON is malformed: nested too deeply"

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from runtime.data.events import Event, json_kind, new_event_ids, skippable_json
-from runtime.data.json_depth import MAX_DEPTH, may_be_too_deep, too_deep_at
+from runtime.data.json_depth import MAX_DEPTH, error_byte, may_be_too_deep, too_deep_at
 from runtime.errors import TierflowError
 
 __all__ = [
@@ -56,7 +56,6 @@ _ACCEPTED = "application/json or application/x-ndjson"
 
 _raw_array = msgspec.json.Decoder(list[msgspec.Raw])
 _decode_any = msgspec.json.decode
-_BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -123,10 +122,8 @@ def _malformed(data: bytes, err: Exception, line_no: int = 0, limit: int = MAX_D
     if isinstance(err, RecursionError):
         deep = _too_deep(data, line_no, limit)
         return deep or BadInput(400, f"malformed JSON: nested deeper than {MAX_DEPTH} levels")
-    text = str(err).removeprefix("JSON is malformed: ")
-    m = _BYTE_AT.search(text)
-    offset = int(m.group(1)) if m else len(data)
-    text = text[: m.start()] if m else text
+    text, at = error_byte(str(err).removeprefix("JSON is malformed: "))
+    offset = len(data) if at is None else at
     if text.startswith("trailing characters"):
         offset -= 1  # msgspec names the byte after the first trailing one
     text = text[:1].lower() + text[1:]

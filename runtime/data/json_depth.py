@@ -15,6 +15,15 @@ import re
 
 MAX_DEPTH = 512
 _STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+_BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
+
+
+def error_byte(message: str) -> tuple[str, int | None]:
+    """A msgspec decode error's words and the byte it names ("expected ':' (byte 5)" ->
+    ("expected ':'", 5)); None where it names none ("Input data was truncated"). Both
+    depth checks compare that byte with the too-deep bracket's."""
+    m = _BYTE_AT.search(message)
+    return (message[: m.start()], int(m.group(1))) if m else (message, None)
 
 
 def may_be_too_deep(payload: bytes, limit: int = MAX_DEPTH) -> bool:

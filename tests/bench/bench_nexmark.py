@@ -25,7 +25,9 @@ event over the time the query took to process its share (q3 and q8 read only per
 auctions, 8% of the events), divided by the 2 cores of local[2], beside Flink 1.13's
 published per-core figures (`nexmark/nexmark` README). An unmeasured warm-up (q1 over both
 sources) first starts the JVM's compiler. The jetstream runs read through the source jobs
-use (`jobs.jvm_source.stream_format`: the JVM source when the session has its jar).
+use (`jobs.jvm_source.stream_format`: the JVM source when the session has its jar), given
+each stream's schema as `fields`, as a job's are, so the source reads the plain events'
+fields itself; the files runs parse them with Spark's `from_json` (docs/sql-jobs.md).
 
 Then end-to-end latency for q5 and q7: events at a steady `TIERFLOW_BENCH_NEXMARK_RATE`
 (default 10,000/s) for `TIERFLOW_BENCH_NEXMARK_SECONDS` (default 30), stamped with the wall
