@@ -486,9 +486,11 @@ KEYS = ["n", "i", "d", "b", "s", "Two Words", "N", "two words", "other", "o}{"]
 def field_events(seed: int, count: int) -> list[bytes]:
     """JSON events over `FIELDS`: the plain ones the source reads itself and every shape it
     leaves to Spark (a value of another kind, an escape, a repeated key, a key in another
-    case, an unknown key with brackets inside, spacing, an event that is not an object)."""
+    case, an unknown key with brackets inside, spacing, an event that is not an object),
+    and three that are not JSON."""
     rng = random.Random(seed)
     out = [b"[1]", b"5", b'"s"', b"{}", b' {\n "n" : 1 ,\t"s":"x" } ', b'{"n":1,"n":2}']
+    out += [b'{"n": 1', b'{"s": "\xff"}', b"{broken"]  # malformed: no fields at all
     for _ in range(count):
         keys = rng.sample(KEYS[:6], rng.randint(0, 6))
         if rng.random() < 0.3:

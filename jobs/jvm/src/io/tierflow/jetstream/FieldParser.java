@@ -96,6 +96,13 @@ final class FieldParser {
     return ok;
   }
 
+  /** Row `row`'s fields all null (an event that is not JSON). */
+  void nulls(OnHeapColumnVector[] cols, int base, int row) {
+    for (int i = 0; i < kinds.length; i++) {
+      cols[base + i].putNull(row);
+    }
+  }
+
   private boolean read(byte[] b, int p, int end, OnHeapColumnVector[] cols, int base, int row) {
     p = ws(b, p, end);
     if (p >= end || b[p] != '{') {

@@ -173,7 +173,7 @@ final class RangeReaderFactory implements PartitionReaderFactory {
       }
       if (fields != null) {
         columns[PARSED].putBoolean(i, false);
-        fields.parse(buf, 0, 0, columns, PARSED + 1, i); // every field null
+        fields.nulls(columns, PARSED + 1, i);
       }
       if (error.startsWith(Payloads.NOT_UTF8)) {
         columns[DATA].putNull(i); // the bytes are in `raw`
