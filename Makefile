@@ -16,7 +16,10 @@ TEST_WORKERS ?= 2
 # C2's compiler threads cost more CPU than their code saves, and the two workers share two
 # cores (measured in docs/benchmarks.md: 30% less CPU, 13% less wall time for the Spark job
 # tests; the code a JVM runs is the same). Not for bench, which measures the JVM as deployed.
-TEST_JVM := JAVA_TOOL_OPTIONS="$$JAVA_TOOL_OPTIONS -XX:TieredStopAtLevel=1"
+# C1's code lives in the non-profiled half of a segmented code cache, which a test worker's
+# Spark session (hundreds of generated query classes) can fill, and a full code cache ends
+# the JVM ("Out of space in CodeCache"): one unsegmented cache of 512 MB (reserved, not used).
+TEST_JVM := JAVA_TOOL_OPTIONS="$$JAVA_TOOL_OPTIONS -XX:TieredStopAtLevel=1 -XX:-SegmentedCodeCache -XX:ReservedCodeCacheSize=512m"
 
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
