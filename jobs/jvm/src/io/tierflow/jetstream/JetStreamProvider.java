@@ -42,13 +42,15 @@ public final class JetStreamProvider implements TableProvider {
    * where `_tf_parsed` is false and Spark's from_json is to read the event. */
   static StructType schemaFor(Map<String, String> options) {
     String ddl = SourceOptions.fieldsOf(SourceOptions.lower(options));
-    if (ddl == null) {
-      return SCHEMA;
-    }
+    return ddl == null ? SCHEMA : withFields(StructType.fromDDL(ddl));
+  }
+
+  /** `SCHEMA`, `_tf_parsed`, then a column per field of `fields`. */
+  static StructType withFields(StructType fields) {
     StructType out = SCHEMA.add(PARSED, DataTypes.BooleanType);
-    StructField[] fields = StructType.fromDDL(ddl).fields();
-    for (int i = 0; i < fields.length; i++) {
-      out = out.add("_tf_f" + i, fields[i].dataType());
+    StructField[] each = fields.fields();
+    for (int i = 0; i < each.length; i++) {
+      out = out.add("_tf_f" + i, each[i].dataType());
     }
     return out;
   }

@@ -113,9 +113,10 @@ final class RangeReaderFactory implements PartitionReaderFactory {
       }
       reader = r;
       capacity = (int) Math.max(1, Math.min(opts.fetchBatch, range.end - range.start));
-      fields = opts.fields == null ? null : FieldParser.of(StructType.fromDDL(opts.fields));
+      StructType declared = opts.fields == null ? null : StructType.fromDDL(opts.fields);
+      fields = declared == null ? null : FieldParser.of(declared);
       StructType schema = fields == null ? JetStreamProvider.SCHEMA
-          : JetStreamProvider.schemaFor(Map.of("fields", opts.fields, "validate", "json"));
+          : JetStreamProvider.withFields(declared);
       columns = OnHeapColumnVector.allocateColumns(capacity, schema);
       batch = new ColumnarBatch(columns);
     }
